@@ -1,0 +1,3 @@
+"""jaxinfer: a JAX/XLA research framework for LLM inference."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,66 @@
+"""Attention for the model: dense causal (whole sequences, no cache) and paged (ragged batches).
+
+The paged path is the one interface with several backends: `xla` is the pure-JAX reference in
+`pallas_kernels.paged_attention` (runs anywhere, the oracle in tests); Pallas kernels plug in here.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.kv.cache import KVCache
+from jaxinfer.models.batch import RaggedBatch
+from pallas_kernels.paged_attention import ragged_paged_attention
+
+ATTENTION_BACKENDS = ("xla",)
+
+
+def causal_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, sliding_window: int | None = None
+) -> jax.Array:
+    """q [B, L, Hq, D], k/v [B, L, Hkv, D] -> [B, L, Hq, D]; GQA, causal, softmax in fp32."""
+    b, n, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, n, hkv, hq // hkv, d).astype(jnp.float32)
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(jnp.float32)) * d**-0.5
+    i = jnp.arange(n)
+    mask = i[None, :] <= i[:, None]
+    if sliding_window is not None:
+        mask &= i[None, :] > i[:, None] - sliding_window
+    scores = jnp.where(mask, scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v.astype(jnp.float32))
+    return out.reshape(b, n, hq, d).astype(q.dtype)
+
+
+def paged_attention(
+    q: jax.Array,
+    kv: KVCache,
+    layer: int | jax.Array,
+    batch: RaggedBatch,
+    *,
+    sliding_window: int | None = None,
+    backend: str = "xla",
+) -> jax.Array:
+    """Attention of q [T, Hq, D] over layer `layer`'s pages (already holding this step's K/V).
+
+    The stacked pools are viewed as one pool of num_layers*num_pages pages (a free reshape) and the
+    page ids offset by layer: no per-layer slice of the cache is ever materialised.
+    """
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+    num_layers, num_pages, page_size, hkv, d = kv.k_pages.shape
+    k_pool = kv.k_pages.reshape(num_layers * num_pages, page_size, hkv, d)
+    v_pool = kv.v_pages.reshape(num_layers * num_pages, page_size, hkv, d)
+    page_ids = batch.page_table.page_ids + layer * num_pages
+    return ragged_paged_attention(
+        q,
+        k_pool,
+        v_pool,
+        page_ids,
+        batch.page_table.seq_lens,
+        batch.query_start_loc,
+        max_q_len=batch.max_q_len,
+        sliding_window=sliding_window,
+    )

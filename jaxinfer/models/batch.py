@@ -1,0 +1,86 @@
+"""The fixed-shape ragged token batch one jitted step consumes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.kv.cache import SCRATCH_PAGE, PageTable
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class RaggedBatch:
+    """Prefill chunks and decode tokens of many sequences, flattened into T token rows.
+
+    `tokens`, `positions`: [T] int32; `query_start_loc`: [S+1] int32 (sequence s owns rows
+    `query_start_loc[s]:query_start_loc[s+1]`); `page_table`: slot s's pages and context length.
+    `max_q_len` is static (part of the compiled shape bucket): the most new tokens any sequence has.
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    query_start_loc: jax.Array
+    page_table: PageTable
+    max_q_len: int = field(metadata=dict(static=True))
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.page_table.seq_lens.shape[0]
+
+
+def build_ragged_batch(
+    new_tokens: list[list[int]],
+    context_lens: list[int],
+    page_ids: list[list[int]],
+    *,
+    num_tokens: int,
+    num_seqs: int,
+    pages_per_seq: int,
+    max_q_len: int | None = None,
+) -> RaggedBatch:
+    """Host-side packing of a ragged batch into fixed (bucketed) shapes, with padding.
+
+    `new_tokens[s]` are sequence s's tokens for this step, `context_lens[s]` how many of its tokens
+    are already in the cache, `page_ids[s]` its pages in order.
+    """
+    n = len(new_tokens)
+    if not (len(context_lens) == len(page_ids) == n):
+        raise ValueError("new_tokens, context_lens and page_ids must have one entry per sequence")
+    if n > num_seqs:
+        raise ValueError(f"{n} sequences do not fit the batch bucket of {num_seqs}")
+    q_lens = [len(t) for t in new_tokens]
+    if sum(q_lens) > num_tokens:
+        raise ValueError(f"{sum(q_lens)} tokens do not fit the token bucket of {num_tokens}")
+    max_q_len = max_q_len or max(q_lens, default=1)
+    tokens = np.zeros(num_tokens, np.int32)
+    positions = np.zeros(num_tokens, np.int32)
+    qsl = np.zeros(num_seqs + 1, np.int32)
+    table = np.full((num_seqs, pages_per_seq), SCRATCH_PAGE, np.int32)
+    seq_lens = np.zeros(num_seqs, np.int32)
+    start = 0
+    for s in range(n):
+        q, ctx = q_lens[s], context_lens[s]
+        if len(page_ids[s]) > pages_per_seq:
+            raise ValueError(f"sequence {s} has {len(page_ids[s])} pages > {pages_per_seq}")
+        tokens[start : start + q] = new_tokens[s]
+        positions[start : start + q] = np.arange(ctx, ctx + q)
+        table[s, : len(page_ids[s])] = page_ids[s]
+        seq_lens[s] = ctx + q
+        start += q
+        qsl[s + 1] = start
+    qsl[n + 1 :] = start
+    return RaggedBatch(
+        jnp.asarray(tokens),
+        jnp.asarray(positions),
+        jnp.asarray(qsl),
+        PageTable(jnp.asarray(table), jnp.asarray(seq_lens)),
+        max_q_len,
+    )

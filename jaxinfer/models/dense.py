@@ -1,0 +1,155 @@
+"""The dense decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3) as pure functions over param pytrees.
+
+Two entry points share one layer function:
+- `forward(params, cfg, tokens)`: whole sequences [B, L] with dense causal attention and no cache
+  (training, parity checks).
+- `forward_paged(params, cfg, batch, kv)`: a ragged batch of prefill chunks and decode tokens
+  through the paged KV cache (the engine's step). Each sequence may score several new tokens, so
+  speculative verification is the same call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.kv.cache import KVCache, token_slots, write_kv
+from jaxinfer.models.attention import causal_attention, paged_attention
+from jaxinfer.models.batch import RaggedBatch
+from jaxinfer.models.config import ModelConfig
+from jaxinfer.models.layers import FFN_BLOCKS, apply_rope, rms_norm, rope_inv_freq
+from jaxinfer.models.spec import Params
+
+# attend(q, k, v, carry, layer) -> (out, carry): how a layer's attention sees the sequence.
+Attend = Callable[[jax.Array, jax.Array, jax.Array, Any, Any], tuple[jax.Array, Any]]
+LayerFn = Callable[[dict, jax.Array, Any, Any], tuple[jax.Array, Any]]
+
+
+def apply_layers(cfg: ModelConfig, layers: Any, x: jax.Array, carry: Any, layer_fn: LayerFn):
+    """Run every decoder layer: THE place where the layer storage/iteration choice lives.
+
+    - `unrolled` (default): `layers` is a tuple of per-layer dicts and the loop is unrolled in the
+      trace. Each weight is its own buffer that the matmuls read directly: every weight is read
+      once per step. Measured on the H200 in `experiments/results/h200/layer_loop.json`.
+    - `scan`: `layers` holds arrays stacked on a leading layer axis and `lax.scan` runs one
+      compiled body; compile time is independent of depth, but XLA materialises each layer's weight
+      slice before its matmuls (an extra read+write of all weights per step).
+    `carry` (e.g. the KV cache) is threaded through and updated in place when donated.
+    """
+    if cfg.layer_loop == "scan":
+
+        def body(c, xs):
+            p, layer = xs
+            return layer_fn(p, *c, layer), None
+
+        (x, carry), _ = jax.lax.scan(body, (x, carry), (layers, jnp.arange(cfg.num_layers)))
+        return x, carry
+    for layer, p in enumerate(layers):
+        x, carry = layer_fn(p, x, carry, layer)
+    return x, carry
+
+
+def decoder_layer(
+    cfg: ModelConfig,
+    p: dict,
+    x: jax.Array,
+    positions: jax.Array,
+    attend: Attend,
+    carry: Any,
+    layer: Any,
+) -> tuple[jax.Array, Any]:
+    """Pre-norm attention + FFN block on x [..., E] with positions [...]."""
+    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+    q = jnp.einsum("...e,ehd->...hd", h, p["wq"])
+    k = jnp.einsum("...e,ehd->...hd", h, p["wk"])
+    v = jnp.einsum("...e,ehd->...hd", h, p["wv"])
+    if cfg.qkv_bias:
+        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    inv_freq = rope_inv_freq(cfg)
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
+    o, carry = attend(q, k, v, carry, layer)
+    o = jnp.einsum("...hd,hde->...e", o, p["wo"])
+    if cfg.o_bias:
+        o = o + p["bo"]
+    x = x + o
+    h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    x = x + FFN_BLOCKS[cfg.ffn](cfg, p, h)
+    return x, carry
+
+
+def embed(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    return params["embed"][tokens].astype(cfg.jnp_dtype)
+
+
+def compute_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """Final-normed hidden states [..., E] -> fp32 logits [..., V] (tied or untied head)."""
+    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return (hidden @ head.astype(hidden.dtype)).astype(jnp.float32)
+
+
+def forward(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """Logits [B, L, V] of whole sequences tokens [B, L] (positions 0..L-1), no cache."""
+    x = embed(params, cfg, tokens)
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+
+    def attend(q, k, v, carry, layer):
+        return causal_attention(q, k, v, sliding_window=cfg.sliding_window), carry
+
+    def layer_fn(p, x, carry, layer):
+        return decoder_layer(cfg, p, x, positions, attend, carry, layer)
+
+    x, _ = apply_layers(cfg, params["layers"], x, None, layer_fn)
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    return compute_logits(params, cfg, x)
+
+
+def forward_paged(
+    params: Params,
+    cfg: ModelConfig,
+    batch: RaggedBatch,
+    kv: KVCache,
+    *,
+    attention_backend: str = "xla",
+) -> tuple[jax.Array, KVCache]:
+    """One step over a ragged batch: writes the new tokens' K/V, returns final hidden [T, E].
+
+    Take logits only at the rows you sample from (`compute_logits(params, cfg, hidden[rows])`):
+    the vocabulary projection of every prefill row would cost more than the rest of the step.
+    """
+    page, offset = token_slots(batch.page_table, batch.query_start_loc, batch.positions, kv.page_size)
+    x = embed(params, cfg, batch.tokens)
+
+    def attend(q, k, v, kv, layer):
+        kv = write_kv(kv, layer, k, v, page, offset)
+        out = paged_attention(
+            q, kv, layer, batch, sliding_window=cfg.sliding_window, backend=attention_backend
+        )
+        return out, kv
+
+    def layer_fn(p, x, kv, layer):
+        return decoder_layer(cfg, p, x, batch.positions, attend, kv, layer)
+
+    x, kv = apply_layers(cfg, params["layers"], x, kv, layer_fn)
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv
+
+
+def last_token_rows(batch: RaggedBatch) -> jax.Array:
+    """Row of each sequence's last new token (where its next token is sampled); [S] int32."""
+    return jnp.maximum(batch.query_start_loc[1:] - 1, 0)
+
+
+def stack_layers(layers: tuple[dict, ...]) -> dict:
+    """Per-layer dicts -> one dict of layer-stacked arrays (the `scan` layout)."""
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+
+
+def unstack_layers(layers: dict) -> tuple[dict, ...]:
+    n = jax.tree.leaves(layers)[0].shape[0]
+    return tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n))

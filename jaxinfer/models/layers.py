@@ -1,0 +1,68 @@
+"""Building blocks of the dense decoder: RMSNorm, RoPE, SwiGLU FFN. Pure functions."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.models.config import ModelConfig
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm in fp32, cast back to x.dtype before the weight multiply (as HF Llama/Qwen do)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * xf.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [head_dim/2] in fp32, with Llama 3.1 frequency scaling when configured.
+
+    Llama 3.1 scaling (Meta's reference `apply_scaling`): wavelengths longer than
+    `original_max / low_freq_factor` are divided by `factor`, shorter than
+    `original_max / high_freq_factor` are kept, and the band between is interpolated.
+    """
+    d = cfg.head_dim
+    exponents = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
+    inv_freq = (np.float32(1.0) / (np.float32(cfg.rope_theta) ** exponents)).astype(np.float32)
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv_freq
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = np.float32(2 * math.pi) / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / np.float32(rs.factor), inv_freq)
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate x [..., heads, head_dim] by its positions [...] (HF's rotate-half convention)."""
+    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)  # [..., d/2]
+    cos = jnp.cos(angles)[..., None, :].astype(x.dtype)
+    sin = jnp.sin(angles)[..., None, :].astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def dense_ffn(cfg: ModelConfig, p: dict, x: jax.Array) -> jax.Array:
+    """SwiGLU: down(silu(x @ gate) * (x @ up))."""
+    gate = x @ p["w_gate"]
+    up = x @ p["w_up"]
+    if cfg.mlp_bias:
+        gate, up = gate + p["b_gate"], up + p["b_up"]
+    out = (jax.nn.silu(gate) * up) @ p["w_down"]
+    if cfg.mlp_bias:
+        out = out + p["b_down"]
+    return out
+
+
+# The FFN of a layer is looked up by `cfg.ffn`; an MoE block registers here with the same signature.
+FFN_BLOCKS = {"dense": dense_ffn}

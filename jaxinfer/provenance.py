@@ -1,0 +1,45 @@
+"""Where, when, on what and by which command a result was produced: stamped on every results file."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+
+
+def git_commit() -> str:
+    """The commit being measured: $JAXINFER_COMMIT (set when the tree travels without .git)."""
+    if os.environ.get("JAXINFER_COMMIT"):
+        return os.environ["JAXINFER_COMMIT"]
+    try:
+        root = Path(__file__).resolve().parent.parent
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def provenance(command: list[str] | None = None) -> dict:
+    dev = jax.devices()[0]
+    return {
+        "device": f"{dev.platform}:{getattr(dev, 'device_kind', '?')} x{jax.device_count()}",
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": shlex.join(command if command is not None else [sys.executable, *sys.argv]),
+    }

@@ -1,0 +1,1 @@
+"""Standalone Pallas GPU kernels, each with a pure-JAX reference. Importable without jaxinfer."""
