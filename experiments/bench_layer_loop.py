@@ -91,14 +91,21 @@ def main() -> None:
     )
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    result = {**provenance(), "preset": args.preset, "method": (
-        f"median of 5 timings of {args.steps} back-to-back donated decode steps (async dispatch),"
-        " greedy argmax on device, XLA reference paged attention; page size"
-        f" {args.page_size}; roofline = (bf16 weights + K/V bytes) / 4.3 TB/s"
-    ), "rows": []}
+    result = {
+        **provenance(),
+        "preset": args.preset,
+        "method": (
+            f"median of 5 timings of {args.steps} back-to-back donated decode steps (async dispatch),"
+            " greedy argmax on device, XLA reference paged attention; page size"
+            f" {args.page_size}; roofline = (bf16 weights + K/V bytes) / 4.3 TB/s"
+        ),
+        "rows": [],
+    }
     for variant in args.variants:
         loop = variant.split("+")[0]
-        options = {"xla_gpu_enable_dynamic_slice_fusion": True} if "dynamic_slice" in variant else None
+        options = (
+            {"xla_gpu_enable_dynamic_slice_fusion": True} if "dynamic_slice" in variant else None
+        )
         cfg = preset(args.preset, layer_loop=loop)
         t0 = time.perf_counter()
         params = init_params(cfg, jax.random.key(0))
@@ -108,7 +115,11 @@ def main() -> None:
             try:
                 row = bench_case(cfg, params, b, args.context, args.page_size, args.steps, options)
             except Exception as e:  # record and go on: one failing variant must not lose the rest
-                row = {"batch": b, "context": args.context, "error": f"{type(e).__name__}: {e}"[:500]}
+                row = {
+                    "batch": b,
+                    "context": args.context,
+                    "error": f"{type(e).__name__}: {e}"[:500],
+                }
             row = {"variant": variant, "init_s": round(init_s, 2), **row}
             print(json.dumps(row), flush=True)
             result["rows"].append(row)

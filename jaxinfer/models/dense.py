@@ -123,7 +123,9 @@ def forward_paged(
     Take logits only at the rows you sample from (`compute_logits(params, cfg, hidden[rows])`):
     the vocabulary projection of every prefill row would cost more than the rest of the step.
     """
-    page, offset = token_slots(batch.page_table, batch.query_start_loc, batch.positions, kv.page_size)
+    page, offset = token_slots(
+        batch.page_table, batch.query_start_loc, batch.positions, kv.page_size
+    )
     x = embed(params, cfg, batch.tokens)
 
     def attend(q, k, v, kv, layer):

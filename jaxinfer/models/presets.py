@@ -42,7 +42,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Tiny shapes for CPU tests and the quickstart.
     "tiny": dict(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=16, max_position_embeddings=2048, tie_word_embeddings=True,
+        num_kv_heads=2, head_dim=16, max_position_embeddings=2048,
         param_dtype="float32", dtype="float32",
     ),
     "tiny-qwen3": dict(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 import jax
@@ -130,20 +131,37 @@ def _init_leaf(key: jax.Array, spec: ParamSpec) -> jax.Array:
     return (spec.scale * jax.random.normal(key, spec.shape, jnp.float32)).astype(spec.dtype)
 
 
-def init_params(cfg: ModelConfig, key: jax.Array, mesh=None, rules=DEFAULT_RULES) -> Params:
-    """Random parameters created directly on the device(s): one jitted program, no host copy.
+def _init_tree(specs: Any, key: jax.Array) -> Any:
+    """Initialise a tree of ParamSpecs; each leaf's key is folded from its path in `specs`."""
+    paths_specs, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
+    leaves = []
+    for path, spec in paths_specs:
+        path_id = zlib.crc32(jax.tree_util.keystr(path).encode()) & 0x7FFFFFFF
+        leaves.append(_init_leaf(jax.random.fold_in(key, path_id), spec))
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
-    Each leaf's key is folded from its tree path, so adding a weight does not change the others.
+
+def init_params(cfg: ModelConfig, key: jax.Array, mesh=None, rules=DEFAULT_RULES) -> Params:
+    """Random parameters created directly on the device(s), with no host copy.
+
+    With per-layer storage, one jitted layer initialiser is reused for every layer (layer i gets
+    `fold_in(key, i)`), so compile time does not grow with depth: a single program for all of an
+    8B model's 290 weights took 84 s to compile on the H200 (`layer_loop.json`).
     """
     specs = param_specs(cfg)
-    paths_specs, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
-
-    def init(key):
-        leaves = []
-        for path, spec in paths_specs:
-            path_id = zlib.crc32(jax.tree_util.keystr(path).encode()) & 0x7FFFFFFF
-            leaves.append(_init_leaf(jax.random.fold_in(key, path_id), spec))
-        return jax.tree_util.tree_unflatten(treedef, leaves)
-
-    out_shardings = param_shardings(cfg, mesh, rules) if mesh is not None else None
-    return jax.jit(init, out_shardings=out_shardings)(key)
+    shardings = param_shardings(cfg, mesh, rules) if mesh is not None else None
+    top_specs = {k: v for k, v in specs.items() if k != "layers"}
+    top_shardings = None if shardings is None else {k: shardings[k] for k in top_specs}
+    k_top, k_layers = jax.random.split(key)
+    params = jax.jit(partial(_init_tree, top_specs), out_shardings=top_shardings)(k_top)
+    if cfg.layer_loop == "scan":
+        layer_shardings = None if shardings is None else shardings["layers"]
+        init = jax.jit(partial(_init_tree, specs["layers"]), out_shardings=layer_shardings)
+        params["layers"] = init(k_layers)
+    else:
+        layer_shardings = None if shardings is None else shardings["layers"][0]
+        init = jax.jit(partial(_init_tree, specs["layers"][0]), out_shardings=layer_shardings)
+        params["layers"] = tuple(
+            init(jax.random.fold_in(k_layers, i)) for i in range(cfg.num_layers)
+        )
+    return params

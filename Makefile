@@ -1,0 +1,35 @@
+# Two commands on a fresh machine:  `make quickstart`  and  `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+
+.PHONY: quickstart test lint install install-test clean
+
+$(VENV)/.core: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -e .
+	touch $@
+
+# torch is pinned to the CPU build served from this machine's disk before the test extra asks for
+# any torch, so pip never pulls a multi-GB CUDA build.
+$(VENV)/.test: $(VENV)/.core
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[test]'
+	touch $@
+
+install: $(VENV)/.core
+install-test: $(VENV)/.test
+
+quickstart: $(VENV)/.core
+	$(PY) -m jaxinfer.cli quickstart
+
+lint: $(VENV)/.test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
+	$(PY) -m pytest -q -n 2 --dist loadfile
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

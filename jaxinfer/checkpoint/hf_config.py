@@ -1,0 +1,266 @@
+"""Hugging Face `config.json` -> ModelConfig.
+
+A config.json means whatever transformers reads it to mean, so a key that is absent takes the
+default of the transformers config class named by `architectures` (e.g. Mistral's 4096-token
+sliding window, Qwen3's head_dim of 128), not ModelConfig's own defaults. The keys that fix the
+model's size have no sensible default and are required. Anything we would silently compute
+differently from transformers (other RoPE variants, partial rotary, mixed sliding/full layers,
+non-SiLU activations) is refused with UnsupportedModelError instead of loading a subtly wrong model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from jaxinfer.checkpoint.errors import CheckpointError, UnsupportedModelError
+from jaxinfer.models.config import LayerLoop, Llama3RopeScaling, ModelConfig
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+# Used when `architectures` is absent (older or hand-written configs still carry model_type).
+_MODEL_TYPE_TO_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+_REQUIRED_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class _ClassDefaults:
+    """Defaults of the transformers config class (v5) for keys a config.json may omit."""
+
+    max_position_embeddings: int
+    bos_token_id: int | None
+    eos_token_id: int | None
+    # Absent num_key_value_heads: _MISSING means "same as num_attention_heads" (Llama's None).
+    num_key_value_heads: Any
+    # Absent head_dim: _MISSING means hidden_size // num_attention_heads.
+    head_dim: Any
+    sliding_window: int | None = None
+
+
+_DEFAULTS = {
+    "LlamaForCausalLM": _ClassDefaults(2048, 1, 2, _MISSING, _MISSING),
+    "MistralForCausalLM": _ClassDefaults(131072, 1, 2, 8, _MISSING, sliding_window=4096),
+    "Qwen2ForCausalLM": _ClassDefaults(32768, None, None, 32, _MISSING, sliding_window=4096),
+    "Qwen3ForCausalLM": _ClassDefaults(32768, None, None, 32, 128, sliding_window=4096),
+}
+_DEFAULT_ROPE_THETA = 10000.0
+_DEFAULT_RMS_NORM_EPS = 1e-6
+_QWEN_MAX_WINDOW_LAYERS = 28
+
+
+def _architecture(hf: Mapping[str, Any], source: str) -> str:
+    archs = hf.get("architectures")
+    if archs is None:
+        model_type = hf.get("model_type")
+        if model_type is None:
+            raise CheckpointError(
+                f"{source}: missing required key 'architectures' (and no 'model_type' either)"
+            )
+        if model_type not in _MODEL_TYPE_TO_ARCH:
+            raise UnsupportedModelError(
+                f"{source}: model_type {model_type!r} is not supported; supported architectures: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        return _MODEL_TYPE_TO_ARCH[model_type]
+    if isinstance(archs, str):
+        archs = [archs]
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    raise UnsupportedModelError(
+        f"{source}: architectures {list(archs)!r} is not supported; supported architectures: "
+        f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _get(hf: Mapping[str, Any], key: str, default: Any) -> Any:
+    """hf[key], with `default` when absent *or* null (HF writes nulls for unset optionals)."""
+    value = hf.get(key)
+    return default if value is None else value
+
+
+def _rope(hf: Mapping[str, Any], max_pos: int, source: str):
+    """(rope_theta, rope_scaling) from v5 `rope_parameters` or v4 `rope_theta` + `rope_scaling`.
+
+    Mirrors transformers' precedence: a v4 `rope_scaling` dict wins over `rope_parameters`, and
+    rope_theta inside the dict wins over a top-level one.
+    """
+    if hf.get("rope_scaling") is not None:
+        key, params = "rope_scaling", hf["rope_scaling"]
+    else:
+        key, params = "rope_parameters", hf.get("rope_parameters") or {}
+    if not isinstance(params, Mapping):
+        raise CheckpointError(f"{source}: {key} must be a JSON object, got {params!r}")
+    if any(isinstance(v, Mapping) for v in params.values()):
+        raise UnsupportedModelError(
+            f"{source}: per-layer-type RoPE parameters in {key} are not supported: {dict(params)!r}"
+        )
+    theta = float(_get(params, "rope_theta", _get(hf, "rope_theta", _DEFAULT_ROPE_THETA)))
+    partial = _get(params, "partial_rotary_factor", _get(hf, "partial_rotary_factor", 1.0))
+    if float(partial) != 1.0:
+        raise UnsupportedModelError(
+            f"{source}: partial_rotary_factor={partial!r} is not supported (only full rotary)"
+        )
+    rope_type = params.get("rope_type", params.get("type"))
+    if rope_type in (None, "default"):
+        return theta, None
+    if rope_type == "llama3":
+        fields = {}
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            if params.get(name) is None:
+                raise CheckpointError(f"{source}: {key} has rope_type 'llama3' but no {name!r}")
+            fields[name] = float(params[name])
+        # transformers lets a top-level original_max_position_embeddings win, then the dict's,
+        # then falls back to max_position_embeddings.
+        orig = _get(hf, "original_max_position_embeddings", None)
+        if orig is None:
+            orig = _get(params, "original_max_position_embeddings", max_pos)
+        return theta, Llama3RopeScaling(original_max_position_embeddings=int(orig), **fields)
+    raise UnsupportedModelError(
+        f"{source}: {key}.rope_type={rope_type!r} is not supported; supported: 'default', 'llama3'"
+    )
+
+
+def _qwen_sliding_window(hf: Mapping[str, Any], d: _ClassDefaults, n_layers: int, source: str):
+    """Qwen2/3 sliding window: only a uniform setting maps onto ModelConfig.sliding_window.
+
+    transformers turns `use_sliding_window` + `max_window_layers` into per-layer `layer_types`
+    (sliding from layer max_window_layers on); we have one attention kind for all layers.
+    """
+    window = _get(hf, "sliding_window", d.sliding_window) if hf.get("use_sliding_window") else None
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        first_sliding = _get(hf, "max_window_layers", _QWEN_MAX_WINDOW_LAYERS)
+        layer_types = [
+            "sliding_attention" if window is not None and i >= first_sliding else "full_attention"
+            for i in range(n_layers)
+        ]
+    if len(layer_types) != n_layers:
+        raise CheckpointError(
+            f"{source}: layer_types has {len(layer_types)} entries for {n_layers} layers"
+        )
+    kinds = set(layer_types)
+    if kinds == {"full_attention"}:
+        return None
+    if kinds == {"sliding_attention"} and window is not None:
+        return int(window)
+    raise UnsupportedModelError(
+        f"{source}: per-layer attention types {sorted(kinds)} (use_sliding_window="
+        f"{hf.get('use_sliding_window')!r}, sliding_window={hf.get('sliding_window')!r}, "
+        f"max_window_layers={hf.get('max_window_layers')!r}) are not supported: jaxinfer applies "
+        "one attention kind (full, or one sliding window) to every layer"
+    )
+
+
+def _token_ids(value: Any, key: str, source: str) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    if isinstance(value, list | tuple) and all(isinstance(v, int) for v in value):
+        return tuple(value)
+    raise CheckpointError(f"{source}: {key} must be an int or a list of ints, got {value!r}")
+
+
+def config_from_hf(
+    hf: Mapping[str, Any],
+    *,
+    dtype: str = "bfloat16",
+    param_dtype: str | None = None,
+    layer_loop: LayerLoop = "unrolled",
+    source: str = "config.json",
+) -> ModelConfig:
+    """ModelConfig for a Hugging Face config.json dict.
+
+    `param_dtype=None` stores weights in `dtype`; the checkpoint's own `torch_dtype`/`dtype` is
+    deliberately ignored so the caller, not the file, decides memory use. `source` names the file
+    in error messages.
+    """
+    arch = _architecture(hf, source)
+    for key in _REQUIRED_KEYS:
+        if hf.get(key) is None:
+            raise CheckpointError(f"{source}: missing required key {key!r} (architecture {arch})")
+    d = _DEFAULTS[arch]
+    act = _get(hf, "hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
+
+    num_layers = hf["num_hidden_layers"]
+    num_heads = hf["num_attention_heads"]
+    hidden = hf["hidden_size"]
+    kv_heads = hf.get("num_key_value_heads", d.num_key_value_heads)
+    if kv_heads is None or kv_heads is _MISSING:
+        kv_heads = num_heads
+    head_dim = hf.get("head_dim", d.head_dim)
+    if head_dim is None or head_dim is _MISSING:
+        head_dim = hidden // num_heads
+    max_pos = _get(hf, "max_position_embeddings", d.max_position_embeddings)
+    rope_theta, rope_scaling = _rope(hf, max_pos, source)
+
+    attention_bias = bool(_get(hf, "attention_bias", False))
+    qkv_bias = o_bias = mlp_bias = qk_norm = False
+    sliding_window = None
+    if arch == "LlamaForCausalLM":
+        qkv_bias = o_bias = attention_bias
+        mlp_bias = bool(_get(hf, "mlp_bias", False))
+    elif arch == "MistralForCausalLM":
+        # MistralAttention/MistralMLP hard-code bias=False, whatever the config says.
+        sliding_window = hf.get("sliding_window", d.sliding_window)
+    elif arch == "Qwen2ForCausalLM":
+        qkv_bias = True  # Qwen2Attention: bias on q/k/v, never on o.
+        sliding_window = _qwen_sliding_window(hf, d, num_layers, source)
+    else:  # Qwen3ForCausalLM
+        qkv_bias = o_bias = attention_bias
+        qk_norm = True
+        sliding_window = _qwen_sliding_window(hf, d, num_layers, source)
+
+    eos = _token_ids(hf.get("eos_token_id", d.eos_token_id), "eos_token_id", source)
+    bos = hf.get("bos_token_id", d.bos_token_id)
+    if isinstance(bos, list):  # a few configs list it like eos; the first is the one prepended
+        bos = bos[0] if bos else None
+    if bos is not None and not isinstance(bos, int):
+        raise CheckpointError(f"{source}: bos_token_id must be an int, got {bos!r}")
+    try:
+        return ModelConfig(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=hf["intermediate_size"],
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(_get(hf, "rms_norm_eps", _DEFAULT_RMS_NORM_EPS)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(max_pos),
+            tie_word_embeddings=bool(_get(hf, "tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=mlp_bias,
+            qk_norm=qk_norm,
+            sliding_window=None if sliding_window is None else int(sliding_window),
+            param_dtype=param_dtype if param_dtype is not None else dtype,
+            dtype=dtype,
+            layer_loop=layer_loop,
+            bos_token_id=bos,
+            eos_token_ids=eos,
+        )
+    except ValueError as e:
+        raise CheckpointError(f"{source}: {e}") from e

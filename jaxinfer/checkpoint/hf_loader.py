@@ -1,0 +1,369 @@
+"""Load Hugging Face safetensors checkpoints (Llama, Mistral, Qwen2, Qwen3) into our param tree.
+
+The load is driven by `param_specs(cfg)`: every leaf names the HF tensor it comes from, so a tensor
+the model needs but the files lack is an error, and tensors the model does not use (e.g. old
+`rotary_emb.inv_freq` buffers, a tied `lm_head.weight`) are ignored.
+
+Memory: tensors are read one at a time from memory-mapped files, sent to the device(s) in their HF
+layout and dtype, and transposed/reshaped/cast there by a small jitted program, so the host holds
+at most one tensor (and no transposed copy of it) at any moment. We wait for each tensor's device
+copy before reading the next; otherwise async dispatch would let host buffers pile up.
+
+Dtypes: F32, F16 and BF16 tensors are accepted and cast to the spec's dtype. Everything else is
+refused: integer and FP8 tensors come from quantized checkpoints whose scales we would not apply
+(casting them would load wrong weights silently), and F64 never occurs in LLM checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+from tokenizers import Tokenizer
+
+from jaxinfer.checkpoint.errors import CheckpointError
+from jaxinfer.checkpoint.hf_config import config_from_hf
+from jaxinfer.models.config import LayerLoop, ModelConfig
+from jaxinfer.models.spec import Params, ParamSpec, param_specs
+from jaxinfer.parallel.sharding import named_sharding
+
+PathLike = str | os.PathLike[str]
+
+SUPPORTED_DTYPES = ("F32", "F16", "BF16")
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """Where a param comes from and how HF's layout maps onto ours.
+
+    kind "same": identical shape. "vector": HF 1-D, ours may split heads ([Hq*D] -> [Hq, D]).
+    "linear": HF nn.Linear weight [out, in]; ours is [in..., out...] with the first `n_in` dims
+    being the input, so ours = W.T.reshape(shape).
+    """
+
+    hf_name: str
+    kind: str
+    n_in: int = 1
+
+
+_TOP_RULES = {
+    "embed": _Rule("model.embed_tokens.weight", "same"),
+    "final_norm": _Rule("model.norm.weight", "same"),
+    "lm_head": _Rule("lm_head.weight", "linear"),
+}
+_LAYER_RULES = {
+    "attn_norm": _Rule("input_layernorm.weight", "vector"),
+    "mlp_norm": _Rule("post_attention_layernorm.weight", "vector"),
+    "wq": _Rule("self_attn.q_proj.weight", "linear"),
+    "wk": _Rule("self_attn.k_proj.weight", "linear"),
+    "wv": _Rule("self_attn.v_proj.weight", "linear"),
+    "wo": _Rule("self_attn.o_proj.weight", "linear", n_in=2),
+    "bq": _Rule("self_attn.q_proj.bias", "vector"),
+    "bk": _Rule("self_attn.k_proj.bias", "vector"),
+    "bv": _Rule("self_attn.v_proj.bias", "vector"),
+    "bo": _Rule("self_attn.o_proj.bias", "vector"),
+    "q_norm": _Rule("self_attn.q_norm.weight", "vector"),
+    "k_norm": _Rule("self_attn.k_norm.weight", "vector"),
+    "w_gate": _Rule("mlp.gate_proj.weight", "linear"),
+    "w_up": _Rule("mlp.up_proj.weight", "linear"),
+    "w_down": _Rule("mlp.down_proj.weight", "linear"),
+    "b_gate": _Rule("mlp.gate_proj.bias", "vector"),
+    "b_up": _Rule("mlp.up_proj.bias", "vector"),
+    "b_down": _Rule("mlp.down_proj.bias", "vector"),
+}
+
+
+def _hf_layout(rule: _Rule, shape: tuple[int, ...], axes: tuple[str | None, ...]):
+    """(shape, logical axes) of the tensor as stored in the HF file, for checks and placement."""
+    if rule.kind == "same":
+        return shape, axes
+    if rule.kind == "vector":
+        return (int(np.prod(shape)),), axes[:1]
+    n = rule.n_in
+    return (int(np.prod(shape[n:])), int(np.prod(shape[:n]))), (axes[n], axes[0])
+
+
+def _to_ours(rule: _Rule, shape: tuple[int, ...], dtype: Any, raw: jax.Array) -> jax.Array:
+    x = raw.T if rule.kind == "linear" else raw
+    return x.reshape(shape).astype(dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _converter(rule: _Rule, shape: tuple[int, ...], dtype: Any, sharding: Any):
+    return jax.jit(functools.partial(_to_ours, rule, shape, dtype), out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=256)
+def _stacked_writer(rule: _Rule, shape: tuple[int, ...], dtype: Any, sharding: Any):
+    """buf[i] = converted(raw), updating the donated stacked buffer in place."""
+
+    def write(buf, raw, i):
+        x = _to_ours(rule, shape, dtype, raw)
+        return jax.lax.dynamic_update_index_in_dim(buf, x, i, axis=0)
+
+    return jax.jit(write, donate_argnums=0, out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=256)
+def _zeros(shape: tuple[int, ...], dtype: Any, sharding: Any):
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{path} does not exist") from e
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} must hold a JSON object")
+    return data
+
+
+def _checkpoint_dir(path: PathLike) -> Path:
+    d = Path(path)
+    if not d.exists():
+        raise CheckpointError(f"checkpoint directory {d} does not exist")
+    if not d.is_dir():
+        raise CheckpointError(f"checkpoint path {d} is not a directory")
+    return d
+
+
+class _SafetensorsFiles:
+    """Tensor name -> file, with each file memory-mapped once and closed at the end."""
+
+    def __init__(self, directory: Path, stack: contextlib.ExitStack) -> None:
+        self._dir = directory
+        self._stack = stack
+        self._handles: dict[str, Any] = {}
+        self._names: dict[str, frozenset[str]] = {}  # file -> tensor names in its header
+        index = directory / INDEX_FILE
+        if index.exists():
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index} has no 'weight_map' object")
+            self._where: dict[str, str] = dict(weight_map)
+            self._searched = f"{index} (weight_map)"
+            return
+        if (directory / SINGLE_FILE).exists():
+            files = [SINGLE_FILE]
+        else:
+            files = sorted(p.name for p in directory.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"no *.safetensors in {directory}")
+        self._where = {}
+        for file in files:
+            self._open(file)
+            for name in sorted(self._names[file]):
+                if name in self._where:
+                    raise CheckpointError(
+                        f"tensor {name!r} is in both {self._where[name]} and {file} in {directory}"
+                    )
+                self._where[name] = file
+        self._searched = ", ".join(str(directory / f) for f in files)
+
+    def _open(self, file: str):
+        if file not in self._handles:
+            path = self._dir / file
+            if not path.exists():
+                raise CheckpointError(f"{path} (listed in {INDEX_FILE}) does not exist")
+            try:
+                handle = safe_open(str(path), framework="numpy")
+            except Exception as e:  # safetensors raises its own error types for bad headers
+                raise CheckpointError(f"cannot open {path}: {e}") from e
+            self._handles[file] = self._stack.enter_context(handle)
+            self._names[file] = frozenset(self._handles[file].keys())
+        return self._handles[file]
+
+    def read(self, name: str, expected_shape: tuple[int, ...], param: str) -> np.ndarray:
+        """The tensor as a host array, after checking shape and dtype from the file header."""
+        file = self._where.get(name)
+        if file is None:
+            raise CheckpointError(
+                f"tensor {name!r} (for param {param}) not found in {self._searched}"
+            )
+        handle = self._open(file)
+        if name not in self._names[file]:
+            raise CheckpointError(
+                f"tensor {name!r} (for param {param}) not found in {self._dir / file}, "
+                f"where {INDEX_FILE} says it is"
+            )
+        header = handle.get_slice(name)
+        dtype, shape = header.get_dtype(), tuple(header.get_shape())
+        if shape != tuple(expected_shape):
+            raise CheckpointError(
+                f"tensor {name!r} in {self._dir / file} has shape {shape}, expected "
+                f"{tuple(expected_shape)} (for param {param})"
+            )
+        if dtype not in SUPPORTED_DTYPES:
+            raise CheckpointError(
+                f"tensor {name!r} in {self._dir / file} has dtype {dtype}; supported: "
+                f"{', '.join(SUPPORTED_DTYPES)} (quantized checkpoints are not supported)"
+            )
+        return handle.get_tensor(name)
+
+
+class _Loader:
+    def __init__(self, files: _SafetensorsFiles, mesh: Any) -> None:
+        self.files = files
+        self.mesh = mesh
+
+    def _shardings(self, rule: _Rule, shape, axes):
+        """(HF-layout input sharding, our-layout output sharding); (None, None) without a mesh."""
+        if self.mesh is None:
+            return None, None
+        hf_shape, hf_axes = _hf_layout(rule, shape, axes)
+        return (
+            named_sharding(self.mesh, hf_axes, hf_shape),
+            named_sharding(self.mesh, axes, shape),
+        )
+
+    def _raw(self, rule: _Rule, name: str, shape, axes, param: str, sharding) -> jax.Array:
+        hf_shape, _ = _hf_layout(rule, shape, axes)
+        host = self.files.read(name, hf_shape, param)
+        raw = jax.device_put(host) if sharding is None else jax.device_put(host, sharding)
+        del host
+        return raw
+
+    def load(self, rule: _Rule, name: str, spec: ParamSpec, param: str) -> jax.Array:
+        in_sh, out_sh = self._shardings(rule, spec.shape, spec.axes)
+        raw = self._raw(rule, name, spec.shape, spec.axes, param, in_sh)
+        out = _converter(rule, spec.shape, spec.dtype, out_sh)(raw)
+        return out.block_until_ready()
+
+    def load_stacked(self, rule: _Rule, names: list[str], spec: ParamSpec, param: str):
+        """A [layers, ...] array filled layer by layer on device (scan layout)."""
+        shape, axes = spec.shape[1:], spec.axes[1:]
+        in_sh, _ = self._shardings(rule, shape, axes)
+        out_sh = named_sharding(self.mesh, spec.axes, spec.shape) if self.mesh is not None else None
+        buf = _zeros(spec.shape, spec.dtype, out_sh)()
+        write = _stacked_writer(rule, shape, spec.dtype, out_sh)
+        for i, name in enumerate(names):
+            raw = self._raw(rule, name, shape, axes, f"{param}[{i}]", in_sh)
+            buf = write(buf, raw, np.int32(i)).block_until_ready()
+        return buf
+
+
+def _layer_rule(key: str) -> _Rule:
+    if key not in _LAYER_RULES:
+        raise NotImplementedError(f"no Hugging Face tensor mapping for layer param {key!r}")
+    return _LAYER_RULES[key]
+
+
+def load_hf_params(path: PathLike, cfg: ModelConfig, mesh: Any = None) -> Params:
+    """Params for `cfg` from the safetensors files in `path`, placed on `mesh` when given.
+
+    `cfg` must describe the checkpoint (normally from `config_from_hf`); its dtypes and
+    `layer_loop` decide the result's dtypes and layer layout.
+    """
+    directory = _checkpoint_dir(path)
+    specs = param_specs(cfg)
+    params: Params = {}
+    with contextlib.ExitStack() as stack:
+        loader = _Loader(_SafetensorsFiles(directory, stack), mesh)
+        for key, spec in specs.items():
+            if key == "layers":
+                continue
+            if key not in _TOP_RULES:
+                raise NotImplementedError(f"no Hugging Face tensor mapping for param {key!r}")
+            rule = _TOP_RULES[key]
+            params[key] = loader.load(rule, rule.hf_name, spec, key)
+        if cfg.layer_loop == "scan":
+            params["layers"] = {}
+            for key, spec in specs["layers"].items():
+                rule = _layer_rule(key)
+                names = [f"model.layers.{i}.{rule.hf_name}" for i in range(cfg.num_layers)]
+                params["layers"][key] = loader.load_stacked(rule, names, spec, f"layers.{key}")
+        else:
+            params["layers"] = tuple(
+                {
+                    key: loader.load(
+                        _layer_rule(key),
+                        f"model.layers.{i}.{_layer_rule(key).hf_name}",
+                        spec,
+                        f"layers[{i}].{key}",
+                    )
+                    for key, spec in layer.items()
+                }
+                for i, layer in enumerate(specs["layers"])
+            )
+    return params
+
+
+def _generation_eos(directory: Path) -> tuple[int, ...]:
+    path = directory / "generation_config.json"
+    if not path.exists():
+        return ()
+    value = _read_json(path).get("eos_token_id")
+    if value is None:
+        return ()
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) for v in values):
+        raise CheckpointError(f"{path}: eos_token_id must be an int or a list of ints")
+    return tuple(values)
+
+
+def load_hf_config(
+    path: PathLike,
+    *,
+    dtype: str = "bfloat16",
+    param_dtype: str | None = None,
+    layer_loop: LayerLoop = "unrolled",
+) -> ModelConfig:
+    """ModelConfig of a HF checkpoint dir; eos ids are config.json's then generation_config.json's.
+
+    Chat models often list their end-of-turn token only in generation_config.json, and stopping
+    must honour both.
+    """
+    directory = _checkpoint_dir(path)
+    config_path = directory / "config.json"
+    if not config_path.exists():
+        raise CheckpointError(f"{config_path} does not exist")
+    cfg = config_from_hf(
+        _read_json(config_path),
+        dtype=dtype,
+        param_dtype=param_dtype,
+        layer_loop=layer_loop,
+        source=str(config_path),
+    )
+    eos = list(cfg.eos_token_ids)
+    eos += [t for t in _generation_eos(directory) if t not in eos]
+    return cfg.replace(eos_token_ids=tuple(eos))
+
+
+def load_hf_model(
+    path: PathLike,
+    *,
+    dtype: str = "bfloat16",
+    param_dtype: str | None = None,
+    layer_loop: LayerLoop = "unrolled",
+    mesh: Any = None,
+) -> tuple[ModelConfig, Params]:
+    """(config, params) of a HF checkpoint directory; see `load_hf_config`, `load_hf_params`."""
+    cfg = load_hf_config(path, dtype=dtype, param_dtype=param_dtype, layer_loop=layer_loop)
+    return cfg, load_hf_params(path, cfg, mesh)
+
+
+def load_tokenizer(path: PathLike) -> Tokenizer:
+    """The `tokenizers.Tokenizer` of a checkpoint dir (or a tokenizer.json path itself)."""
+    p = Path(path)
+    file = p / "tokenizer.json" if p.is_dir() or not p.suffix else p
+    if not file.exists():
+        raise CheckpointError(f"{file} does not exist")
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as e:  # tokenizers raises a bare Exception for malformed files
+        raise CheckpointError(f"cannot read tokenizer {file}: {e}") from e
