@@ -25,7 +25,7 @@ from jaxinfer.kv.cache import init_kv_cache
 from jaxinfer.models.batch import build_ragged_batch
 from jaxinfer.models.dense import compute_logits, forward_paged, last_token_rows
 from jaxinfer.models.presets import preset
-from jaxinfer.models.spec import init_params, num_params
+from jaxinfer.models.spec import abstract_params, init_params, num_params
 from jaxinfer.provenance import provenance
 
 HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy on the H200 (DESIGN.md)
@@ -79,6 +79,29 @@ def bench_case(cfg, params, batch_size, context, page_size, steps, compiler_opti
     }
 
 
+def compile_only(cfg, batch_size, context, page_size):
+    """Compile time of the decode step from abstract shapes (models that do not fit in memory)."""
+    pages_per_seq = math.ceil((context + 1) / page_size)
+    num_pages = batch_size * pages_per_seq + 1
+    kv = jax.eval_shape(lambda: init_kv_cache(cfg, num_pages, page_size))
+    batch = build_ragged_batch(
+        [[0]] * batch_size,
+        [context] * batch_size,
+        (1 + np.arange(batch_size * pages_per_seq).reshape(batch_size, -1)).tolist(),
+        num_tokens=batch_size,
+        num_seqs=batch_size,
+        pages_per_seq=pages_per_seq,
+    )
+    fn = jax.jit(lambda p, k, b: decode_step(p, k, b, cfg=cfg), donate_argnums=1)
+    t0 = time.perf_counter()
+    fn.lower(abstract_params(cfg), kv, batch).compile()
+    return {
+        "batch": batch_size,
+        "context": context,
+        "compile_s": round(time.perf_counter() - t0, 2),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="llama3-8b")
@@ -88,6 +111,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument(
         "--variants", nargs="+", default=["unrolled", "scan", "scan+dynamic_slice_fusion"]
+    )
+    ap.add_argument(
+        "--compile-only",
+        nargs="*",
+        default=[],
+        metavar="PRESET:LOOP:BATCH",
+        help="compile-time-only rows, e.g. llama3-70b:unrolled:64 (no weights allocated)",
     )
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -127,6 +157,14 @@ def main() -> None:
             args.out.write_text(json.dumps(result, indent=2))
         del params
         gc.collect()
+    for item in args.compile_only:
+        name, loop, b = item.split(":")
+        cfg = preset(name, layer_loop=loop)
+        row = {"variant": loop, "preset": name, "compile_only": True}
+        row.update(compile_only(cfg, int(b), args.context, args.page_size))
+        print(json.dumps(row), flush=True)
+        result["rows"].append(row)
+        args.out.write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
