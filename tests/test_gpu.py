@@ -25,6 +25,8 @@ def _needs_gpu():
 
 def test_llama3_8b_initialises_on_device_without_host_copy():
     cfg = preset("llama3-8b")
+    # Start the GPU runtime and the compiler first: loading CUDA libraries alone grows host RSS.
+    jax.block_until_ready(init_params(preset("tiny"), jax.random.key(0)))
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     params = init_params(cfg, jax.random.key(0))
     jax.block_until_ready(params)
@@ -32,7 +34,8 @@ def test_llama3_8b_initialises_on_device_without_host_copy():
     leaves = jax.tree.leaves(params)
     assert all(leaf.devices() == {jax.devices()[0]} for leaf in leaves)
     assert sum(leaf.nbytes for leaf in leaves) == 2 * num_params(cfg)  # bf16, about 16 GB
-    assert rss_after - rss_before < 2e9, "host memory grew: weights went through the host"
+    # Peak RSS: a transient host copy of the weights (16 GB) would show here too.
+    assert rss_after - rss_before < 4e9, "host memory grew: weights went through the host"
 
 
 def test_paged_greedy_decode_matches_full_forward_on_gpu():
