@@ -22,13 +22,41 @@ from jaxinfer.models.presets import preset
 from jaxinfer.models.spec import init_params, num_params
 from jaxinfer.provenance import provenance
 
+PYTHON_PROMPTS = (
+    "import os\n\n\ndef ",
+    "class Queue:\n    def __init__(self",
+    "    for i in range(",
+    "def read_lines(path):\n    with open(path) as f:\n",
+    "        if not isinstance(value, str):\n            raise ",
+    "    def __repr__(self):\n        return ",
+    "try:\n    import ",
+    "def _check(self, key):\n    ",
+)
+
 
 def quickstart(args: argparse.Namespace) -> int:
-    """Random `tiny` model: ragged prompts, greedy decode through shuffled pages, self-check."""
-    cfg = preset(args.preset)
-    params = init_params(cfg, jax.random.key(args.seed))
-    rng = np.random.default_rng(args.seed)
-    prompts = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in rng.integers(4, 48, 8)]
+    """Greedy generation through shuffled pages, each token checked against a full forward pass.
+
+    Default model: the shipped `tiny` reference model (trained on Python's stdlib) with Python
+    prompts; `--preset NAME` uses random weights of that shape and random prompts instead.
+    """
+    tokenizer = None
+    if args.preset is None:
+        from jaxinfer.assets import reference_model_dir
+        from jaxinfer.checkpoint import load_hf_model, load_tokenizer
+
+        model_dir = reference_model_dir("tiny")
+        cfg, params = load_hf_model(model_dir, dtype="float32")
+        tokenizer = load_tokenizer(model_dir)
+        prompts = [tokenizer.encode(p).ids for p in PYTHON_PROMPTS]
+        model_name = "tiny (shipped, trained)"
+    else:
+        cfg = preset(args.preset)
+        params = init_params(cfg, jax.random.key(args.seed))
+        rng = np.random.default_rng(args.seed)
+        lengths = rng.integers(4, 48, 8)
+        prompts = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in lengths]
+        model_name = f"{args.preset} (random weights)"
     page_size = 16
 
     greedy_generate(params, cfg, prompts, 2, page_size=page_size)  # compile both step shapes
@@ -44,9 +72,13 @@ def quickstart(args: argparse.Namespace) -> int:
         ref = np.asarray(jnp.argmax(forward(params, cfg, seq)[0], axis=-1))
         mismatches += int((ref[len(prompt) - 1 : -1] != np.asarray(out)).sum())
     new_tokens = sum(len(o) for o in outputs)
+    samples = [
+        tokenizer.decode(p + o) if tokenizer else f"{p} -> {o}"
+        for p, o in zip(prompts, outputs, strict=True)
+    ]
     metrics = {
         **provenance(),
-        "model": args.preset,
+        "model": model_name,
         "num_params": num_params(cfg),
         "num_prompts": len(prompts),
         "prompt_tokens": sum(len(p) for p in prompts),
@@ -54,13 +86,14 @@ def quickstart(args: argparse.Namespace) -> int:
         "elapsed_s": round(elapsed, 4),
         "output_tok_s": round(new_tokens / elapsed, 1),
         "paged_vs_full_forward_mismatches": mismatches,
+        "samples": samples,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    for prompt, out in list(zip(prompts, outputs, strict=True))[:3]:
-        print(f"prompt[{len(prompt)} tokens] ... {prompt[-4:]} -> {out[:12]} ...")
+    for sample in samples[:3]:
+        print(f"--- {model_name}, greedy\n{sample}")
     print(
-        f"{len(prompts)} prompts, {new_tokens} tokens in {elapsed:.3f}s "
+        f"---\n{len(prompts)} prompts, {new_tokens} tokens in {elapsed:.3f}s "
         f"({metrics['output_tok_s']} tok/s) on {metrics['device']}; "
         f"paged decode vs full forward mismatches: {mismatches}; wrote {args.out / 'metrics.json'}"
     )
@@ -82,11 +115,48 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def train(args: argparse.Namespace) -> int:
+    """Train (or resume) a reference model, export it in HF format, report held-out perplexity."""
+    from jaxinfer.checkpoint import save_hf_model
+    from jaxinfer.train.config import load_train_config
+    from jaxinfer.train.evaluate import heldout_perplexity
+    from jaxinfer.train.trainer import train as run_training
+
+    tc = load_train_config(args.config, args.overrides)
+    cfg, params, summary = run_training(tc, show_progress=not args.no_progress)
+    out = Path(tc.out_dir)
+    export = cfg.replace(param_dtype=args.export_dtype, dtype=args.export_dtype)
+    hf_dir = save_hf_model(
+        out / "hf", export, params, tokenizer_file=tc.tokenizer_path, dtype=args.export_dtype,
+        force=True,
+    )  # fmt: skip
+    metrics = {**provenance(), **summary, **heldout_perplexity(hf_dir, seq_len=tc.seq_len)}
+    metrics["model"] = tc.name
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    print(json.dumps({k: metrics[k] for k in ("model", "num_params", "perplexity")}))
+    return 0
+
+
+def eval_ppl(args: argparse.Namespace) -> int:
+    """Held-out perplexity of HF model directories, appended as rows of one results file."""
+    from jaxinfer.train.evaluate import heldout_perplexity
+
+    rows = []
+    for model in args.models:
+        row = heldout_perplexity(model, seq_len=args.seq_len, max_windows=args.max_windows)
+        print(json.dumps(row))
+        rows.append(row)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({**provenance(), "rows": rows}, indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxinfer", description="JAX LLM inference research")
     sub = parser.add_subparsers(dest="command", required=True)
-    q = sub.add_parser("quickstart", help="greedy generation with a tiny random model")
-    q.add_argument("--preset", default="tiny")
+    q = sub.add_parser("quickstart", help="greedy generation with the shipped tiny model")
+    q.add_argument("--preset", default=None, help="random weights of this shape instead")
     q.add_argument("--max-new-tokens", type=int, default=32)
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--out", type=Path, default=Path("runs/quickstart"))
@@ -97,6 +167,18 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--dtype", default="bfloat16")
     g.set_defaults(func=generate)
+    t = sub.add_parser("train", help="train a reference model on the stdlib corpus")
+    t.add_argument("config", type=Path)
+    t.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    t.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    t.add_argument("--no-progress", action="store_true")
+    t.set_defaults(func=train)
+    e = sub.add_parser("eval-ppl", help="held-out perplexity of HF model directories")
+    e.add_argument("models", nargs="+", type=Path)
+    e.add_argument("--seq-len", type=int, default=256)
+    e.add_argument("--max-windows", type=int, default=None)
+    e.add_argument("--out", type=Path, default=None)
+    e.set_defaults(func=eval_ppl)
     args = parser.parse_args(argv)
     return args.func(args)
 

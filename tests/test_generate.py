@@ -52,8 +52,9 @@ def test_bad_generation_requests_fail_with_a_clear_error(tiny, prompts, max_new,
         greedy_generate(params, cfg, prompts, max_new)
 
 
-def test_quickstart_runs_and_self_checks(tmp_path):
-    assert main(["quickstart", "--max-new-tokens", "8", "--out", str(tmp_path)]) == 0
+@pytest.mark.parametrize("extra", [[], ["--preset", "tiny"]], ids=["shipped-tiny", "random-tiny"])
+def test_quickstart_runs_and_self_checks(tmp_path, extra):
+    assert main(["quickstart", "--max-new-tokens", "8", "--out", str(tmp_path), *extra]) == 0
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["paged_vs_full_forward_mismatches"] == 0
     assert metrics["output_tokens"] == 8 * metrics["num_prompts"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.kv.cache import SCRATCH_PAGE, PageTable
@@ -78,9 +77,9 @@ def build_ragged_batch(
         qsl[s + 1] = start
     qsl[n + 1 :] = start
     return RaggedBatch(
-        jnp.asarray(tokens),
-        jnp.asarray(positions),
-        jnp.asarray(qsl),
-        PageTable(jnp.asarray(table), jnp.asarray(seq_lens)),
+        jax.device_put(tokens),
+        jax.device_put(positions),
+        jax.device_put(qsl),
+        PageTable(jax.device_put(table), jax.device_put(seq_lens)),
         max_q_len,
     )

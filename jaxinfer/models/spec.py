@@ -92,7 +92,14 @@ def param_specs(cfg: ModelConfig) -> Params:
     else:
         layers = tuple(dict(one) for _ in range(cfg.num_layers))
     tree: Params = {
-        "embed": ParamSpec((v, e), cfg.jnp_param_dtype, ("vocab", "embed"), "normal", 1.0),
+        # Tied: the embedding is also the output head, so scale it like one (logits O(1)).
+        "embed": ParamSpec(
+            (v, e),
+            cfg.jnp_param_dtype,
+            ("vocab", "embed"),
+            "normal",
+            1.0 / math.sqrt(e) if cfg.tie_word_embeddings else 1.0,
+        ),
         "layers": layers,
         "final_norm": ParamSpec((e,), cfg.jnp_param_dtype, ("embed",), "ones"),
     }

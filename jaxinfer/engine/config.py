@@ -1,0 +1,54 @@
+"""Engine configuration (a plain dataclass: omegaconf builds it from YAML, code builds it directly)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULERS = ("fcfs", "priority", "shortest_first", "static")
+ALLOCATIONS = ("on_demand", "reserve_max")
+BACKENDS = ("xla",)
+
+
+@dataclass
+class EngineConfig:
+    # "tiny"/"tiny-draft": shipped reference models; "preset:NAME": random weights of a preset
+    # shape (e.g. preset:llama3-8b); anything else: a Hugging Face model directory.
+    model: str = "tiny"
+    dtype: str = "float32"
+    seed: int = 0
+    page_size: int = 16
+    num_pages: int = 512  # including the scratch page
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 1024
+    scheduler: str = "fcfs"
+    allocation: str = "on_demand"
+    chunked_prefill: bool = True
+    decode_steps: int = 8  # decode steps per jitted call when the batch is decode-only
+    attention_backend: str = "xla"
+    num_logprobs: int = 0  # top-k logprobs computed on device (static; requests may ask <= this)
+
+    def __post_init__(self) -> None:
+        def bad(key: str, allowed: str) -> ValueError:
+            return ValueError(f"engine.{key}={getattr(self, key)!r} is invalid: must be {allowed}")
+
+        for key, allowed in (
+            ("scheduler", SCHEDULERS),
+            ("allocation", ALLOCATIONS),
+            ("attention_backend", BACKENDS),
+        ):
+            if getattr(self, key) not in allowed:
+                raise bad(key, f"one of {', '.join(allowed)}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise bad("dtype", "one of float32, bfloat16, float16")
+        for key in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, key) < 1:
+                raise bad(key, "an int >= 1")
+        if self.decode_steps < 1:
+            raise bad("decode_steps", "an int >= 1")
+        if self.num_pages < 2:
+            raise bad("num_pages", "an int >= 2 (page 0 is the scratch page)")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise bad("max_num_batched_tokens", f">= max_num_seqs ({self.max_num_seqs})")
+        if self.num_logprobs < 0:
+            raise bad("num_logprobs", "an int >= 0")

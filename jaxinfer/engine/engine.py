@@ -1,0 +1,303 @@
+"""The engine loop: schedule (host) -> build a fixed-shape batch -> jitted step (device) -> append
+tokens, check stops, record metrics (host).
+
+A decode-only step with nobody waiting runs `decode_steps` tokens in one jitted scan; its tokens
+reach the host together, and their timestamps say so (that is what a streaming client would see).
+Bad requests fail on their own with an error naming the field; they never reach the device.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from jaxinfer.engine.block_manager import BlockManager
+from jaxinfer.engine.compile_counter import compile_count
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.model_runner import ModelRunner, RunnerShapes
+from jaxinfer.engine.request import SamplingParams, SeqStatus, Sequence
+from jaxinfer.engine.sampler import SamplingBatch
+from jaxinfer.engine.scheduler import Scheduler, SchedulerConfig
+from jaxinfer.metrics import StepRecord
+from jaxinfer.models.config import ModelConfig
+
+
+@dataclass
+class StepOutput:
+    """Tokens each sequence gained in one engine step (for streaming)."""
+
+    seq: Sequence
+    new_token_ids: list[int]
+    finished: bool
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        cfg: ModelConfig,
+        params,
+        tokenizer=None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.config, self.cfg, self.tokenizer, self.clock = config, cfg, tokenizer, clock
+        self.block_manager = BlockManager(config.num_pages, config.page_size, config.allocation)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                policy=config.scheduler,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                chunked_prefill=config.chunked_prefill,
+                max_model_len=config.max_model_len,
+            ),
+            self.block_manager,
+        )
+        self.runner = ModelRunner(
+            cfg,
+            params,
+            RunnerShapes(
+                num_pages=config.num_pages,
+                page_size=config.page_size,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=config.max_model_len,
+                decode_steps=config.decode_steps,
+                num_logprobs=config.num_logprobs,
+                chunked_prefill=config.chunked_prefill,
+            ),
+            backend=config.attention_backend,
+        )
+        self.eos_ids = tuple(cfg.eos_token_ids)
+        self.sequences: list[Sequence] = []
+        self.step_records: list[StepRecord] = []
+        self._ids = itertools.count()
+        self._rng = np.random.default_rng(config.seed)
+        self._seeds: dict[int, int] = {}
+        self.warmup_s: float | None = None
+        self._compiles_at_warmup: int | None = None
+
+    # -- requests --------------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | list[int],
+        sampling: SamplingParams | None = None,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> Sequence:
+        """Queue a request. Invalid input gives a FAILED sequence with `error` set; no exception."""
+        sampling = sampling or SamplingParams()
+        now = self.clock() if arrival_time is None else arrival_time
+        text = prompt if isinstance(prompt, str) else None
+        seq = Sequence(next(self._ids), [], sampling, arrival_time=now, priority=priority)
+        seq.prompt = text
+        self.sequences.append(seq)
+        try:
+            seq.prompt_token_ids = self._encode(prompt)
+            self._validate(seq)
+        except ValueError as e:
+            seq.status, seq.error, seq.finish_reason = SeqStatus.FAILED, str(e), "error"
+            seq.finish_time = now
+            return seq
+        self._seeds[seq.seq_id] = (
+            sampling.seed if sampling.seed is not None else int(self._rng.integers(2**31))
+        )
+        self.scheduler.add(seq)
+        return seq
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt is a string but the engine has no tokenizer")
+            return list(self.tokenizer.encode(prompt).ids)
+        return [int(t) for t in prompt]
+
+    def _validate(self, seq: Sequence) -> None:
+        ids, limit = seq.prompt_token_ids, self.config.max_model_len
+        if not ids:
+            raise ValueError("prompt is empty")
+        if any(not 0 <= t < self.cfg.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
+        seq.sampling.validate(self.cfg.vocab_size)
+        if seq.max_total_tokens > limit:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({seq.sampling.max_tokens}) exceeds "
+                f"max_model_len={limit}"
+            )
+        if seq.sampling.stop and self.tokenizer is None:
+            raise ValueError("SamplingParams.stop (stop strings) needs a tokenizer")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- warm-up and compile accounting ------------------------------------------------------
+    def warmup(self) -> float:
+        t0 = time.perf_counter()
+        compile_count()  # install the listener before compiling
+        self.runner.warmup()
+        self.warmup_s = time.perf_counter() - t0
+        self._compiles_at_warmup = compile_count()
+        return self.warmup_s
+
+    @property
+    def compiles_after_warmup(self) -> int | None:
+        if self._compiles_at_warmup is None:
+            return None
+        return compile_count() - self._compiles_at_warmup
+
+    # -- one step ------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        t_start = self.clock()
+        out = self.scheduler.schedule(t_start)
+        if not out.scheduled:
+            return []
+        seqs = [s.seq for s in out.scheduled]
+        decode_only, num_batched = out.is_decode_only, out.num_batched_tokens
+        k = self._lookahead(seqs) if decode_only else 1
+        if k > 1:
+            results, device_s = self._run_decode(seqs, k)
+        else:
+            results, device_s = self._run_mixed(out.scheduled)
+        now = self.clock()
+        outputs = [self._append(seq, new_tokens, now) for seq, new_tokens in results]
+        outputs += [StepOutput(seq, [], True) for seq in out.failed]
+        running = self.scheduler.running_seqs()
+        self.step_records.append(
+            StepRecord(
+                time=t_start,
+                num_seqs=len(seqs),
+                num_batched_tokens=num_batched * k,
+                kv_pages_used=self.block_manager.num_used_pages,
+                kv_pages_total=self.config.num_pages - 1,
+                wasted_slots=self.block_manager.wasted_slots(running),
+                kv_slots_allocated=self.config.page_size * sum(len(q.page_ids) for q in running),
+                is_decode_only=decode_only,
+                preemptions=len(out.preempted),
+                host_ms=1e3 * ((self.clock() - t_start) - device_s),
+                device_ms=1e3 * device_s,
+                decode_steps=k,
+            )
+        )
+        return outputs
+
+    def _lookahead(self, seqs: list[Sequence]) -> int:
+        """Decode steps to run on device: reserve their pages now, or fall back to one step."""
+        k = self.config.decode_steps
+        if k <= 1 or self.scheduler.num_waiting > 0:
+            return 1
+        for seq in seqs:
+            need = min(seq.num_tokens + k - 1, seq.max_total_tokens)
+            if not self.block_manager.allocate(seq, need):
+                return 1
+        return k
+
+    def _sampling(self, seqs: list[Sequence], rows: int) -> SamplingBatch:
+        return SamplingBatch.build(
+            [s.sampling for s in seqs],
+            [self._seeds[s.seq_id] for s in seqs],
+            [s.num_tokens for s in seqs],  # position of the token to be sampled
+            rows,
+        )
+
+    def _run_mixed(self, scheduled):
+        seqs = [s.seq for s in scheduled]
+        batch = self.runner.build_mixed(
+            [
+                s.seq.all_token_ids[s.seq.num_computed_tokens :][: s.num_new_tokens]
+                for s in scheduled
+            ],
+            [s.seq.num_computed_tokens for s in scheduled],
+            [s.seq.page_ids for s in scheduled],
+        )
+        # Sampling position: the token after this step's last one.
+        sb = SamplingBatch.build(
+            [s.sampling for s in seqs],
+            [self._seeds[s.seq_id] for s in seqs],
+            [s.seq.num_computed_tokens + s.num_new_tokens for s in scheduled],
+            self.config.max_num_seqs,
+        )
+        t0 = self.clock()
+        tok, lp, top_lp, top_ids = jax.device_get(self.runner.run_mixed(batch, sb))
+        device_s = self.clock() - t0
+        results = []
+        for i, s in enumerate(scheduled):
+            s.seq.num_computed_tokens += s.num_new_tokens
+            if s.seq.num_computed_tokens == s.seq.num_tokens:  # prefill done, or a decode
+                results.append((s.seq, [(int(tok[i]), float(lp[i]), top_lp[i], top_ids[i])]))
+            else:
+                results.append((s.seq, []))
+        return results, device_s
+
+    def _run_decode(self, seqs: list[Sequence], k: int):
+        stop = [self._stop_ids(s) for s in seqs]
+        table, state, rows = self.runner.build_decode(
+            [s.all_token_ids[-1] for s in seqs],
+            [s.num_tokens - 1 for s in seqs],
+            [s.sampling.max_tokens - len(s.output_token_ids) for s in seqs],
+            stop,
+            [s.page_ids for s in seqs],
+        )
+        sb = self._sampling(seqs, rows)
+        t0 = self.clock()
+        tok, lp, top_lp, top_ids, live = jax.device_get(self.runner.run_decode(table, state, sb, k))
+        device_s = self.clock() - t0
+        results = []
+        for i, seq in enumerate(seqs):
+            new = [(int(tok[j, i]), float(lp[j, i]), top_lp[j, i], top_ids[j, i])
+                   for j in range(k) if live[j, i]]  # fmt: skip
+            seq.num_computed_tokens += len(new)
+            results.append((seq, new))
+        return results, device_s
+
+    def _stop_ids(self, seq: Sequence) -> list[int]:
+        ids = list(seq.sampling.stop_token_ids)
+        if not seq.sampling.ignore_eos:
+            ids += list(self.eos_ids)
+        return ids
+
+    def _append(self, seq: Sequence, new, now: float) -> StepOutput:
+        """Append sampled tokens, stamping times; stop at EOS/stop ids/stop strings/max_tokens."""
+        appended = []
+        stop_ids = set(self._stop_ids(seq))
+        for token, logprob, top_lp, top_ids in new:
+            seq.output_token_ids.append(token)
+            appended.append(token)
+            if seq.sampling.logprobs is not None:
+                top = {int(t): float(v) for t, v in zip(top_ids, top_lp, strict=True)}
+                seq.output_logprobs.append({"token": token, "logprob": logprob, "top": top})
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.token_times.append(now)
+            reason = None
+            if token in stop_ids or self._hit_stop_string(seq):
+                reason = "stop"
+            elif len(seq.output_token_ids) >= seq.sampling.max_tokens:
+                reason = "length"
+            if reason is not None:
+                if self.tokenizer is not None and not seq.sampling.stop:
+                    seq.output_text = self.tokenizer.decode(seq.output_token_ids)
+                self.scheduler.finish(seq, reason, now)
+                break
+        return StepOutput(seq, appended, seq.is_finished)
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        if not seq.sampling.stop:
+            return False
+        text = self.tokenizer.decode(seq.output_token_ids)
+        hits = [text.find(s) for s in seq.sampling.stop if s in text]
+        if hits:
+            seq.output_text = text[: min(hits)]
+            return True
+        seq.output_text = text
+        return False
+
+    def run(self) -> list[Sequence]:
+        """Step until every queued request has finished or failed."""
+        while self.has_unfinished():
+            self.step()
+        return self.sequences

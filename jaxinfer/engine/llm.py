@@ -1,0 +1,98 @@
+"""Offline API: `LLM(...).generate(prompts, SamplingParams(...))` and a streaming iterator."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, fields
+
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.loading import load_model
+from jaxinfer.engine.request import SamplingParams, Sequence
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    error: str | None
+    logprobs: list[dict]
+    num_preemptions: int
+
+    @staticmethod
+    def of(seq: Sequence, tokenizer) -> RequestOutput:
+        text = None
+        if tokenizer is not None and seq.error is None:
+            text = seq.output_text or tokenizer.decode(seq.output_token_ids)
+        return RequestOutput(
+            seq.seq_id, seq.prompt, seq.prompt_token_ids, list(seq.output_token_ids), text,
+            seq.finish_reason, seq.error, list(seq.output_logprobs), seq.num_preemptions,
+        )  # fmt: skip
+
+
+@dataclass
+class StreamEvent:
+    request_id: int
+    token_ids: list[int]  # new this step
+    finished: bool
+    finish_reason: str | None
+    error: str | None
+
+
+class LLM:
+    """A model plus an engine. `LLM("tiny")`, `LLM("preset:llama3-8b", dtype="bfloat16")`,
+    `LLM("/path/to/hf_dir", max_num_seqs=64)`; keyword arguments are `EngineConfig` fields."""
+
+    def __init__(self, model: str = "tiny", *, warmup: bool = True, **engine_kwargs) -> None:
+        known = {f.name for f in fields(EngineConfig)}
+        unknown = sorted(set(engine_kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+        self.config = EngineConfig(model=model, **engine_kwargs)
+        cfg, params, self.tokenizer = load_model(model, self.config.dtype, self.config.seed)
+        self.engine = Engine(self.config, cfg, params, self.tokenizer)
+        if warmup:
+            self.engine.warmup()
+
+    def _submit(self, prompts, sampling) -> list[Sequence]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        return [
+            self.engine.add_request(p, s or SamplingParams())
+            for p, s in zip(prompts, params, strict=True)
+        ]
+
+    def generate(
+        self,
+        prompts: str | list[int] | Seq[str | list[int]],
+        sampling: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Outputs in prompt order; a bad request has `error` set and the others still finish."""
+        seqs = self._submit(prompts, sampling)
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return [RequestOutput.of(s, self.tokenizer) for s in seqs]
+
+    def stream(
+        self,
+        prompts: str | list[int] | Seq[str | list[int]],
+        sampling: SamplingParams | list[SamplingParams] | None = None,
+    ) -> Iterator[StreamEvent]:
+        """Yield tokens as the engine produces them (several per event after a decode scan)."""
+        for seq in self._submit(prompts, sampling):
+            if seq.error is not None:
+                yield StreamEvent(seq.seq_id, [], True, seq.finish_reason, seq.error)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.new_token_ids or out.finished:
+                    s = out.seq
+                    yield StreamEvent(s.seq_id, out.new_token_ids, out.finished,
+                                      s.finish_reason, s.error)  # fmt: skip

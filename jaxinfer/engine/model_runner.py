@@ -1,0 +1,227 @@
+"""Device side of the engine: the KV cache, bucketed jitted steps, warm-up.
+
+Two jitted functions, each compiled for a finite set of shapes at warm-up:
+- `mixed_step`: one ragged batch (prefill chunks and decode tokens together), bucketed on the token
+  count; samples at each sequence's last row.
+- `decode_loop`: `num_steps` decode steps in one `lax.scan` (the decode-only fast path), bucketed on
+  the sequence count; sampling and stop masks on the device, so the host is consulted once per
+  `num_steps` tokens. A sequence that hits a stop token or its token limit stops advancing (it
+  re-writes its last slot), so it never writes past the pages the host reserved.
+The cache is donated to both and updated in place.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.engine.sampler import SamplingBatch, sample
+from jaxinfer.kv.cache import SCRATCH_PAGE, KVCache, PageTable, init_kv_cache
+from jaxinfer.models.batch import RaggedBatch
+from jaxinfer.models.config import ModelConfig
+from jaxinfer.models.dense import compute_logits, forward_paged, last_token_rows
+
+MAX_STOP_IDS = 8  # stop/eos ids checked on the device per sequence in the decode loop
+
+
+@dataclass(frozen=True)
+class RunnerShapes:
+    num_pages: int
+    page_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    decode_steps: int = 1
+    num_logprobs: int = 0  # top-k logprobs computed per row (static)
+    # Without chunked prefill one whole prompt (up to max_model_len) may exceed the token budget.
+    chunked_prefill: bool = True
+
+    @property
+    def max_step_tokens(self) -> int:
+        if self.chunked_prefill:
+            return self.max_num_batched_tokens
+        return max(self.max_num_batched_tokens, self.max_model_len)
+
+    @property
+    def pages_per_seq(self) -> int:
+        return math.ceil(self.max_model_len / self.page_size)
+
+
+def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    return (*out, hi)
+
+
+def pick_bucket(buckets: tuple[int, ...], n: int) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+@partial(jax.jit, static_argnames=("cfg", "num_logprobs", "backend"), donate_argnames=("kv",))
+def mixed_step(params, kv: KVCache, batch: RaggedBatch, sb: SamplingBatch, *, cfg: ModelConfig,
+               num_logprobs: int, backend: str):  # fmt: skip
+    hidden, kv = forward_paged(params, cfg, batch, kv, attention_backend=backend)
+    logits = compute_logits(params, cfg, hidden[last_token_rows(batch)])
+    return sample(logits, sb, num_logprobs), kv
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class DecodeState:
+    tokens: jax.Array  # [S] last token of each row (to be fed)
+    positions: jax.Array  # [S] its position
+    remaining: jax.Array  # [S] tokens each row may still generate
+    stop_ids: jax.Array  # [S, MAX_STOP_IDS], -1 padded
+    active: jax.Array  # [S] bool; padding rows False
+
+
+@partial(
+    jax.jit,
+    static_argnames=("cfg", "num_steps", "num_logprobs", "backend"),
+    donate_argnames=("kv",),
+)
+def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingBatch, *,
+                cfg: ModelConfig, num_steps: int, num_logprobs: int, backend: str):  # fmt: skip
+    """Returns (tokens [K, S], logprobs [K, S], top_lp [K, S, k], top_ids [K, S, k], live [K, S])."""
+
+    def body(carry, _):
+        kv, st = carry
+        # Active rows come first (the host packs them so): row i is sequence i.
+        batch = RaggedBatch(
+            tokens=st.tokens,
+            positions=st.positions,
+            query_start_loc=jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(st.active)]),
+            page_table=PageTable(page_ids, jnp.where(st.active, st.positions + 1, 0)),
+            max_q_len=1,
+        )
+        hidden, kv = forward_paged(params, cfg, batch, kv, attention_backend=backend)
+        logits = compute_logits(params, cfg, hidden)
+        step_sb = SamplingBatch(sb.temperature, sb.top_k, sb.top_p, sb.min_p, sb.seed,
+                                st.positions + 1)  # fmt: skip
+        tok, lp, top_lp, top_ids = sample(logits, step_sb, num_logprobs)
+        live = st.active & (st.remaining > 0)
+        hit_stop = jnp.any(tok[:, None] == st.stop_ids, axis=-1)
+        remaining = jnp.where(live, st.remaining - 1, st.remaining)
+        still = live & ~hit_stop & (remaining > 0)
+        new = DecodeState(
+            tokens=jnp.where(still, tok, st.tokens),
+            positions=jnp.where(still, st.positions + 1, st.positions),
+            remaining=jnp.where(still, remaining, 0),
+            stop_ids=st.stop_ids,
+            active=st.active,
+        )
+        return (kv, new), (tok, lp, top_lp, top_ids, live)
+
+    (kv, _), outs = jax.lax.scan(body, (kv, state), None, length=num_steps)
+    return outs, kv
+
+
+class ModelRunner:
+    """Owns the KV cache; turns host-built batches into sampled tokens."""
+
+    def __init__(self, cfg: ModelConfig, params, shapes: RunnerShapes, backend: str = "xla"):
+        self.cfg, self.params, self.shapes, self.backend = cfg, params, shapes, backend
+        self.kv = init_kv_cache(cfg, shapes.num_pages, shapes.page_size)
+        self.token_buckets = _pow2_buckets(min(16, shapes.max_step_tokens), shapes.max_step_tokens)
+        self.seq_buckets = _pow2_buckets(min(8, shapes.max_num_seqs), shapes.max_num_seqs)
+
+    # -- batch building (host) ---------------------------------------------------------------
+    def build_mixed(self, tokens: list[list[int]], contexts: list[int], pages: list[list[int]]):
+        """Pack a ragged batch into the smallest token bucket; q bucket = token bucket."""
+        s = self.shapes
+        n_tok = sum(len(t) for t in tokens)
+        t_bucket = pick_bucket(self.token_buckets, max(n_tok, len(tokens)))
+        tok = np.zeros(t_bucket, np.int32)
+        pos = np.zeros(t_bucket, np.int32)
+        qsl = np.zeros(s.max_num_seqs + 1, np.int32)
+        table = np.full((s.max_num_seqs, s.pages_per_seq), SCRATCH_PAGE, np.int32)
+        lens = np.zeros(s.max_num_seqs, np.int32)
+        start = 0
+        for i, (t, c, p) in enumerate(zip(tokens, contexts, pages, strict=True)):
+            tok[start : start + len(t)] = t
+            pos[start : start + len(t)] = np.arange(c, c + len(t))
+            table[i, : len(p)] = p
+            lens[i] = c + len(t)
+            start += len(t)
+            qsl[i + 1] = start
+        qsl[len(tokens) + 1 :] = start
+        max_q = 1 if all(len(t) == 1 for t in tokens) else t_bucket
+        return RaggedBatch(
+            jax.device_put(tok), jax.device_put(pos), jax.device_put(qsl),
+            PageTable(jax.device_put(table), jax.device_put(lens)), max_q,
+        )  # fmt: skip
+
+    # -- device calls --------------------------------------------------------------------------
+    def run_mixed(self, batch: RaggedBatch, sb: SamplingBatch):
+        (tok, lp, top_lp, top_ids), self.kv = mixed_step(
+            self.params, self.kv, batch, sb, cfg=self.cfg,
+            num_logprobs=self.shapes.num_logprobs, backend=self.backend,
+        )  # fmt: skip
+        return tok, lp, top_lp, top_ids
+
+    def build_decode(self, last_tokens, positions, remaining, stop_ids, pages):
+        s = self.shapes
+        n = len(last_tokens)
+        rows = pick_bucket(self.seq_buckets, n)
+        table = np.full((rows, s.pages_per_seq), SCRATCH_PAGE, np.int32)
+        stops = np.full((rows, MAX_STOP_IDS), -1, np.int32)
+        for i, (p, st) in enumerate(zip(pages, stop_ids, strict=True)):
+            table[i, : len(p)] = p
+            st = list(st)[:MAX_STOP_IDS]
+            stops[i, : len(st)] = st
+
+        def pad(values, fill=0):
+            out = np.full(rows, fill, np.int32)
+            out[:n] = values
+            return out
+
+        state = DecodeState(
+            jax.device_put(pad(last_tokens)),
+            jax.device_put(pad(positions)),
+            jax.device_put(pad(remaining)),
+            jax.device_put(stops),
+            jax.device_put(np.arange(rows) < n),
+        )
+        return jax.device_put(table), state, rows
+
+    def run_decode(self, table, state: DecodeState, sb: SamplingBatch, num_steps: int):
+        outs, self.kv = decode_loop(
+            self.params, self.kv, table, state, sb, cfg=self.cfg, num_steps=num_steps,
+            num_logprobs=self.shapes.num_logprobs, backend=self.backend,
+        )  # fmt: skip
+        return outs
+
+    # -- warm-up -------------------------------------------------------------------------------
+    def warmup(self) -> None:
+        """Compile every bucket on all-padding batches (they only touch the scratch page)."""
+        s = self.shapes
+        for t in self.token_buckets:
+            for max_q in sorted({1, t}):
+                table = jnp.zeros((s.max_num_seqs, s.pages_per_seq), jnp.int32)
+                batch = RaggedBatch(
+                    jnp.zeros(t, jnp.int32), jnp.zeros(t, jnp.int32),
+                    jnp.zeros(s.max_num_seqs + 1, jnp.int32),
+                    PageTable(table, jnp.zeros(s.max_num_seqs, jnp.int32)), max_q,
+                )  # fmt: skip
+                sb = SamplingBatch.build([], [], [], s.max_num_seqs)
+                jax.block_until_ready(self.run_mixed(batch, sb))
+        if s.decode_steps > 1:
+            for rows in self.seq_buckets:
+                zeros = jnp.zeros(rows, jnp.int32)
+                state = DecodeState(
+                    zeros, zeros, zeros, jnp.full((rows, MAX_STOP_IDS), -1, jnp.int32),
+                    jnp.zeros(rows, bool),
+                )  # fmt: skip
+                table = jnp.zeros((rows, s.pages_per_seq), jnp.int32)
+                sb = SamplingBatch.build([], [], [], rows)
+                jax.block_until_ready(self.run_decode(table, state, sb, s.decode_steps))

@@ -1,0 +1,124 @@
+"""Requests as sequences with an explicit state machine, sampling parameters and timestamps.
+
+    WAITING ──schedule──> RUNNING ──stop/max_tokens──> FINISHED
+       ^                    │  └──bad input / error──> FAILED
+       └────preempt─────────┘  (PREEMPTED: pages freed, K/V recomputed when rescheduled)
+
+A sequence's tokens are `prompt_token_ids + output_token_ids`; `num_computed_tokens` of them have
+their K/V in the cache (in the pages `page_ids`, in order). Preemption by recompute resets
+`num_computed_tokens` to 0 and keeps the outputs: on resume prompt + outputs are prefilled again.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding settings. temperature 0 is greedy; top_k 0, top_p 1, min_p 0 are off."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings (need a tokenizer to detokenize)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; 0: sampled token's; k: also the top k
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the first bad field."""
+
+        def bad(name: str, allowed: str) -> ValueError:
+            return ValueError(
+                f"SamplingParams.{name}={getattr(self, name)!r} is invalid: must be {allowed}"
+            )
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad("max_tokens", "an int >= 1")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise bad("temperature", "a finite float >= 0")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", "an int >= 0 (0 disables)")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", "in (0, 1]")
+        if not 0 <= self.min_p < 1:
+            raise bad("min_p", "in [0, 1)")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise bad("seed", "None or an int >= 0")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise bad("logprobs", "None or an int >= 0")
+        if vocab_size is not None:
+            if any(not 0 <= t < vocab_size for t in self.stop_token_ids):
+                raise bad("stop_token_ids", f"token ids in [0, {vocab_size})")
+            if self.top_k > vocab_size:
+                raise bad("top_k", f"<= the vocabulary size {vocab_size}")
+            if self.logprobs is not None and self.logprobs > vocab_size:
+                raise bad("logprobs", f"<= the vocabulary size {vocab_size}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "a tuple of non-empty strings")
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's state; mutated only by the scheduler/block manager (host side) and engine."""
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float = 0.0
+    priority: int = 0  # lower value = more important (vLLM's convention)
+    status: SeqStatus = SeqStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    page_ids: list[int] = field(default_factory=list)
+    # Timestamps (engine clock, seconds).
+    scheduled_time: float | None = None  # first time it was scheduled
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+    finish_reason: str | None = None  # "stop", "length", or "error"
+    error: str | None = None
+    num_preemptions: int = 0
+    prompt: str | None = None
+    output_text: str = ""
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still to be fed to the model before this sequence can sample its next token."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Prompt plus the most tokens it may generate: what `reserve_max` allocates up front."""
+        return len(self.prompt_token_ids) + self.sampling.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (SeqStatus.FINISHED, SeqStatus.FAILED)

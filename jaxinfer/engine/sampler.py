@@ -1,0 +1,84 @@
+"""On-device sampling: greedy, temperature, top-k, top-p, min-p, with per-request seeds.
+
+Reproducibility: the key for a token is `fold_in(key(seed), position)`, a function of the request's
+seed and the token's position only, so a seeded request samples the same tokens whatever batch it
+shares, whichever slot it sits in, and after preemption and recompute.
+
+Filters are applied in one descending sort of the (temperature-scaled) logits: keep rank < top_k,
+keep the smallest prefix whose probability mass reaches top_p (nucleus; Holtzman et al. 2020), keep
+tokens with p >= min_p * p_max (min-p sampling). Log-probs are of the raw model distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.engine.request import SamplingParams
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling parameters, [S] each; padding rows are greedy."""
+
+    temperature: jax.Array  # f32; 0 = greedy
+    top_k: jax.Array  # i32; 0 = off
+    top_p: jax.Array  # f32; 1 = off
+    min_p: jax.Array  # f32; 0 = off
+    seed: jax.Array  # u32
+    position: jax.Array  # i32: position of the token being sampled
+
+    @staticmethod
+    def build(
+        params: list[SamplingParams], seeds: list[int], positions: list[int], num_rows: int
+    ) -> SamplingBatch:
+        """Host-side packing (padding rows greedy)."""
+        n = len(params)
+        temperature = np.zeros(num_rows, np.float32)
+        top_k = np.zeros(num_rows, np.int32)
+        top_p = np.ones(num_rows, np.float32)
+        min_p = np.zeros(num_rows, np.float32)
+        seed = np.zeros(num_rows, np.uint32)
+        position = np.zeros(num_rows, np.int32)
+        for i, p in enumerate(params):
+            temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+        seed[:n] = np.asarray(seeds, np.uint64) & 0xFFFFFFFF
+        position[:n] = positions
+        return SamplingBatch(*(jax.device_put(a) for a in (temperature, top_k, top_p, min_p, seed)),
+                             jax.device_put(position))  # fmt: skip
+
+
+def sample(
+    logits: jax.Array, sb: SamplingBatch, num_logprobs: int = 0
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """logits [S, V] fp32 -> (tokens [S], token logprob [S], top logprobs [S, k], top ids [S, k])."""
+    logits = logits.astype(jnp.float32)
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    greedy = jnp.argmax(logits, axis=-1)
+
+    scaled = logits / jnp.maximum(sb.temperature, 1e-6)[:, None]
+    order = jnp.argsort(-scaled, axis=-1)
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    rank = jnp.arange(logits.shape[-1])[None, :]
+    keep = (sb.top_k[:, None] == 0) | (rank < sb.top_k[:, None])
+    keep &= (jnp.cumsum(probs, axis=-1) - probs) < sb.top_p[:, None]
+    keep &= probs >= sb.min_p[:, None] * probs[:, :1]
+    keep = keep.at[:, 0].set(True)  # the most likely token always survives
+    filtered = jnp.where(keep, sorted_logits, -jnp.inf)
+
+    def draw(seed, position, row):
+        key = jax.random.fold_in(jax.random.key(seed), position)
+        return jax.random.categorical(key, row)
+
+    choice = jax.vmap(draw)(sb.seed, sb.position, filtered)
+    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+    tokens = jnp.where(sb.temperature > 0, sampled, greedy).astype(jnp.int32)
+    token_logprob = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    k = max(num_logprobs, 1)
+    top_lp, top_ids = jax.lax.top_k(logprobs, k)
+    return tokens, token_logprob, top_lp[:, :num_logprobs], top_ids[:, :num_logprobs]

@@ -1,0 +1,255 @@
+"""Continuous-batching scheduler: which sequences run this step, with how many new tokens each.
+
+One `schedule(now)` call builds one step, in this order:
+
+1. Decodes: running sequences with one uncomputed token (the last sampled one), in policy order,
+   1 token each. Each needs pages for `num_tokens` tokens.
+2. Running prefills (chunked prefill in progress), in policy order.
+3. Admissions from the waiting queue: preempted sequences first, then the rest, each group in
+   policy order. Admission stops at the first sequence that does not fit (no overtaking), and is
+   skipped entirely in a step that preempted something (a victim is not re-admitted at once).
+
+Limits: at most `max_num_seqs` running, at most `max_num_batched_tokens` new tokens per step. With
+`chunked_prefill` a prefill gets `min(uncomputed, budget left)` tokens; without it a prefill is
+scheduled whole or not at all, and one longer than the budget is allowed only as the first (so
+the only) thing scheduled in its step, which happens once the running sequences have drained.
+
+Preemption by recompute: when a running sequence cannot get the pages it needs, the running
+sequence LAST in policy order (maybe itself, maybe one already scheduled this step, which is then
+unscheduled) loses its pages and goes back to the front of the waiting queue with
+`num_computed_tokens = 0`; it keeps its outputs and re-prefills prompt + outputs on resume. The
+first running sequence in policy order therefore advances every step, so the loop cannot
+deadlock: `add` rejects up front any sequence that could not fit in the cache alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from jaxinfer.engine.block_manager import BlockManager
+from jaxinfer.engine.request import SeqStatus, Sequence
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A scheduling policy: an order (smaller key first) and whether it admits while others run."""
+
+    key: Callable[[Sequence], tuple]
+    admits_while_running: bool = True
+
+
+def _arrival(seq: Sequence) -> tuple:
+    return (seq.arrival_time, seq.seq_id)
+
+
+POLICIES: dict[str, Policy] = {
+    "fcfs": Policy(_arrival),
+    "priority": Policy(lambda s: (s.priority, *_arrival(s))),
+    "shortest_first": Policy(lambda s: (s.num_prompt_tokens, *_arrival(s))),
+    # The naive baseline: a batch is admitted only when nothing runs, then runs to completion.
+    "static": Policy(_arrival, admits_while_running=False),
+}
+PolicyName = Literal["fcfs", "priority", "shortest_first", "static"]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    policy: PolicyName = "fcfs"
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512  # new tokens per step, decodes included
+    chunked_prefill: bool = True
+    max_model_len: int = 1024
+
+    def __post_init__(self) -> None:
+        def bad(name: str, allowed: str) -> ValueError:
+            value = getattr(self, name)
+            return ValueError(f"SchedulerConfig.{name}={value!r} is invalid: must be {allowed}")
+
+        if self.policy not in POLICIES:
+            raise bad("policy", f"one of {', '.join(POLICIES)}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise bad(name, "an int >= 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise bad("max_num_batched_tokens", f">= max_num_seqs ({self.max_num_seqs})")
+        if not isinstance(self.chunked_prefill, bool):
+            raise bad("chunked_prefill", "True or False")
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """This step feeds `seq.all_token_ids[c : c + num_new_tokens]`, c = seq.num_computed_tokens."""
+
+    seq: Sequence
+    num_new_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    failed: list[Sequence] = field(default_factory=list)  # failed during this call (see _reserve)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Non-empty and every sequence feeds exactly its last token (read before the step runs)."""
+        return bool(self.scheduled) and all(
+            s.num_new_tokens == 1 and s.seq.num_computed_tokens == s.seq.num_tokens - 1
+            for s in self.scheduled
+        )
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config, self.block_manager = config, block_manager
+        self.policy = POLICIES[config.policy]
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+
+    # -- queue -------------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> bool:
+        """Queue a WAITING sequence; one that can never run is FAILED at once (returns False)."""
+        if seq.status is not SeqStatus.WAITING:
+            raise ValueError(f"sequence {seq.seq_id} has status {seq.status.value}, not waiting")
+        error = self._admission_error(seq)
+        if error is not None:
+            self._set_done(seq, SeqStatus.FAILED, "error", seq.arrival_time, error)
+            return False
+        self.waiting.append(seq)
+        return True
+
+    def _admission_error(self, seq: Sequence) -> str | None:
+        bm, total, limit = self.block_manager, seq.max_total_tokens, self.config.max_model_len
+        if seq.num_prompt_tokens == 0:
+            return f"request {seq.seq_id}: the prompt is empty"
+        if total > limit:
+            return (
+                f"request {seq.seq_id}: prompt ({seq.num_prompt_tokens} tokens) + max_tokens "
+                f"({seq.sampling.max_tokens}) = {total} exceeds max_model_len={limit}"
+            )
+        if bm.pages_for(total) > bm.capacity:
+            return (
+                f"request {seq.seq_id}: {total} tokens need {bm.pages_for(total)} KV pages of "
+                f"{bm.page_size} but the cache has only {bm.capacity}"
+            )
+        return None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def running_seqs(self) -> list[Sequence]:
+        return sorted(self.running, key=self.policy.key)
+
+    # -- one step ----------------------------------------------------------------------------------
+    def schedule(self, now: float) -> SchedulerOutput:
+        out = SchedulerOutput()
+        scheduled: dict[Sequence, int] = {}  # insertion-ordered: decodes, running prefills, new
+        was_running = bool(self.running)
+        order = self.running_seqs()
+        for seq in order:
+            if seq.num_uncomputed_tokens < 1:
+                raise RuntimeError(f"running sequence {seq.seq_id} has no token to feed")
+        decodes = [s for s in order if s.num_uncomputed_tokens == 1]
+        prefills = [s for s in order if s.num_uncomputed_tokens > 1]
+        for seq in decodes + prefills:
+            if seq.status is not SeqStatus.RUNNING:  # preempted as a victim earlier in this loop
+                continue
+            n = self._num_new_tokens(seq, scheduled)
+            if n and self._reserve(seq, seq.num_computed_tokens + n, scheduled, out, now):
+                scheduled[seq] = n
+
+        if not out.preempted and (self.policy.admits_while_running or not was_running):
+            for seq in sorted(self.waiting, key=self._waiting_key):
+                if len(self.running) >= self.config.max_num_seqs:
+                    break
+                n = self._num_new_tokens(seq, scheduled)
+                if not n or not self.block_manager.allocate(seq, seq.num_computed_tokens + n):
+                    break  # no overtaking: later sequences wait too
+                self.waiting.remove(seq)
+                self.running.append(seq)
+                seq.status = SeqStatus.RUNNING
+                if seq.scheduled_time is None:
+                    seq.scheduled_time = now
+                scheduled[seq] = n
+
+        out.scheduled = [ScheduledSeq(s, n) for s, n in scheduled.items()]
+        return out
+
+    def _waiting_key(self, seq: Sequence) -> tuple:
+        return (seq.status is not SeqStatus.PREEMPTED, *self.policy.key(seq))
+
+    def _num_new_tokens(self, seq: Sequence, scheduled: dict[Sequence, int]) -> int:
+        """Tokens to feed `seq` this step under the budget left (0: not this step)."""
+        left = self.config.max_num_batched_tokens - sum(scheduled.values())
+        need = seq.num_uncomputed_tokens
+        if need <= left:
+            return need
+        if self.config.chunked_prefill:
+            return max(left, 0)
+        return need if not scheduled else 0  # an over-budget whole prefill runs alone
+
+    def _reserve(
+        self,
+        seq: Sequence,
+        num_tokens: int,
+        scheduled: dict[Sequence, int],
+        out: SchedulerOutput,
+        now: float,
+    ) -> bool:
+        """Pages for a running `seq` to hold `num_tokens`, preempting the last in policy order."""
+        while not self.block_manager.allocate(seq, num_tokens):
+            victim = max(self.running, key=self.policy.key)
+            if victim is seq and len(self.running) == 1:  # unreachable after add's check
+                self.fail(seq, f"request {seq.seq_id}: {num_tokens} tokens do not fit", now)
+                out.failed.append(seq)
+                return False
+            self._preempt(victim)
+            scheduled.pop(victim, None)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        self.running.remove(seq)
+        seq.status = SeqStatus.PREEMPTED
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.waiting.append(seq)
+
+    # -- completion --------------------------------------------------------------------------------
+    def finish(self, seq: Sequence, reason: str, now: float) -> None:
+        """FINISHED with `reason` ("stop", "length", "abort"); its pages are freed."""
+        self._set_done(seq, SeqStatus.FINISHED, reason, now, None)
+
+    def abort(self, seq: Sequence, now: float) -> None:
+        self.finish(seq, "abort", now)
+
+    def fail(self, seq: Sequence, error: str, now: float) -> None:
+        """FAILED with finish_reason "error" and the message in `seq.error`; pages freed."""
+        self._set_done(seq, SeqStatus.FAILED, "error", now, error)
+
+    def _set_done(
+        self, seq: Sequence, status: SeqStatus, reason: str, now: float, error: str | None
+    ) -> None:
+        self.block_manager.free(seq)
+        for queue in (self.running, self.waiting):
+            if seq in queue:
+                queue.remove(seq)
+        seq.status, seq.finish_reason, seq.finish_time, seq.error = status, reason, now, error

@@ -1,0 +1,63 @@
+"""One row of per-engine-step statistics."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+STEP_COLUMNS = (
+    "time",
+    "num_seqs",
+    "num_batched_tokens",
+    "kv_pages_used",
+    "kv_pages_total",
+    "wasted_slots",
+    "is_decode_only",
+    "preemptions",
+    "host_ms",
+    "device_ms",
+    "kv_slots_allocated",
+    "decode_steps",
+)
+
+
+@dataclass
+class StepRecord:
+    """What one engine step did.
+
+    time: engine clock (s) at the end of the step; num_seqs: sequences in the batch;
+    num_batched_tokens: real tokens fed to the model; kv_pages_used / kv_pages_total: KV cache
+    pages in use after the step / in the pool; kv_slots_allocated: token slots in the pages held by
+    running sequences; wasted_slots: those of them holding no token (internal fragmentation plus
+    reservations: the paged-vs-contiguous measure); decode_steps: tokens per sequence in this
+    step's jitted call (>1 on the decode fast path); preemptions: sequences preempted in this step; host_ms / device_ms: wall time spent on
+    host-side scheduling and on the device.
+    """
+
+    time: float
+    num_seqs: int
+    num_batched_tokens: int
+    kv_pages_used: int
+    kv_pages_total: int
+    wasted_slots: int = 0
+    is_decode_only: bool = False
+    preemptions: int = 0
+    host_ms: float = 0.0
+    device_ms: float = 0.0
+    kv_slots_allocated: int = 0
+    decode_steps: int = 1
+
+    def to_row(self) -> dict:
+        return asdict(self)
+
+
+def step_row(step: StepRecord | dict) -> dict:
+    """A StepRecord, or a dict of its fields (defaults filled in), as a dict keyed by STEP_COLUMNS."""
+    if isinstance(step, StepRecord):
+        return step.to_row()
+    unknown = sorted(set(step) - set(STEP_COLUMNS))
+    if unknown:
+        raise ValueError(f"step row has unknown fields {unknown}: allowed are {STEP_COLUMNS}")
+    try:
+        return StepRecord(**step).to_row()
+    except TypeError as e:
+        raise ValueError(f"step row is incomplete: {e}") from None

@@ -1,0 +1,1 @@
+"""Training our own reference models offline (no machine here can download weights)."""

@@ -1,0 +1,53 @@
+"""Held-out perplexity of a model directory on the stdlib corpus's held-out files."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxinfer.checkpoint import load_hf_model, load_tokenizer
+from jaxinfer.train.corpus import stdlib_corpus
+from jaxinfer.train.data import encode_stream, eval_windows
+from jaxinfer.train.trainer import heldout_loss
+
+
+def heldout_perplexity(
+    model_dir: str | Path,
+    *,
+    seq_len: int = 256,
+    batch_size: int = 16,
+    max_windows: int | None = None,
+    heldout_fraction: float = 0.05,
+    dtype: str = "float32",
+) -> dict:
+    """Perplexity per token (and bits per byte) over non-overlapping held-out windows.
+
+    Every held-out token but the first of each window is scored once, with at most `seq_len`
+    tokens of context. The uniform baseline's perplexity is the vocabulary size.
+    """
+    cfg, params = load_hf_model(model_dir, dtype=dtype, param_dtype=dtype)
+    tokenizer = load_tokenizer(model_dir)
+    texts = stdlib_corpus(heldout_fraction=heldout_fraction).texts("heldout")
+    stream = encode_stream(tokenizer, texts)
+    windows = eval_windows(stream, seq_len, max_windows)
+    windows = windows[: max(batch_size, len(windows) // batch_size * batch_size)]
+    nats = heldout_loss(params, cfg, windows, batch_size)
+    tokens_per_byte = len(stream) / sum(len(t.encode()) + 1 for t in texts)
+    return {
+        "model": Path(model_dir).name,
+        "num_params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(params))),
+        "vocab_size": cfg.vocab_size,
+        "heldout_tokens": int(windows.shape[0] * seq_len),
+        "heldout_files": len(texts),
+        "seq_len": seq_len,
+        "nats_per_token": round(nats, 4),
+        "perplexity": round(math.exp(nats), 3),
+        "bits_per_byte": round(nats * tokens_per_byte / math.log(2), 4),
+        "uniform_perplexity": cfg.vocab_size,
+        "corpus_python": sys.version.split()[0],
+        "eval_dtype": dtype,
+    }

@@ -1,0 +1,172 @@
+"""End-to-end engine tests on CPU with a tiny random model."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.llm import LLM
+from jaxinfer.engine.request import SamplingParams
+from jaxinfer.generate import greedy_generate
+from jaxinfer.models.presets import preset
+from jaxinfer.models.spec import init_params
+
+SMALL = dict(
+    max_num_seqs=8, max_num_batched_tokens=64, num_pages=96, page_size=8, max_model_len=256
+)
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = preset("tiny")
+    return cfg, init_params(cfg, jax.random.key(0))
+
+
+def make_engine(model, **overrides) -> Engine:
+    cfg, params = model
+    engine = Engine(EngineConfig(model="preset:tiny", **{**SMALL, **overrides}), cfg, params)
+    engine.warmup()
+    return engine
+
+
+def run(engine: Engine, prompts, sampling):
+    seqs = [engine.add_request(p, s) for p, s in zip(prompts, sampling, strict=True)]
+    engine.run()
+    return seqs
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 512, int(n)).tolist() for n in rng.integers(1, 90, 10)]
+
+
+def greedy(n, **kw):
+    return SamplingParams(max_tokens=n, ignore_eos=True, **kw)
+
+
+def test_batched_greedy_equals_each_request_alone_and_the_reference(model, prompts):
+    engine = make_engine(model, decode_steps=4)
+    lens = [5 + 3 * i for i in range(len(prompts))]
+    batched = run(engine, prompts, [greedy(n) for n in lens])
+    assert all(s.error is None for s in batched)
+    assert engine.compiles_after_warmup == 0, "a compile after warm-up"
+    for p, n, seq in zip(prompts, lens, batched, strict=True):
+        (alone,) = run(engine, [p], [greedy(n)])
+        assert alone.output_token_ids == seq.output_token_ids
+    assert engine.compiles_after_warmup == 0  # (the counter is process-wide: check before below)
+    assert any(r.decode_steps == 4 for r in engine.step_records), "decode fast path never ran"
+    assert any(not r.is_decode_only for r in engine.step_records)
+    for p, n, seq in zip(prompts, lens, batched, strict=True):
+        (ref,) = greedy_generate(model[1], model[0], [p], n)
+        assert seq.output_token_ids == ref
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(scheduler="static"),
+        dict(chunked_prefill=False),
+        dict(max_num_batched_tokens=16, chunked_prefill=True),  # long prompts split into chunks
+        dict(allocation="reserve_max"),
+        dict(decode_steps=1),
+        dict(scheduler="shortest_first"),
+        dict(scheduler="priority"),
+    ],
+    ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()),
+)
+def test_policies_and_chunking_do_not_change_greedy_tokens(model, prompts, variant):
+    sampling = [greedy(12) for _ in prompts]
+    base = [s.output_token_ids for s in run(make_engine(model), prompts, sampling)]
+    engine = make_engine(model, **variant)
+    got = [s.output_token_ids for s in run(engine, prompts, sampling)]
+    assert got == base
+    assert engine.compiles_after_warmup == 0
+
+
+def test_preempted_and_resumed_requests_give_uninterrupted_tokens(model, prompts):
+    sampling = [greedy(40) for _ in prompts]
+    base = [s.output_token_ids for s in run(make_engine(model), prompts, sampling)]
+    tight = make_engine(model, num_pages=20)  # 19 usable pages of 8 slots: forces preemption
+    seqs = run(tight, prompts, sampling)
+    assert sum(s.num_preemptions for s in seqs) > 0, "the test did not preempt anything"
+    assert [s.output_token_ids for s in seqs] == base
+    assert tight.block_manager.num_free_pages == tight.block_manager.capacity
+
+
+def test_seeded_sampling_is_independent_of_batch_composition(model, prompts):
+    engine = make_engine(model, decode_steps=4)
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+    together = run(engine, prompts, [params] * len(prompts))
+    (alone,) = run(engine, [prompts[3]], [params])
+    assert alone.output_token_ids == together[3].output_token_ids
+    unseeded = run(engine, prompts[:2], [SamplingParams(max_tokens=16, temperature=0.9)] * 2)
+    assert unseeded[0].output_token_ids != together[0].output_token_ids
+    no_chunk = make_engine(model, decode_steps=1, chunked_prefill=False)
+    (again,) = run(no_chunk, [prompts[3]], [params])
+    assert again.output_token_ids == alone.output_token_ids
+
+
+def test_bad_requests_fail_alone_with_clear_errors(model, prompts):
+    engine = make_engine(model)
+    cases = [
+        ([], greedy(4), "prompt is empty"),
+        (prompts[0], SamplingParams(max_tokens=0), "max_tokens"),
+        (prompts[0], SamplingParams(top_p=1.5), "top_p"),
+        (prompts[0], SamplingParams(temperature=-1.0), "temperature"),
+        ([1] * 250, greedy(10), "max_model_len"),
+        ([10**6], greedy(4), "prompt token ids"),
+        (prompts[0], SamplingParams(stop=("x",)), "tokenizer"),
+        ("a string prompt", greedy(4), "tokenizer"),
+    ]
+    good = engine.add_request(prompts[1], greedy(8))
+    bad = [engine.add_request(p, s) for p, s, _ in cases]
+    engine.run()
+    for seq, (_, _, match) in zip(bad, cases, strict=True):
+        assert seq.error is not None and match in seq.error, (match, seq.error)
+    assert good.error is None and len(good.output_token_ids) == 8
+
+
+def test_stop_tokens_and_logprobs(model, prompts):
+    engine = make_engine(model, num_logprobs=3)
+    (free,) = run(engine, [prompts[2]], [greedy(12)])
+    stop_at = free.output_token_ids[5]
+    first = free.output_token_ids.index(stop_at)
+    params = SamplingParams(max_tokens=12, stop_token_ids=(stop_at,), logprobs=3)
+    (stopped,) = run(engine, [prompts[2]], [params])
+    assert stopped.output_token_ids == free.output_token_ids[: first + 1]
+    assert stopped.finish_reason == "stop" and free.finish_reason == "length"
+    lp = stopped.output_logprobs[0]
+    assert lp["token"] == stopped.output_token_ids[0] and len(lp["top"]) == 3
+    assert max(lp["top"].values()) == pytest.approx(lp["logprob"])  # greedy: top-1 is the token
+    assert all(v <= 0 for v in lp["top"].values())
+
+
+def test_reserve_max_wastes_more_kv_than_on_demand(model, prompts):
+    sampling = [greedy(30) for _ in prompts]
+    waste = {}
+    for alloc in ("on_demand", "reserve_max"):
+        engine = make_engine(model, allocation=alloc, max_model_len=256)
+        run(engine, prompts, sampling)
+        rows = [r for r in engine.step_records if r.kv_slots_allocated]
+        waste[alloc] = np.mean([r.wasted_slots / r.kv_slots_allocated for r in rows])
+    assert waste["on_demand"] < 0.5 * waste["reserve_max"], waste
+
+
+def test_streaming_yields_the_generated_tokens(model, prompts):
+    llm = LLM.__new__(LLM)  # reuse the module's random model instead of loading one
+    llm.config, llm.tokenizer = EngineConfig(model="preset:tiny", **SMALL), None
+    llm.engine = make_engine(model)
+    sampling = greedy(10)
+    streamed: dict[int, list[int]] = {}
+    finished = set()
+    for ev in llm.stream(prompts[:4], sampling):
+        streamed.setdefault(ev.request_id, []).extend(ev.token_ids)
+        if ev.finished:
+            finished.add(ev.request_id)
+    outs = llm.generate(prompts[:4], sampling)
+    assert len(finished) == 4
+    assert sorted(streamed.values()) == sorted(o.token_ids for o in outs)
