@@ -22,7 +22,7 @@ install: $(VENV)/.core
 install-test: $(VENV)/.test
 
 quickstart: $(VENV)/.core
-	$(PY) -m jaxinfer.cli quickstart
+	$(PY) -m jaxinfer.cli run configs/quickstart.yaml
 
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check .

@@ -152,6 +152,15 @@ def eval_ppl(args: argparse.Namespace) -> int:
     return 0
 
 
+def run(args: argparse.Namespace) -> int:
+    """One serving experiment from a YAML config with dotted overrides."""
+    from jaxinfer.experiment.run import load_run_config, run_experiment
+
+    rc = load_run_config(args.config, args.overrides)
+    metrics = run_experiment(rc, show_progress=not args.no_progress)
+    return 0 if metrics.get("compiles_after_warmup") in (0, None) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxinfer", description="JAX LLM inference research")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -167,6 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--dtype", default="bfloat16")
     g.set_defaults(func=generate)
+    r = sub.add_parser("run", help="run a serving experiment config")
+    r.add_argument("config", type=Path)
+    r.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    r.add_argument("--no-progress", action="store_true")
+    r.set_defaults(func=run)
     t = sub.add_parser("train", help="train a reference model on the stdlib corpus")
     t.add_argument("config", type=Path)
     t.add_argument("overrides", nargs="*", help="dotted key=value overrides")
