@@ -34,6 +34,7 @@ class TrainConfig:
     tokenizer: str = "builtin"
     vocab_size: int = 4096
     heldout_fraction: float = 0.05
+    corpus_include_tests: bool = False  # add the stdlib test suites to the train split
     seq_len: int = 256
     batch_size: int = 16
     steps: int = 1000

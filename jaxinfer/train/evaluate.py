@@ -38,7 +38,10 @@ def heldout_perplexity(
     nats = heldout_loss(params, cfg, windows, batch_size)
     tokens_per_byte = len(stream) / sum(len(t.encode()) + 1 for t in texts)
     return {
-        "model": Path(model_dir).name,
+        # `jaxinfer train` exports to <out_dir>/hf: name the run, not "hf".
+        "model": Path(model_dir).name
+        if Path(model_dir).name != "hf"
+        else Path(model_dir).parent.name,
         "num_params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(params))),
         "vocab_size": cfg.vocab_size,
         "heldout_tokens": int(windows.shape[0] * seq_len),

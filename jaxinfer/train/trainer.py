@@ -117,7 +117,9 @@ def train(tc: TrainConfig, *, show_progress: bool = True) -> tuple[ModelConfig, 
         )
     saved.write_text(config_yaml(tc))
 
-    corpus = stdlib_corpus(heldout_fraction=tc.heldout_fraction)
+    corpus = stdlib_corpus(
+        heldout_fraction=tc.heldout_fraction, include_tests=tc.corpus_include_tests
+    )
     tokenizer = load_or_train_tokenizer(tc, corpus)
     eos = tokenizer.token_to_id(EOS)
     train_stream = encode_stream(tokenizer, corpus.texts("train"))
