@@ -170,3 +170,15 @@ def test_streaming_yields_the_generated_tokens(model, prompts):
     outs = llm.generate(prompts[:4], sampling)
     assert len(finished) == 4
     assert sorted(streamed.values()) == sorted(o.token_ids for o in outs)
+
+
+def test_shipped_model_text_prompts_and_stop_strings():
+    llm = LLM("tiny", max_num_seqs=4, max_num_batched_tokens=64, num_pages=64, max_model_len=256)
+    free, stopped = llm.generate(
+        ["def read_lines(path):\n", "def read_lines(path):\n"],
+        [SamplingParams(max_tokens=40), SamplingParams(max_tokens=40, stop=("\n",))],
+    )
+    assert free.error is None and "\n" in free.text, free.text
+    assert stopped.finish_reason == "stop" and "\n" not in stopped.text
+    assert free.text.startswith(stopped.text)
+    assert llm.engine.compiles_after_warmup == 0

@@ -5,8 +5,9 @@ seed and the token's position only, so a seeded request samples the same tokens 
 shares, whichever slot it sits in, and after preemption and recompute.
 
 Filters are applied in one descending sort of the (temperature-scaled) logits: keep rank < top_k,
-keep the smallest prefix whose probability mass reaches top_p (nucleus; Holtzman et al. 2020), keep
-tokens with p >= min_p * p_max (min-p sampling). Log-probs are of the raw model distribution.
+then the smallest prefix whose renormalised probability mass reaches top_p (nucleus; Holtzman et
+al. 2020), and tokens with p >= min_p * p_max (min-p sampling; Nguyen et al. 2024). Log-probs are of
+the raw model distribution (before temperature and filters).
 """
 
 from __future__ import annotations
@@ -63,9 +64,11 @@ def sample(
     scaled = logits / jnp.maximum(sb.temperature, 1e-6)[:, None]
     order = jnp.argsort(-scaled, axis=-1)
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
     rank = jnp.arange(logits.shape[-1])[None, :]
     keep = (sb.top_k[:, None] == 0) | (rank < sb.top_k[:, None])
+    # Applied in HF/vLLM order: top-p on the distribution renormalised after top-k; min-p is a
+    # ratio to the top probability, which renormalising does not change.
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
     keep &= (jnp.cumsum(probs, axis=-1) - probs) < sb.top_p[:, None]
     keep &= probs >= sb.min_p[:, None] * probs[:, :1]
     keep = keep.at[:, 0].set(True)  # the most likely token always survives
