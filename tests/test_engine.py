@@ -59,6 +59,7 @@ def test_batched_greedy_equals_each_request_alone_and_the_reference(model, promp
         assert alone.output_token_ids == seq.output_token_ids
     assert engine.compiles_after_warmup == 0  # (the counter is process-wide: check before below)
     assert any(r.decode_steps == 4 for r in engine.step_records), "decode fast path never ran"
+    assert engine.chained_scans > 0, "async decode never overlapped a scan with host work"
     assert any(not r.is_decode_only for r in engine.step_records)
     for p, n, seq in zip(prompts, lens, batched, strict=True):
         (ref,) = greedy_generate(model[1], model[0], [p], n)
@@ -73,6 +74,7 @@ def test_batched_greedy_equals_each_request_alone_and_the_reference(model, promp
         dict(max_num_batched_tokens=16, chunked_prefill=True),  # long prompts split into chunks
         dict(allocation="reserve_max"),
         dict(decode_steps=1),
+        dict(async_decode=False),
         dict(scheduler="shortest_first"),
         dict(scheduler="priority"),
     ],
@@ -121,6 +123,7 @@ def test_bad_requests_fail_alone_with_clear_errors(model, prompts):
         ([10**6], greedy(4), "prompt token ids"),
         (prompts[0], SamplingParams(stop=("x",)), "tokenizer"),
         ("a string prompt", greedy(4), "tokenizer"),
+        (prompts[0], SamplingParams(logprobs=5), "num_logprobs"),
     ]
     good = engine.add_request(prompts[1], greedy(8))
     bad = [engine.add_request(p, s) for p, s, _ in cases]

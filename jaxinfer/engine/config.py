@@ -25,6 +25,7 @@ class EngineConfig:
     allocation: str = "on_demand"
     chunked_prefill: bool = True
     decode_steps: int = 8  # decode steps per jitted call when the batch is decode-only
+    async_decode: bool = True  # dispatch the next decode scan before reading the previous one
     attention_backend: str = "xla"
     num_logprobs: int = 0  # top-k logprobs computed on device (static; requests may ask <= this)
 

@@ -3,6 +3,11 @@ tokens, check stops, record metrics (host).
 
 A decode-only step with nobody waiting runs `decode_steps` tokens in one jitted scan; its tokens
 reach the host together, and their timestamps say so (that is what a streaming client would see).
+With `async_decode`, while nobody is waiting the next scan is dispatched from the previous scan's
+final device state *before* the host reads and post-processes the previous scan's tokens, so host
+work overlaps device work. Pages for both scans are reserved up front; a sequence that finishes in
+scan N idles through scan N+1 (its row is masked on device or its tokens dropped on the host), and
+pages it frees are only rewritten by later device work, which the stream orders after N+1.
 Bad requests fail on their own with an error naming the field; they never reach the device.
 """
 
@@ -25,6 +30,18 @@ from jaxinfer.engine.sampler import SamplingBatch
 from jaxinfer.engine.scheduler import Scheduler, SchedulerConfig
 from jaxinfer.metrics import StepRecord
 from jaxinfer.models.config import ModelConfig
+
+
+@dataclass
+class _Inflight:
+    """A dispatched decode scan whose results the host has not read yet."""
+
+    seqs: list[Sequence]
+    outs: tuple  # device arrays: tokens, logprobs, top logprobs, top ids, live  ([K, rows, ...])
+    final: object  # DecodeState after the scan (device)
+    sb: SamplingBatch
+    rows: int
+    k: int
 
 
 @dataclass
@@ -78,6 +95,8 @@ class Engine:
         self._ids = itertools.count()
         self._rng = np.random.default_rng(config.seed)
         self._seeds: dict[int, int] = {}
+        self._inflight: _Inflight | None = None
+        self.chained_scans = 0  # decode scans dispatched before the previous one was read
         self.warmup_s: float | None = None
         self._compiles_at_warmup: int | None = None
 
@@ -129,6 +148,11 @@ class Engine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({seq.sampling.max_tokens}) exceeds "
                 f"max_model_len={limit}"
             )
+        if (seq.sampling.logprobs or 0) > self.config.num_logprobs:
+            raise ValueError(
+                f"SamplingParams.logprobs={seq.sampling.logprobs} exceeds "
+                f"engine.num_logprobs={self.config.num_logprobs} (top logprobs computed per token)"
+            )
         if seq.sampling.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop (stop strings) needs a tokenizer")
 
@@ -152,38 +176,52 @@ class Engine:
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """Advance the engine by one scheduled batch (or one in-flight decode scan)."""
         t_start = self.clock()
-        out = self.scheduler.schedule(t_start)
-        if not out.scheduled:
-            return []
-        seqs = [s.seq for s in out.scheduled]
-        decode_only, num_batched = out.is_decode_only, out.num_batched_tokens
-        k = self._lookahead(seqs) if decode_only else 1
-        if k > 1:
-            results, device_s = self._run_decode(seqs, k)
-        else:
-            results, device_s = self._run_mixed(out.scheduled)
+        if self._inflight is None:
+            out = self.scheduler.schedule(t_start)
+            if not out.scheduled:
+                return [StepOutput(seq, [], True) for seq in out.failed]
+            seqs = [s.seq for s in out.scheduled]
+            k = self._lookahead(seqs) if out.is_decode_only else 1
+            if k == 1:
+                results, device_s = self._run_mixed(out.scheduled)
+                outputs = self._append_all(results)
+                num_batched, preempted = out.num_batched_tokens, len(out.preempted)
+                self._record(t_start, len(seqs), num_batched, out.is_decode_only, 1, preempted,
+                             device_s)  # fmt: skip
+                return outputs + [StepOutput(seq, [], True) for seq in out.failed]
+            self._inflight = self._dispatch_decode(seqs, k)
+        prev = self._inflight
+        self._inflight = self._chain(prev) if self.config.async_decode else None
+        results, device_s = self._collect(prev)
+        outputs = self._append_all(results)
+        fed = sum(len(new) for _, new in results)
+        self._record(t_start, len(prev.seqs), fed, True, prev.k, 0, device_s)
+        return outputs
+
+    def _append_all(self, results) -> list[StepOutput]:
         now = self.clock()
-        outputs = [self._append(seq, new_tokens, now) for seq, new_tokens in results]
-        outputs += [StepOutput(seq, [], True) for seq in out.failed]
+        return [self._append(seq, new_tokens, now) for seq, new_tokens in results]
+
+    def _record(self, t_start, num_seqs, num_batched, decode_only, k, preempted, device_s):
         running = self.scheduler.running_seqs()
         self.step_records.append(
             StepRecord(
                 time=t_start,
-                num_seqs=len(seqs),
-                num_batched_tokens=num_batched * k,
+                num_seqs=num_seqs,
+                num_batched_tokens=num_batched,
                 kv_pages_used=self.block_manager.num_used_pages,
                 kv_pages_total=self.config.num_pages - 1,
                 wasted_slots=self.block_manager.wasted_slots(running),
                 kv_slots_allocated=self.config.page_size * sum(len(q.page_ids) for q in running),
                 is_decode_only=decode_only,
-                preemptions=len(out.preempted),
+                preemptions=preempted,
                 host_ms=1e3 * ((self.clock() - t_start) - device_s),
                 device_ms=1e3 * device_s,
                 decode_steps=k,
             )
         )
-        return outputs
 
     def _lookahead(self, seqs: list[Sequence]) -> int:
         """Decode steps to run on device: reserve their pages now, or fall back to one step."""
@@ -233,23 +271,47 @@ class Engine:
                 results.append((s.seq, []))
         return results, device_s
 
-    def _run_decode(self, seqs: list[Sequence], k: int):
-        stop = [self._stop_ids(s) for s in seqs]
+    def _dispatch_decode(self, seqs: list[Sequence], k: int) -> _Inflight:
         table, state, rows = self.runner.build_decode(
             [s.all_token_ids[-1] for s in seqs],
             [s.num_tokens - 1 for s in seqs],
             [s.sampling.max_tokens - len(s.output_token_ids) for s in seqs],
-            stop,
+            [self._stop_ids(s) for s in seqs],
             [s.page_ids for s in seqs],
         )
         sb = self._sampling(seqs, rows)
+        outs, final = self.runner.run_decode(table, state, sb, k)
+        return _Inflight(seqs, outs, final, sb, rows, k)
+
+    def _chain(self, prev: _Inflight) -> _Inflight | None:
+        """Dispatch the next scan from `prev`'s device state, before reading `prev`'s tokens."""
+        if self.scheduler.num_waiting > 0:
+            return None
+        if any(s.status is not SeqStatus.RUNNING for s in prev.seqs):
+            return None
+        k = prev.k
+        for seq in prev.seqs:  # prev may add up to k tokens before this scan's k
+            if not self.block_manager.allocate(
+                seq, min(seq.num_tokens + 2 * k - 1, seq.max_total_tokens)
+            ):
+                return None
+        table = self.runner.decode_table([s.page_ids for s in prev.seqs], prev.rows)
+        outs, final = self.runner.run_decode(table, prev.final, prev.sb, k)
+        self.chained_scans += 1
+        return _Inflight(prev.seqs, outs, final, prev.sb, prev.rows, k)
+
+    def _collect(self, inflight: _Inflight):
+        """Read a scan's tokens; returns ([(seq, tokens)], seconds the host waited for them)."""
         t0 = self.clock()
-        tok, lp, top_lp, top_ids, live = jax.device_get(self.runner.run_decode(table, state, sb, k))
+        tok, lp, top_lp, top_ids, live = jax.device_get(inflight.outs)
         device_s = self.clock() - t0
         results = []
-        for i, seq in enumerate(seqs):
+        for i, seq in enumerate(inflight.seqs):
+            if seq.is_finished:  # finished while this scan was in flight: its tokens are void
+                results.append((seq, []))
+                continue
             new = [(int(tok[j, i]), float(lp[j, i]), top_lp[j, i], top_ids[j, i])
-                   for j in range(k) if live[j, i]]  # fmt: skip
+                   for j in range(inflight.k) if live[j, i]]  # fmt: skip
             seq.num_computed_tokens += len(new)
             results.append((seq, new))
         return results, device_s

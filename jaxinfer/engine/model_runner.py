@@ -92,7 +92,8 @@ class DecodeState:
 )
 def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingBatch, *,
                 cfg: ModelConfig, num_steps: int, num_logprobs: int, backend: str):  # fmt: skip
-    """Returns (tokens [K, S], logprobs [K, S], top_lp [K, S, k], top_ids [K, S, k], live [K, S])."""
+    """((tokens [K, S], logprobs [K, S], top_lp [K, S, k], top_ids [K, S, k], live [K, S]),
+    final DecodeState, kv). The final state can seed the next call directly (async decode)."""
 
     def body(carry, _):
         kv, st = carry
@@ -122,8 +123,8 @@ def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingB
         )
         return (kv, new), (tok, lp, top_lp, top_ids, live)
 
-    (kv, _), outs = jax.lax.scan(body, (kv, state), None, length=num_steps)
-    return outs, kv
+    (kv, final), outs = jax.lax.scan(body, (kv, state), None, length=num_steps)
+    return outs, final, kv
 
 
 class ModelRunner:
@@ -169,14 +170,17 @@ class ModelRunner:
         )  # fmt: skip
         return tok, lp, top_lp, top_ids
 
+    def decode_table(self, pages: list[list[int]], rows: int) -> jax.Array:
+        table = np.full((rows, self.shapes.pages_per_seq), SCRATCH_PAGE, np.int32)
+        for i, p in enumerate(pages):
+            table[i, : len(p)] = p
+        return jax.device_put(table)
+
     def build_decode(self, last_tokens, positions, remaining, stop_ids, pages):
-        s = self.shapes
         n = len(last_tokens)
         rows = pick_bucket(self.seq_buckets, n)
-        table = np.full((rows, s.pages_per_seq), SCRATCH_PAGE, np.int32)
         stops = np.full((rows, MAX_STOP_IDS), -1, np.int32)
-        for i, (p, st) in enumerate(zip(pages, stop_ids, strict=True)):
-            table[i, : len(p)] = p
+        for i, st in enumerate(stop_ids):
             st = list(st)[:MAX_STOP_IDS]
             stops[i, : len(st)] = st
 
@@ -192,14 +196,14 @@ class ModelRunner:
             jax.device_put(stops),
             jax.device_put(np.arange(rows) < n),
         )
-        return jax.device_put(table), state, rows
+        return self.decode_table(pages, rows), state, rows
 
     def run_decode(self, table, state: DecodeState, sb: SamplingBatch, num_steps: int):
-        outs, self.kv = decode_loop(
+        outs, final, self.kv = decode_loop(
             self.params, self.kv, table, state, sb, cfg=self.cfg, num_steps=num_steps,
             num_logprobs=self.shapes.num_logprobs, backend=self.backend,
         )  # fmt: skip
-        return outs
+        return outs, final
 
     # -- warm-up -------------------------------------------------------------------------------
     def warmup(self) -> None:

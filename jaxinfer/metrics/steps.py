@@ -29,8 +29,10 @@ class StepRecord:
     pages in use after the step / in the pool; kv_slots_allocated: token slots in the pages held by
     running sequences; wasted_slots: those of them holding no token (internal fragmentation plus
     reservations: the paged-vs-contiguous measure); decode_steps: tokens per sequence in this
-    step's jitted call (>1 on the decode fast path); preemptions: sequences preempted in this step; host_ms / device_ms: wall time spent on
-    host-side scheduling and on the device.
+    step's jitted call (>1 on the decode fast path); preemptions: sequences preempted in this step; device_ms: time the host waited for the
+    device's results; host_ms: the rest of the step's wall time (scheduling, batch building,
+    post-processing). With async decode, device work overlaps host work, so device_ms is the
+    part of the device time the host could not hide.
     """
 
     time: float
