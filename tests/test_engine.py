@@ -185,3 +185,17 @@ def test_shipped_model_text_prompts_and_stop_strings():
     assert stopped.finish_reason == "stop" and "\n" not in stopped.text
     assert free.text.startswith(stopped.text)
     assert llm.engine.compiles_after_warmup == 0
+
+
+def test_eos_after_ends_requests_early_without_telling_the_allocator(model, prompts):
+    engine = make_engine(model, allocation="reserve_max", max_model_len=256)
+    params = SamplingParams(max_tokens=150, ignore_eos=True, eos_after=9)
+    seqs = [engine.add_request(p, params) for p in prompts[:3]]
+    engine.step()  # first prefill step: reserve_max has planned for 150 new tokens
+    held = max(len(s.page_ids) for s in seqs)
+    assert held * SMALL["page_size"] >= 150
+    engine.run()
+    for s in seqs:
+        assert len(s.output_token_ids) == 9 and s.finish_reason == "stop"
+    (base,) = run(make_engine(model), [prompts[0]], [greedy(9)])
+    assert base.output_token_ids == seqs[0].output_token_ids

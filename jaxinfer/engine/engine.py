@@ -275,7 +275,7 @@ class Engine:
         table, state, rows = self.runner.build_decode(
             [s.all_token_ids[-1] for s in seqs],
             [s.num_tokens - 1 for s in seqs],
-            [s.sampling.max_tokens - len(s.output_token_ids) for s in seqs],
+            [s.output_budget - len(s.output_token_ids) for s in seqs],
             [self._stop_ids(s) for s in seqs],
             [s.page_ids for s in seqs],
         )
@@ -340,6 +340,8 @@ class Engine:
                 reason = "stop"
             elif len(seq.output_token_ids) >= seq.sampling.max_tokens:
                 reason = "length"
+            elif len(seq.output_token_ids) >= seq.output_budget:
+                reason = "stop"  # eos_after: the simulated EOS
             if reason is not None:
                 if self.tokenizer is not None and not seq.sampling.stop:
                     seq.output_text = self.tokenizer.decode(seq.output_token_ids)

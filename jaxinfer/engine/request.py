@@ -38,6 +38,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings (need a tokenizer to detokenize)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: sampled token's; k: also the top k
+    # Benchmark knob: finish (reason "stop") after this many tokens, as if the model had emitted
+    # EOS there. The server cannot know it in advance: allocation still plans for max_tokens.
+    eos_after: int | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first bad field."""
@@ -59,6 +62,10 @@ class SamplingParams:
             raise bad("min_p", "in [0, 1)")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise bad("seed", "None or an int >= 0")
+        if self.eos_after is not None and (
+            not isinstance(self.eos_after, int) or self.eos_after < 1
+        ):
+            raise bad("eos_after", "None or an int >= 1")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", "None or an int >= 0")
         if vocab_size is not None:
@@ -118,6 +125,14 @@ class Sequence:
     def max_total_tokens(self) -> int:
         """Prompt plus the most tokens it may generate: what `reserve_max` allocates up front."""
         return len(self.prompt_token_ids) + self.sampling.max_tokens
+
+    @property
+    def output_budget(self) -> int:
+        """Tokens it will generate at most: max_tokens, or eos_after when that comes first."""
+        limit = self.sampling.max_tokens
+        if self.sampling.eos_after is not None:
+            limit = min(limit, self.sampling.eos_after)
+        return limit
 
     @property
     def is_finished(self) -> bool:

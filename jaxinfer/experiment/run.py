@@ -34,6 +34,10 @@ class SamplingDefaults:
     top_p: float = 1.0
     min_p: float = 0.0
     ignore_eos: bool = True  # benchmarks generate exactly the workload's output lengths
+    # None: each request's max_tokens is its workload output length (the server knows it). A number:
+    # max_tokens = min(this, max_model_len - prompt) and the request ends at its workload length
+    # through `eos_after`, unknown to the server (what reserve-max allocation has to plan for).
+    max_tokens: int | None = None
 
 
 @dataclass
@@ -86,11 +90,12 @@ def run_experiment(rc: RunConfig, *, show_progress: bool = True, console: Consol
             now = engine.clock() - t0
             while pending and pending[0].arrival_time <= now:
                 req = pending.popleft()
-                sampling = SamplingParams(
-                    max_tokens=req.output_len, temperature=s.temperature, top_k=s.top_k,
-                    top_p=s.top_p, min_p=s.min_p, ignore_eos=s.ignore_eos,
-                )  # fmt: skip
                 prompt = req.prompt_token_ids if req.prompt_token_ids is not None else req.prompt
+                sampling = SamplingParams(
+                    max_tokens=_max_tokens(rc, req), temperature=s.temperature, top_k=s.top_k,
+                    top_p=s.top_p, min_p=s.min_p, ignore_eos=s.ignore_eos,
+                    eos_after=None if s.max_tokens is None else req.output_len,
+                )  # fmt: skip
                 engine.add_request(prompt, sampling, arrival_time=t0 + req.arrival_time)
             if engine.has_unfinished():
                 engine.step()
@@ -118,6 +123,13 @@ def run_experiment(rc: RunConfig, *, show_progress: bool = True, console: Consol
     console.print(summary_table(rc.name, metrics))
     console.print(f"results: {out}")
     return metrics
+
+
+def _max_tokens(rc: RunConfig, req) -> int:
+    if rc.sampling.max_tokens is None:
+        return req.output_len
+    prompt_len = req.prompt_len if req.prompt_len is not None else 0
+    return max(1, min(rc.sampling.max_tokens, rc.engine.max_model_len - prompt_len))
 
 
 def summary_table(name: str, m: dict) -> Table:
