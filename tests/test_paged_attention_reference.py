@@ -166,3 +166,26 @@ def test_write_then_read_round_trips_through_shuffled_page_table():
     written = {int(p) for p in np.asarray(page)[:9]}
     assert written == {5, 2, 9, 7, 11}, written
     assert jax.tree.structure(kv) == jax.tree.structure(KVCache(0, 0))
+
+
+@pytest.mark.parametrize("page_size", [8, 16, 64])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decode_only_batch_matches_naive_and_ignores_poisoned_pages(page_size, group):
+    """max_q_len=1 takes the per-sequence path; ragged lengths incl. 1 and exact page multiples."""
+    rng = np.random.default_rng(1000 + page_size + group)
+    ctx_lens = [0, page_size - 1, 2 * page_size - 1, 37, 5 * page_size + 2]
+    case = make_case(
+        rng, q_lens=[1] * len(ctx_lens), ctx_lens=ctx_lens, page_size=page_size,
+        num_kv_heads=2, group=group, head_dim=16, pad_tokens=2,
+    )  # fmt: skip
+    q, k_pages, v_pages, table, lens, qsl, k_seqs, v_seqs = case
+    out = run_reference(q, k_pages, v_pages, table, lens, qsl)
+    expected = naive_attention(q, qsl, k_seqs, v_seqs)
+    n = len(ctx_lens)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out[:n], expected[:n], atol=2e-5, rtol=2e-5)
+    assert (out[n:] == 0).all()
+    window = 9
+    out = run_reference(q, k_pages, v_pages, table, lens, qsl, sliding_window=window)
+    expected = naive_attention(q, qsl, k_seqs, v_seqs, sliding_window=window)
+    np.testing.assert_allclose(out[:n], expected[:n], atol=2e-5, rtol=2e-5)

