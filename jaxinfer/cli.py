@@ -2,6 +2,7 @@
 
 jaxinfer quickstart [--out runs/quickstart]      greedy generation with a tiny model (CPU or GPU)
 jaxinfer generate --model HF_DIR --prompt TEXT   greedy continuation from a real checkpoint
+jaxinfer sweep CONFIG [k=v ...] [--grid k=a,b]   a parameter sweep of `run` (experiment/sweep.py)
 """
 
 from __future__ import annotations
@@ -161,6 +162,40 @@ def run(args: argparse.Namespace) -> int:
     return 0 if metrics.get("compiles_after_warmup") in (0, None) else 1
 
 
+def sweep(args: argparse.Namespace) -> int:
+    """Run every point of a parameter sweep (grid x zip) and merge their metrics into one table."""
+    from jaxinfer.experiment.sweep import parse_axes, plan_sweep, run_sweep
+
+    try:
+        plan = plan_sweep(
+            args.config, args.overrides, grid=parse_axes(args.grid), zipped=parse_axes(args.zip)
+        )
+        result = run_sweep(
+            plan, workers=args.workers, gpus_per_worker=args.gpus_per_worker,
+            show_progress=not args.no_progress,
+        )  # fmt: skip
+    except ValueError as e:  # the sweep or its worker settings; failing points are recorded
+        print(f"jaxinfer sweep: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("jaxinfer sweep: interrupted; the same command resumes it", file=sys.stderr)
+        return 130
+    return 0 if result.ok else 1
+
+
+def report(args: argparse.Namespace) -> int:
+    """Markdown report with plots of run or sweep results folders."""
+    from jaxinfer.experiment.report import default_out, write_report
+
+    try:
+        path = write_report(args.results, args.out or default_out(args.results), args.x, args.title)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"jaxinfer report: error: {e}", file=sys.stderr)
+        return 2
+    print(f"report: {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxinfer", description="JAX LLM inference research")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -181,6 +216,15 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     r.add_argument("--no-progress", action="store_true")
     r.set_defaults(func=run)
+    w = sub.add_parser("sweep", help="run a grid/zip sweep of a serving experiment config")
+    w.add_argument("config", type=Path, help="run config, optionally with a `sweep:` section")
+    w.add_argument("overrides", nargs="*", help="dotted key=value overrides for every point")
+    w.add_argument("--grid", action="append", metavar="KEY=V1,V2", help="cartesian axis")
+    w.add_argument("--zip", action="append", metavar="KEY=V1,V2", help="axis zipped with others")
+    w.add_argument("--workers", type=int, default=1, help="worker processes (1: in-process)")
+    w.add_argument("--gpus-per-worker", type=int, default=1, help="GPUs pinned per worker")
+    w.add_argument("--no-progress", action="store_true")
+    w.set_defaults(func=sweep)
     t = sub.add_parser("train", help="train a reference model on the stdlib corpus")
     t.add_argument("config", type=Path)
     t.add_argument("overrides", nargs="*", help="dotted key=value overrides")
@@ -193,6 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--max-windows", type=int, default=None)
     e.add_argument("--out", type=Path, default=None)
     e.set_defaults(func=eval_ppl)
+    p = sub.add_parser("report", help="Markdown report and plots of run or sweep results")
+    p.add_argument("results", nargs="+", type=Path, help="run or sweep folders (several: compared)")
+    p.add_argument("--out", type=Path, default=None, help="default: RESULTS/report/")
+    p.add_argument("--x", default=None, help="dotted key ordering the latency-throughput curve")
+    p.add_argument("--title", default=None)
+    p.set_defaults(func=report)
     args = parser.parse_args(argv)
     return args.func(args)
 

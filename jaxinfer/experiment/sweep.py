@@ -1,0 +1,680 @@
+"""`jaxinfer sweep CONFIG [key=value ...] [--grid key=v1,v2 ...] [--zip key=v1,v2 ...]`.
+
+A sweep config is a run config (see `run.py`) plus an optional top-level section
+
+    sweep:
+      grid: {engine.scheduler: [fcfs, static], workload.arrival.rate: [2, 4, 8]}
+      zip:  {engine.max_num_seqs: [8, 16], engine.max_num_batched_tokens: [128, 256]}
+
+The points are the cartesian product of the grid lists times the zip lists advanced together
+(all zip lists have one length). `--grid`/`--zip` on the command line add axes or replace the
+file's; plain `key=value` overrides apply to every point. Every point's config is built and
+validated by `load_run_config` before anything runs.
+
+Results folder (`out_dir` of the base config):
+
+    sweep.json               config path, overrides, grid, zip, points [{name, overrides}],
+                             provenance
+    points/<name>/           one run's results folder (metrics.json, config.yaml, ...)
+    points/<name>.error.txt  traceback of a point that raised
+    results.parquet          one row per finished point: `point`, one column per swept key,
+                             then every scalar metric of the point's metrics.json
+
+A point runs into `points/.<name>.tmp-<pid>/` and is renamed to `points/<name>/` once its
+`metrics.json` is written, so an interrupted sweep loses only the points in progress; running
+the same sweep again skips finished points, removes stale tmp folders and re-merges.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import itertools
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import traceback
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from jaxinfer.experiment.run import RunConfig, load_run_config, run_experiment
+from jaxinfer.provenance import provenance
+
+SWEEP_FILE = "sweep.json"
+RESULTS_FILE = "results.parquet"
+POINTS_DIR = "points"
+ERROR_SUFFIX = ".error.txt"
+_TMP_MARK = ".tmp-"
+_MAX_NAME = 160  # leaves room for ".<name>.tmp-<pid>" and ".error.txt" within 255 bytes
+_UNSWEEPABLE = ("out_dir",)
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    name: str  # filesystem-safe, stable: built from the swept keys and values
+    overrides: dict[str, Any]  # swept key -> value, as given in the sweep
+
+
+@dataclass
+class SweepPlan:
+    config: str | None
+    overrides: list[str]
+    grid: dict[str, list]
+    zip: dict[str, list]
+    out_dir: Path
+    points: list[SweepPoint]
+    run_configs: dict[str, RunConfig]  # point name -> validated config (out_dir: its folder)
+
+    @property
+    def keys(self) -> list[str]:
+        return [*self.grid, *self.zip]
+
+    @property
+    def points_dir(self) -> Path:
+        return self.out_dir / POINTS_DIR
+
+    def is_done(self, name: str) -> bool:
+        return (self.points_dir / name / "metrics.json").is_file()
+
+
+@dataclass
+class SweepResult:
+    ran: list[str] = field(default_factory=list)  # points that finished in this invocation
+    skipped: list[str] = field(default_factory=list)  # already finished before
+    failed: dict[str, str] = field(default_factory=dict)  # point -> error (traceback)
+    table: Any = None  # pandas DataFrame of results.parquet
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+
+# ---------------------------------------------------------------------------- axes and points
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas outside brackets and quotes: `1,[2,3],"a,b"` -> 3 items."""
+    items, depth, quote, cur = [], 0, None, []
+    for ch in text:
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            items.append("".join(cur))
+            cur = []
+            continue
+        cur.append(ch)
+    items.append("".join(cur))
+    return items
+
+
+def _parse_value(text: str) -> Any:
+    """A command-line value, typed the way `key=value` overrides are (omegaconf's YAML rules)."""
+    value = OmegaConf.from_dotlist([f"v={text}"])["v"]
+    if isinstance(value, DictConfig | ListConfig):
+        return OmegaConf.to_container(value)
+    return value
+
+
+def parse_axes(items: Iterable[str] | None) -> dict[str, list]:
+    """`["engine.scheduler=fcfs,static", "workload.arrival.rate=2,4"]` -> {key: [values]}."""
+    axes: dict[str, list] = {}
+    for item in items or ():
+        key, sep, values = item.partition("=")
+        key = key.strip()
+        if not sep or not key or not values.strip():
+            raise ValueError(f"sweep axis {item!r}: expected key=v1,v2,...")
+        axes[key] = [_parse_value(v.strip()) for v in _split_top_level(values)]
+    return axes
+
+
+def _flatten(section: Any, where: str, prefix: str = "") -> dict[str, list]:
+    """`{engine: {scheduler: [a, b]}, workload.seed: [0, 1]}` -> dotted key -> list."""
+    if not isinstance(section, dict):
+        raise ValueError(
+            f"{where}{'.' + prefix if prefix else ''}: expected a mapping of key: [values]"
+        )
+    out: dict[str, list] = {}
+    for k, v in section.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, list):
+            out[key] = v
+        elif isinstance(v, dict):
+            out.update(_flatten(v, where, key))
+        else:
+            raise ValueError(f"{where}.{key}={v!r}: expected a list of values")
+    return out
+
+
+def _format_value(v: Any) -> str:
+    """A value as text that omegaconf's dotlist parser reads back as the same value."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return ".nan" if math.isnan(v) else (".inf" if v > 0 else "-.inf")
+    return json.dumps(v)
+
+
+def _label(v: Any) -> str:
+    if v is None or isinstance(v, bool):
+        return json.dumps(v)
+    if isinstance(v, int | float | str):
+        return str(v)
+    return json.dumps(v, separators=(",", ":"))
+
+
+def _digest(overrides: dict[str, Any]) -> str:
+    text = json.dumps(overrides, sort_keys=True, default=str)
+    return hashlib.sha1(text.encode()).hexdigest()[:10]
+
+
+def point_name(overrides: dict[str, Any]) -> str:
+    """`engine.scheduler=static,workload.arrival.rate=4`, with unsafe characters replaced."""
+    if not overrides:
+        return "base"
+    text = ",".join(f"{k}={_label(v)}" for k, v in overrides.items())
+    name = re.sub(r"[^A-Za-z0-9._=,+-]", "_", text)
+    if name.startswith("."):
+        name = "_" + name[1:]
+    if len(name) > _MAX_NAME:
+        name = f"{name[: _MAX_NAME - 11]}-{_digest(overrides)}"
+    return name
+
+
+def _points(grid: dict[str, list], zipped: dict[str, list]) -> list[SweepPoint]:
+    for where, axes in (("grid", grid), ("zip", zipped)):
+        for key, values in axes.items():
+            if not values:
+                raise ValueError(f"sweep.{where}.{key}: empty list of values")
+    lengths = {k: len(v) for k, v in zipped.items()}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"sweep.zip lists must have equal lengths; got {lengths}")
+    n_zip = next(iter(lengths.values()), 1)
+    points, seen = [], {}
+    for combo in itertools.product(*grid.values(), range(n_zip)):
+        ov = dict(zip(grid, combo[:-1], strict=True))
+        ov.update({k: v[combo[-1]] for k, v in zipped.items()})
+        key = json.dumps(ov, sort_keys=True, default=str)
+        if key in seen:
+            raise ValueError(f"sweep has the point {ov} twice")
+        seen[key] = True
+        points.append(SweepPoint(point_name(ov), ov))
+    names = [p.name for p in points]
+    dups = {n for n in names if names.count(n) > 1}  # distinct values, same sanitised name
+    return [
+        SweepPoint(f"{p.name[: _MAX_NAME - 11]}-{_digest(p.overrides)}", p.overrides)
+        if p.name in dups
+        else p
+        for p in points
+    ]
+
+
+# ---------------------------------------------------------------------------- planning
+
+
+def plan_sweep(
+    config: str | Path | None,
+    overrides: Sequence[str] = (),
+    *,
+    grid: dict[str, list] | None = None,
+    zipped: dict[str, list] | None = None,
+) -> SweepPlan:
+    """Read the sweep, build and validate every point's run config; nothing is run or written.
+
+    `grid`/`zipped` (e.g. from `parse_axes`) add axes to the file's `sweep:` section or replace
+    them. Raises ValueError naming the offending key (and point) when anything is invalid.
+    """
+    overrides = list(overrides)
+    raw = OmegaConf.load(config) if config is not None else OmegaConf.create({})
+    if not isinstance(raw, DictConfig):
+        raise ValueError(f"sweep config {config}: expected a mapping at the top level")
+    section = raw.pop("sweep", None)
+    section = OmegaConf.to_container(section) if section is not None else {}
+    if not isinstance(section, dict) or set(section) - {"grid", "zip"}:
+        raise ValueError(f"sweep config {config}: `sweep:` takes only `grid:` and `zip:`")
+    file_grid = _flatten(section.get("grid") or {}, "sweep.grid")
+    file_zip = _flatten(section.get("zip") or {}, "sweep.zip")
+    cli_grid, cli_zip = dict(grid or {}), dict(zipped or {})
+    both = set(cli_grid) & set(cli_zip)
+    if both:
+        raise ValueError(f"sweep keys both in --grid and --zip: {sorted(both)}")
+    # The command line wins: a key given there leaves the file's grid and zip alike.
+    grid_axes = {k: v for k, v in file_grid.items() if k not in cli_zip} | cli_grid
+    zip_axes = {k: v for k, v in file_zip.items() if k not in cli_grid} | cli_zip
+    both = set(grid_axes) & set(zip_axes)
+    if both:
+        raise ValueError(f"sweep keys both in sweep.grid and sweep.zip: {sorted(both)}")
+    fixed = {o.partition("=")[0].strip() for o in overrides}
+    for key in [*grid_axes, *zip_axes]:
+        if key in _UNSWEEPABLE:
+            raise ValueError(f"sweep key {key!r} cannot be swept (each point gets its own)")
+        if key in fixed:
+            raise ValueError(f"sweep key {key!r} is also a plain override; give it once")
+    points = _points(grid_axes, zip_axes)
+
+    with tempfile.TemporaryDirectory(prefix="jaxinfer-sweep-") as tmp:
+        base = Path(tmp) / "base.yaml"
+        OmegaConf.save(raw, base)
+
+        def named(e: ValueError) -> str:  # the user's file, not the tmp copy, in messages
+            return str(e).replace(f"invalid run config {base}", f"invalid run config {config}")
+
+        try:
+            base_rc = load_run_config(base, overrides)
+        except ValueError as e:
+            raise ValueError(f"sweep config without its sweep section: {named(e)}") from e
+        out_dir = Path(base_rc.out_dir)
+        run_configs = {}
+        for p in points:
+            point_dir = out_dir / POINTS_DIR / p.name
+            ov = [f"{k}={_format_value(v)}" for k, v in p.overrides.items()]
+            try:
+                run_configs[p.name] = load_run_config(
+                    base, [*overrides, *ov, f"out_dir={_format_value(str(point_dir))}"]
+                )
+            except ValueError as e:
+                culprits = [
+                    k for k, o in zip(p.overrides, ov, strict=True) if _fails(base, [*overrides, o])
+                ]
+                keys = culprits or list(p.overrides)
+                raise ValueError(
+                    f"sweep key {', '.join(keys)} invalid at point {p.name!r}: {named(e)}"
+                ) from e
+    return SweepPlan(
+        config=str(config) if config is not None else None,
+        overrides=overrides,
+        grid=grid_axes,
+        zip=zip_axes,
+        out_dir=out_dir,
+        points=points,
+        run_configs=run_configs,
+    )
+
+
+def _fails(base: Path, overrides: list[str]) -> bool:
+    try:
+        load_run_config(base, overrides)
+    except ValueError:
+        return True
+    return False
+
+
+# ---------------------------------------------------------------------------- one point
+
+
+def _error_file(points_dir: Path, name: str) -> Path:
+    return points_dir / f"{name}{ERROR_SUFFIX}"
+
+
+def _run_point(
+    name: str, rc: RunConfig, points_dir: Path, *, show_progress: bool, console: Console | None
+) -> tuple[bool, str | None]:
+    """Run one point into a tmp folder, then rename it into place. (ok, traceback-or-None).
+
+    Exceptions are recorded in `<name>.error.txt`; KeyboardInterrupt (and other BaseExceptions)
+    propagate and leave the tmp folder behind, to be removed by the next invocation.
+    """
+    final = points_dir / name
+    tmp = points_dir / f".{name}{_TMP_MARK}{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        run_experiment(
+            dataclasses.replace(rc, out_dir=str(tmp)), show_progress=show_progress, console=console
+        )
+        if not (tmp / "metrics.json").is_file():
+            raise RuntimeError(f"the run wrote no metrics.json into {tmp}")
+        cfg_file = tmp / "config.yaml"
+        if cfg_file.is_file():  # record where the results live, not the tmp folder
+            cfg = OmegaConf.load(cfg_file)
+            cfg.out_dir = str(final)
+            OmegaConf.save(cfg, cfg_file)
+        if final.exists():  # a folder without metrics.json (never ours): replace it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except Exception:
+        error = traceback.format_exc()
+        _error_file(points_dir, name).write_text(error)
+        shutil.rmtree(tmp, ignore_errors=True)
+        return False, error
+    _error_file(points_dir, name).unlink(missing_ok=True)
+    return True, None
+
+
+def _remove_stale_tmp(points_dir: Path) -> list[Path]:
+    stale = [p for p in points_dir.glob(f".*{_TMP_MARK}*") if p.is_dir()]
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return stale
+
+
+# ---------------------------------------------------------------------------- merging
+
+
+def _lookup(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = obj[part] if isinstance(obj, dict) else getattr(obj, part)
+    return obj
+
+
+def _is_scalar(v: Any) -> bool:
+    return v is None or isinstance(v, bool | int | float | str)
+
+
+def _column_values(values: list[Any]) -> list[Any]:
+    """Keep one type per column so Parquet can store it: mixed kinds become strings."""
+    kinds = {
+        "bool" if isinstance(v, bool) else "num" if isinstance(v, int | float) else "other"
+        for v in values
+        if v is not None
+    }
+    if len(kinds) <= 1 and "other" not in kinds:
+        return values
+    if kinds == {"other"} and all(isinstance(v, str) for v in values if v is not None):
+        return values
+    return [v if v is None else v if isinstance(v, str) else json.dumps(v) for v in values]
+
+
+def merge_results(plan: SweepPlan):
+    """Write `results.parquet` (one row per finished point) and return it as a DataFrame."""
+    import pandas as pd
+
+    rows = []
+    for p in plan.points:
+        metrics_file = plan.points_dir / p.name / "metrics.json"
+        if not metrics_file.is_file():
+            continue
+        metrics = json.loads(metrics_file.read_text())
+        row: dict[str, Any] = {"point": p.name}
+        rc = plan.run_configs.get(p.name)
+        for key, given in p.overrides.items():
+            try:  # the validated (schema-typed) value, e.g. 4 -> 4.0 for a float field
+                value = _lookup(rc, key) if rc is not None else given
+            except (AttributeError, KeyError, TypeError):
+                value = given
+            row[key] = value if _is_scalar(value) else given
+        row.update({k: v for k, v in metrics.items() if _is_scalar(v) and k not in row})
+        rows.append(row)
+    columns = ["point", *plan.keys]
+    for row in rows:
+        columns += [k for k in row if k not in columns]
+    data = {c: _column_values([row.get(c) for row in rows]) for c in columns}
+    table = pd.DataFrame(data, columns=columns)
+    plan.out_dir.mkdir(parents=True, exist_ok=True)
+    path = plan.out_dir / RESULTS_FILE
+    tmp = path.with_name(f".{RESULTS_FILE}{_TMP_MARK}{os.getpid()}")
+    table.to_parquet(tmp, index=False)
+    os.replace(tmp, path)
+    return table
+
+
+# ---------------------------------------------------------------------------- workers
+
+
+@contextlib.contextmanager
+def _environ(**values: str | None) -> Iterator[None]:
+    """Set (or, for None, leave alone) environment variables for processes started inside."""
+    saved = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            if v is not None:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def visible_gpus() -> list[str]:
+    """The NVIDIA GPUs this process may use, without initialising any accelerator runtime."""
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms and "cuda" not in platforms and "gpu" not in platforms:
+        return []
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [d.strip() for d in env.split(",") if d.strip() and d.strip() != "-1"]
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    n = sum(line.startswith("GPU ") for line in out.stdout.splitlines())
+    return [str(i) for i in range(n)] if out.returncode == 0 else []
+
+
+def worker_devices(workers: int, gpus_per_worker: int) -> list[str | None]:
+    """CUDA_VISIBLE_DEVICES per worker: GPUs [i*g, (i+1)*g) for worker i; None on CPU."""
+    gpus = visible_gpus() if gpus_per_worker > 0 else []
+    if not gpus:
+        return [None] * workers
+    if workers * gpus_per_worker > len(gpus):
+        raise ValueError(
+            f"{workers} workers x {gpus_per_worker} GPUs each need {workers * gpus_per_worker} "
+            f"GPUs; {len(gpus)} visible ({','.join(gpus)})"
+        )
+    g = gpus_per_worker
+    return [",".join(gpus[i * g : (i + 1) * g]) for i in range(workers)]
+
+
+def _worker_main(conn, points_dir: str) -> None:
+    """Worker process: ask for a point, run it, report, until told to stop (None)."""
+    console = Console(quiet=True)
+    try:
+        conn.send(("ready",))
+        while (task := conn.recv()) is not None:
+            name, rc = task
+            ok, error = _run_point(name, rc, Path(points_dir), show_progress=False, console=console)
+            conn.send(("done", name, ok, error))
+    except (KeyboardInterrupt, EOFError, BrokenPipeError):
+        pass
+
+
+@dataclass
+class _Worker:
+    slot: int
+    process: Any
+    conn: Any
+    current: str | None = None
+    stopping: bool = False
+
+
+def _run_in_workers(plan, pending, workers, devices, on_done) -> None:
+    """Hand points to worker processes from one shared queue, each worker pulling the next when
+    it is free. Per-worker pipes (no shared locks), so a killed worker cannot wedge the others;
+    its point is recorded as failed and a replacement worker takes over the rest."""
+    import multiprocessing as mp
+    from multiprocessing.connection import wait
+
+    ctx = mp.get_context("spawn")
+    queue = deque(pending)
+    live: dict[int, _Worker] = {}
+
+    def start(slot: int) -> None:
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(
+            target=_worker_main, args=(child, str(plan.points_dir)), name=f"sweep-worker-{slot}",
+            daemon=True,
+        )  # fmt: skip
+        with _environ(CUDA_VISIBLE_DEVICES=devices[slot]):
+            proc.start()
+        child.close()
+        live[slot] = _Worker(slot, proc, parent)
+
+    def hand_out(w: _Worker) -> None:
+        if queue:
+            p = queue.popleft()
+            try:
+                w.conn.send((p.name, plan.run_configs[p.name]))
+            except OSError:  # the worker just died: the point stays queued
+                queue.appendleft(p)
+                return
+            w.current = p.name
+        else:
+            w.stopping = True
+            with contextlib.suppress(OSError):
+                w.conn.send(None)
+
+    try:
+        for slot in range(min(workers, len(queue))):
+            start(slot)
+        while live:
+            waitables = [w.conn for w in live.values()] + [
+                w.process.sentinel for w in live.values()
+            ]
+            ready = set(wait(waitables))
+            for w in list(live.values()):
+                exited = w.process.sentinel in ready
+                if w.conn in ready or exited:
+                    try:
+                        msg = w.conn.recv() if w.conn.poll() else None
+                    except (EOFError, OSError):  # the worker is gone (or going)
+                        msg, exited = None, True
+                    if msg is not None:
+                        if msg[0] == "done":
+                            _, name, ok, error = msg
+                            w.current = None
+                            on_done(name, ok, error)
+                        hand_out(w)
+                        continue
+                if not exited:
+                    continue
+                w.process.join()
+                del live[w.slot]
+                w.conn.close()
+                if w.current is not None:
+                    error = f"worker process exited (code {w.process.exitcode}) during the point"
+                    _error_file(plan.points_dir, w.current).write_text(error + "\n")
+                    tmp = plan.points_dir / f".{w.current}{_TMP_MARK}{w.process.pid}"
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    on_done(w.current, False, error)
+                    if queue:  # the point took its worker down; a new one takes the rest
+                        start(w.slot)
+                elif queue and not live:
+                    raise RuntimeError(
+                        f"sweep workers exited (code {w.process.exitcode}) with "
+                        f"{len(queue)} points not run"
+                    )
+    finally:
+        for w in live.values():
+            if w.process.is_alive():
+                w.process.terminate()
+        for w in live.values():
+            w.process.join(timeout=10)
+            w.conn.close()
+
+
+def _sweep_provenance(workers: int) -> dict:
+    """provenance() from this process, except when worker processes will use GPUs: then from a
+    short-lived process, so that this one never holds GPU memory that the workers need."""
+    if workers == 1 or not visible_gpus():
+        return provenance()
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    command = [sys.executable, *sys.argv]
+    with (
+        _environ(XLA_PYTHON_CLIENT_PREALLOCATE="false"),
+        ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool,
+    ):
+        return pool.submit(provenance, command).result()
+
+
+# ---------------------------------------------------------------------------- the sweep
+
+
+def run_sweep(
+    plan: SweepPlan,
+    *,
+    workers: int = 1,
+    gpus_per_worker: int = 1,
+    show_progress: bool = True,
+    console: Console | None = None,
+) -> SweepResult:
+    """Run the plan's unfinished points, then merge `results.parquet`.
+
+    workers == 1 runs in this process (per-run progress bars shown when `show_progress`);
+    more start that many "spawn" worker processes, worker i pinned to its GPUs through
+    CUDA_VISIBLE_DEVICES when GPUs are visible and `gpus_per_worker` > 0.
+    """
+    if workers < 1:
+        raise ValueError(f"workers={workers} is invalid: must be an int >= 1")
+    if gpus_per_worker < 0:
+        raise ValueError(f"gpus_per_worker={gpus_per_worker} is invalid: must be an int >= 0")
+    console = console or Console()
+    devices = worker_devices(workers, gpus_per_worker) if workers > 1 else [None]
+    plan.points_dir.mkdir(parents=True, exist_ok=True)
+    stale = _remove_stale_tmp(plan.points_dir)
+    if stale:
+        console.print(f"removed {len(stale)} unfinished point folder(s) of an earlier sweep")
+    record = {
+        "config": plan.config,
+        "overrides": plan.overrides,
+        "grid": plan.grid,
+        "zip": plan.zip,
+        "out_dir": str(plan.out_dir),
+        "workers": workers,
+        "points": [{"name": p.name, "overrides": p.overrides} for p in plan.points],
+        "provenance": _sweep_provenance(workers),
+    }
+    (plan.out_dir / SWEEP_FILE).write_text(json.dumps(record, indent=2, default=str))
+
+    result = SweepResult()
+    pending = [p for p in plan.points if not plan.is_done(p.name)]
+    result.skipped = [p.name for p in plan.points if p not in pending]
+    if result.skipped:
+        console.print(f"{len(result.skipped)} of {len(plan.points)} points already finished")
+    columns = (
+        TextColumn("[bold]sweep"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()
+    )  # fmt: skip
+    try:
+        with Progress(*columns, console=console, disable=not show_progress) as progress:
+            task = progress.add_task("points", total=len(plan.points))
+            progress.update(task, completed=len(result.skipped))
+
+            def on_done(name: str, ok: bool, error: str | None) -> None:
+                if ok:
+                    result.ran.append(name)
+                    progress.console.print(f"[green]done[/] {name}")
+                else:
+                    result.failed[name] = error or "failed"
+                    last = (error or "failed").strip().splitlines()[-1]
+                    progress.console.print(f"[red]failed[/] {name}: {last}")
+                progress.advance(task)
+
+            if workers == 1:
+                for p in pending:
+                    ok, error = _run_point(
+                        p.name, plan.run_configs[p.name], plan.points_dir,
+                        show_progress=show_progress, console=progress.console,
+                    )  # fmt: skip
+                    on_done(p.name, ok, error)
+            elif pending:
+                _run_in_workers(plan, pending, workers, devices, on_done)
+    finally:  # also on Ctrl-C: the table holds every point finished so far
+        result.table = merge_results(plan)
+    if result.failed:
+        console.print(
+            f"[red]{len(result.failed)} of {len(plan.points)} points failed[/]; tracebacks in "
+            f"{plan.points_dir}/<name>{ERROR_SUFFIX}"
+        )
+    console.print(f"results: {plan.out_dir / RESULTS_FILE} ({len(result.table)} points)")
+    return result

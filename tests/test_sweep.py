@@ -1,0 +1,234 @@
+"""`jaxinfer sweep`: planning and validation, the results layout, resume after an interrupted
+point, failed points, and worker processes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from omegaconf import OmegaConf
+from rich.console import Console
+
+from jaxinfer.cli import main
+from jaxinfer.experiment import sweep as sweep_mod
+from jaxinfer.experiment.sweep import parse_axes, plan_sweep, point_name, run_sweep
+
+QUICKSTART = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
+# Few jit buckets (max_num_batched_tokens=16, decode_steps=1): compiling takes seconds.
+TINY = [
+    "workload.num_requests=4", "workload.output_len.hi=20", "workload.prompt_len.hi=40",
+    "engine.max_num_batched_tokens=16", "engine.max_num_seqs=2", "engine.max_model_len=128",
+    "engine.num_pages=64", "engine.decode_steps=1", "workload.arrival.rate=1000",
+]  # fmt: skip
+QUIET = Console(quiet=True)
+
+
+def sweep_config(tmp_path: Path, sweep: dict | None = None) -> Path:
+    """quickstart.yaml with out_dir in tmp_path and an optional `sweep:` section."""
+    cfg = OmegaConf.load(QUICKSTART)
+    cfg.out_dir = str(tmp_path / "out")
+    if sweep is not None:
+        cfg.sweep = sweep
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "sweep.yaml"
+    OmegaConf.save(cfg, path)
+    return path
+
+
+def counting(monkeypatch, fail_on: dict[int, BaseException] | None = None) -> list[str]:
+    """Wrap run_experiment: record each call's scheduler; raise at the given call numbers."""
+    calls: list[str] = []
+    real = sweep_mod.run_experiment
+
+    def wrapped(rc, **kwargs):
+        calls.append(rc.engine.scheduler)
+        if fail_on and len(calls) in fail_on:
+            out = Path(rc.out_dir)  # a half-written point: must not count as finished
+            (out / "metrics.json").write_text(json.dumps({"num_completed": 1}))
+            raise fail_on[len(calls)]
+        return real(rc, **kwargs)
+
+    monkeypatch.setattr(sweep_mod, "run_experiment", wrapped)
+    return calls
+
+
+def test_plan_grid_times_zip_cli_axes_and_names(tmp_path):
+    cfg = sweep_config(
+        tmp_path,
+        {
+            "grid": {"engine.scheduler": ["fcfs", "static"], "workload.seed": [0, 1]},
+            "zip": {"engine": {"page_size": [8, 16]}, "workload.output_len.lo": [8, 12]},
+        },
+    )
+    plan = plan_sweep(cfg, TINY, grid=parse_axes(["workload.seed=3,4,5"]))
+    assert plan.grid == {"engine.scheduler": ["fcfs", "static"], "workload.seed": [3, 4, 5]}
+    assert plan.zip == {"engine.page_size": [8, 16], "workload.output_len.lo": [8, 12]}
+    assert len(plan.points) == 2 * 3 * 2
+    first = plan.points[0]
+    assert first.overrides == {
+        "engine.scheduler": "fcfs", "workload.seed": 3,
+        "engine.page_size": 8, "workload.output_len.lo": 8,
+    }  # fmt: skip
+    assert first.name == (
+        "engine.scheduler=fcfs,workload.seed=3,engine.page_size=8,workload.output_len.lo=8"
+    )
+    assert len({p.name for p in plan.points}) == len(plan.points)
+    rc = plan.run_configs[plan.points[-1].name]
+    assert (rc.engine.scheduler, rc.workload.seed, rc.engine.page_size) == ("static", 5, 16)
+    assert rc.workload.num_requests == 4  # plain overrides apply to every point
+    assert Path(rc.out_dir) == tmp_path / "out" / "points" / plan.points[-1].name
+    assert not (tmp_path / "out").exists()  # planning writes nothing
+    # Command-line values are typed like overrides; names are filesystem-safe.
+    assert parse_axes(["a.b=1,2.5,x,[1,2],null"]) == {"a.b": [1, 2.5, "x", [1, 2], None]}
+    assert point_name({"w.trace_path": "../data/x y.jsonl"}) == "w.trace_path=.._data_x_y.jsonl"
+
+
+def test_two_point_grid_writes_table_and_sweep_json(tmp_path):
+    cfg = sweep_config(tmp_path, {"grid": {"engine.scheduler": ["fcfs", "static"]}})
+    assert main(["sweep", str(cfg), *TINY, "--no-progress"]) == 0
+    out = tmp_path / "out"
+    table = pd.read_parquet(out / "results.parquet")
+    names = ["engine.scheduler=fcfs", "engine.scheduler=static"]
+    assert table["point"].tolist() == names
+    assert table["engine.scheduler"].tolist() == ["fcfs", "static"]
+    assert list(table.columns[:2]) == ["point", "engine.scheduler"]
+    assert table["num_completed"].tolist() == [4, 4]
+    assert (table["output_throughput"] > 0).all()
+    assert "failed_errors" not in table.columns  # lists are not table columns
+    spec = json.loads((out / "sweep.json").read_text())
+    assert spec["config"] == str(cfg) and spec["overrides"] == TINY
+    assert spec["grid"] == {"engine.scheduler": ["fcfs", "static"]} and spec["zip"] == {}
+    assert spec["points"] == [
+        {"name": names[0], "overrides": {"engine.scheduler": "fcfs"}},
+        {"name": names[1], "overrides": {"engine.scheduler": "static"}},
+    ]
+    assert {"device", "jax", "commit", "date", "command"} <= spec["provenance"].keys()
+    for name, scheduler in zip(names, ["fcfs", "static"], strict=True):
+        point = out / "points" / name
+        assert json.loads((point / "metrics.json").read_text())["num_completed"] == 4
+        config = OmegaConf.load(point / "config.yaml")
+        assert config.engine.scheduler == scheduler and config.out_dir == str(point)
+    assert sorted(p.name for p in (out / "points").iterdir()) == names  # no tmp folders left
+
+
+def test_interrupted_sweep_resumes_with_only_the_remaining_points(tmp_path, monkeypatch):
+    schedulers = ["fcfs", "static", "shortest_first"]
+    cfg = sweep_config(tmp_path, {"grid": {"engine.scheduler": schedulers}})
+    points = tmp_path / "out" / "points"
+    calls = counting(monkeypatch, fail_on={2: KeyboardInterrupt()})
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(plan_sweep(cfg, TINY), show_progress=False, console=QUIET)
+    assert calls == ["fcfs", "static"]
+    assert (points / "engine.scheduler=fcfs" / "metrics.json").is_file()
+    assert not (points / "engine.scheduler=static").exists()
+    (tmp,) = points.glob(".engine.scheduler=static.tmp-*")  # left behind, with a metrics.json
+    assert (tmp / "metrics.json").is_file()
+    tmp = tmp.rename(tmp.with_name(".engine.scheduler=static.tmp-999999999"))  # another process
+    assert pd.read_parquet(tmp_path / "out" / "results.parquet")["point"].tolist() == [
+        "engine.scheduler=fcfs"
+    ]
+
+    result = run_sweep(plan_sweep(cfg, TINY), show_progress=False, console=QUIET)
+    assert calls[2:] == ["static", "shortest_first"]  # the finished point is skipped
+    assert result.ok and result.skipped == ["engine.scheduler=fcfs"]
+    assert not tmp.exists() and not list(points.glob(".*"))
+    table = pd.read_parquet(tmp_path / "out" / "results.parquet")
+    assert table["engine.scheduler"].tolist() == schedulers
+    assert table["num_completed"].tolist() == [4, 4, 4]
+
+
+def test_failed_point_is_recorded_and_the_sweep_continues(tmp_path, monkeypatch):
+    calls: list[int] = []
+    broken = {1}
+
+    def fake(rc, **kwargs):  # no engine: writes metrics.json only
+        calls.append(rc.workload.seed)
+        if rc.workload.seed in broken:
+            raise RuntimeError(f"boom at seed {rc.workload.seed}")
+        metrics = {"num_completed": 4, "goodput": 1.5 * rc.workload.seed, "failed_errors": []}
+        (Path(rc.out_dir) / "metrics.json").write_text(json.dumps(metrics))
+        return metrics
+
+    monkeypatch.setattr(sweep_mod, "run_experiment", fake)
+    cfg = sweep_config(tmp_path)
+    args = ["sweep", str(cfg), *TINY, "--grid", "workload.seed=0,1,2", "--no-progress"]
+    assert main(args) == 1  # a point failed
+    assert calls == [0, 1, 2]
+    points = tmp_path / "out" / "points"
+    assert "boom at seed 1" in (points / "workload.seed=1.error.txt").read_text()
+    assert not (points / "workload.seed=1").exists() and not list(points.glob(".*"))
+    table = pd.read_parquet(tmp_path / "out" / "results.parquet")
+    assert table["workload.seed"].tolist() == [0, 2]
+    assert table["goodput"].tolist() == [0.0, 3.0]
+    assert "failed_errors" not in table.columns
+    # A re-run retries only the failed point; its error file goes once it succeeds.
+    broken.clear()
+    assert main(args) == 0
+    assert calls == [0, 1, 2, 1]
+    assert not (points / "workload.seed=1.error.txt").exists()
+    table = pd.read_parquet(tmp_path / "out" / "results.parquet")
+    assert table["workload.seed"].tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("sweep", "overrides", "grid", "names"),
+    [
+        ({"grid": {"engine.no_such": [1, 2]}}, [], [], r"engine\.no_such.*engine\.no_such=1"),
+        ({"grid": {"engine.scheduler": ["fcfs", "lifo"]}}, [], [], r"engine\.scheduler=lifo"),
+        ({}, [], ["engine.page_size=16,0"], r"engine\.page_size.*engine\.page_size=0"),
+        (
+            {"zip": {"engine.page_size": [8, 16], "workload.seed": [0, 1, 2]}}, [], [],
+            r"zip.*engine\.page_size.*workload\.seed",
+        ),
+        ({"grid": {"out_dir": ["a", "b"]}}, [], [], "out_dir"),
+        ({"grid": {"engine.max_num_seqs": [2, 4]}}, ["engine.max_num_seqs=8"], [], "max_num_seqs"),
+        ({"grid": {"workload.seed": [1, 1]}}, [], [], "twice"),
+    ],
+)  # fmt: skip
+def test_invalid_sweep_fails_before_any_point_runs(
+    tmp_path, monkeypatch, capsys, sweep, overrides, grid, names
+):
+    calls = counting(monkeypatch)
+    cfg = sweep_config(tmp_path, sweep)
+    with pytest.raises(ValueError, match=names):
+        plan_sweep(cfg, [*TINY, *overrides], grid=parse_axes(grid))
+    cli = [f"--grid={g}" for g in grid]
+    assert main(["sweep", str(cfg), *TINY, *overrides, *cli, "--no-progress"]) == 2
+    assert "jaxinfer sweep: error:" in capsys.readouterr().err
+    assert calls == [] and not (tmp_path / "out").exists()
+
+
+def test_two_workers_match_one_worker(tmp_path):
+    deterministic = ["point", "engine.scheduler", "num_completed", "total_output_tokens"]
+    tables = []
+    for workers in (1, 2):
+        cfg = sweep_config(
+            tmp_path / f"w{workers}", {"grid": {"engine.scheduler": ["fcfs", "static"]}}
+        )
+        result = run_sweep(
+            plan_sweep(cfg, TINY), workers=workers, show_progress=False, console=QUIET
+        )
+        assert result.ok and len(result.ran) == 2
+        spec = json.loads((tmp_path / f"w{workers}" / "out" / "sweep.json").read_text())
+        assert spec["workers"] == workers
+        tables.append(result.table[deterministic])
+    pd.testing.assert_frame_equal(tables[0], tables[1])
+    assert tables[1]["num_completed"].tolist() == [4, 4]
+
+
+def test_worker_gpu_pinning(monkeypatch):
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6,7")
+    assert sweep_mod.worker_devices(2, 1) == ["3", "5"]
+    assert sweep_mod.worker_devices(2, 2) == ["3,5", "6,7"]
+    assert sweep_mod.worker_devices(3, 0) == [None, None, None]  # not pinned
+    with pytest.raises(ValueError, match="need 6 GPUs; 4 visible"):
+        sweep_mod.worker_devices(3, 2)
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # CPU: nothing is set
+    assert sweep_mod.worker_devices(2, 1) == [None, None]
+    # With GPU workers the sweep's provenance comes from a separate short-lived process.
+    monkeypatch.setattr(sweep_mod, "visible_gpus", lambda: ["0", "1"])
+    prov = sweep_mod._sweep_provenance(2)
+    assert {"device", "jax", "commit", "command"} <= prov.keys()
