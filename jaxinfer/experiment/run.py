@@ -117,7 +117,9 @@ def run_experiment(rc: RunConfig, *, show_progress: bool = True, console: Consol
     out = Path(rc.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(rc)))
-    (out / "env.json").write_text(json.dumps(provenance(), indent=2))
+    env = provenance()
+    metrics = {**env, **metrics}  # every results file says where, on what and how it was made
+    (out / "env.json").write_text(json.dumps(env, indent=2))
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     write_tables(out, rows, engine.step_records)
     console.print(summary_table(rc.name, metrics))
