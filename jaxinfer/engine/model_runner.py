@@ -209,8 +209,11 @@ class ModelRunner:
     def warmup(self) -> None:
         """Compile every bucket on all-padding batches (they only touch the scratch page)."""
         s = self.shapes
+        # A decode-only mixed batch (max_q 1) has one token per sequence, so its token bucket is at
+        # most the one holding max_num_seqs; larger buckets only ever see prefill chunks.
+        decode_cap = pick_bucket(self.token_buckets, min(s.max_num_seqs, s.max_step_tokens))
         for t in self.token_buckets:
-            for max_q in sorted({1, t}):
+            for max_q in sorted({1, t} if t <= decode_cap else {t}):
                 table = jnp.zeros((s.max_num_seqs, s.pages_per_seq), jnp.int32)
                 batch = RaggedBatch(
                     jnp.zeros(t, jnp.int32), jnp.zeros(t, jnp.int32),
