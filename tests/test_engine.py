@@ -165,13 +165,13 @@ def test_streaming_yields_the_generated_tokens(model, prompts):
     llm.engine = make_engine(model)
     sampling = greedy(10)
     streamed: dict[int, list[int]] = {}
-    finished = set()
+    finished = []
     for ev in llm.stream(prompts[:4], sampling):
         streamed.setdefault(ev.request_id, []).extend(ev.token_ids)
         if ev.finished:
-            finished.add(ev.request_id)
+            finished.append(ev.request_id)
     outs = llm.generate(prompts[:4], sampling)
-    assert len(finished) == 4
+    assert sorted(finished) == sorted(streamed), "each request must finish exactly once"
     assert sorted(streamed.values()) == sorted(o.token_ids for o in outs)
 
 

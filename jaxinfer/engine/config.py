@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jaxinfer.models.attention import ATTENTION_BACKENDS
+
 SCHEDULERS = ("fcfs", "priority", "shortest_first", "static")
 ALLOCATIONS = ("on_demand", "reserve_max")
-BACKENDS = ("xla",)
 
 
 @dataclass
@@ -36,7 +37,7 @@ class EngineConfig:
         for key, allowed in (
             ("scheduler", SCHEDULERS),
             ("allocation", ALLOCATIONS),
-            ("attention_backend", BACKENDS),
+            ("attention_backend", ATTENTION_BACKENDS),
         ):
             if getattr(self, key) not in allowed:
                 raise bad(key, f"one of {', '.join(allowed)}")

@@ -46,7 +46,7 @@ class _Inflight:
 
 @dataclass
 class StepOutput:
-    """Tokens each sequence gained in one engine step (for streaming)."""
+    """Tokens each sequence gained in one engine step (for streaming); `finished`: in this step."""
 
     seq: Sequence
     new_token_ids: list[int]
@@ -234,12 +234,10 @@ class Engine:
                 return 1
         return k
 
-    def _sampling(self, seqs: list[Sequence], rows: int) -> SamplingBatch:
+    def _sampling(self, seqs: list[Sequence], positions: list[int], rows: int) -> SamplingBatch:
+        """`positions`: where each sampled token will sit (keys its random draw)."""
         return SamplingBatch.build(
-            [s.sampling for s in seqs],
-            [self._seeds[s.seq_id] for s in seqs],
-            [s.num_tokens for s in seqs],  # position of the token to be sampled
-            rows,
+            [s.sampling for s in seqs], [self._seeds[s.seq_id] for s in seqs], positions, rows
         )
 
     def _run_mixed(self, scheduled):
@@ -252,13 +250,8 @@ class Engine:
             [s.seq.num_computed_tokens for s in scheduled],
             [s.seq.page_ids for s in scheduled],
         )
-        # Sampling position: the token after this step's last one.
-        sb = SamplingBatch.build(
-            [s.sampling for s in seqs],
-            [self._seeds[s.seq_id] for s in seqs],
-            [s.seq.num_computed_tokens + s.num_new_tokens for s in scheduled],
-            self.config.max_num_seqs,
-        )
+        positions = [s.seq.num_computed_tokens + s.num_new_tokens for s in scheduled]
+        sb = self._sampling(seqs, positions, self.config.max_num_seqs)
         t0 = self.clock()
         tok, lp, top_lp, top_ids = jax.device_get(self.runner.run_mixed(batch, sb))
         device_s = self.clock() - t0
@@ -279,7 +272,7 @@ class Engine:
             [self._stop_ids(s) for s in seqs],
             [s.page_ids for s in seqs],
         )
-        sb = self._sampling(seqs, rows)
+        sb = self._sampling(seqs, [s.num_tokens for s in seqs], rows)  # loop re-keys per step
         outs, final = self.runner.run_decode(table, state, sb, k)
         return _Inflight(seqs, outs, final, sb, rows, k)
 
@@ -324,6 +317,8 @@ class Engine:
 
     def _append(self, seq: Sequence, new, now: float) -> StepOutput:
         """Append sampled tokens, stamping times; stop at EOS/stop ids/stop strings/max_tokens."""
+        if seq.is_finished:  # finished while a decode scan was in flight: nothing new
+            return StepOutput(seq, [], False)
         appended = []
         stop_ids = set(self._stop_ids(seq))
         for token, logprob, top_lp, top_ids in new:

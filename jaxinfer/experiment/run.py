@@ -86,6 +86,7 @@ def run_experiment(rc: RunConfig, *, show_progress: bool = True, console: Consol
     )  # fmt: skip
     with Progress(*columns, console=console, disable=not show_progress) as progress:
         task = progress.add_task("requests", total=len(workload))
+        done = 0
         while pending or engine.has_unfinished():
             now = engine.clock() - t0
             while pending and pending[0].arrival_time <= now:
@@ -96,12 +97,13 @@ def run_experiment(rc: RunConfig, *, show_progress: bool = True, console: Consol
                     top_p=s.top_p, min_p=s.min_p, ignore_eos=s.ignore_eos,
                     eos_after=None if s.max_tokens is None else req.output_len,
                 )  # fmt: skip
-                engine.add_request(prompt, sampling, arrival_time=t0 + req.arrival_time)
+                seq = engine.add_request(prompt, sampling, arrival_time=t0 + req.arrival_time)
+                done += seq.is_finished  # rejected on arrival
             if engine.has_unfinished():
-                engine.step()
+                done += sum(out.finished for out in engine.step())
             elif pending:
                 time.sleep(max(0.0, min(0.01, pending[0].arrival_time - now)))
-            progress.update(task, completed=sum(q.is_finished for q in engine.sequences))
+            progress.update(task, completed=done)
 
     rows = request_rows(engine.sequences)
     metrics = summarize(

@@ -2,22 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
-STEP_COLUMNS = (
-    "time",
-    "num_seqs",
-    "num_batched_tokens",
-    "kv_pages_used",
-    "kv_pages_total",
-    "wasted_slots",
-    "is_decode_only",
-    "preemptions",
-    "host_ms",
-    "device_ms",
-    "kv_slots_allocated",
-    "decode_steps",
-)
+from dataclasses import asdict, dataclass, fields
 
 
 @dataclass
@@ -50,6 +35,9 @@ class StepRecord:
 
     def to_row(self) -> dict:
         return asdict(self)
+
+
+STEP_COLUMNS = tuple(f.name for f in fields(StepRecord))
 
 
 def step_row(step: StepRecord | dict) -> dict:
