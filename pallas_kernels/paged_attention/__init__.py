@@ -1,3 +1,4 @@
+from pallas_kernels.paged_attention.dispatch import BACKENDS, paged_attention, resolve_backend
 from pallas_kernels.paged_attention.reference import ragged_paged_attention
 
-__all__ = ["ragged_paged_attention"]
+__all__ = ["BACKENDS", "paged_attention", "ragged_paged_attention", "resolve_backend"]

@@ -1,0 +1,69 @@
+"""One entry point for ragged paged attention, whatever the backend.
+
+- `xla`: the pure-JAX reference (`reference.py`); runs anywhere, the oracle in tests.
+- `pallas`: the Mosaic GPU kernel (`mosaic_gpu.py`); on CPU it runs under the GPU interpreter.
+- `cudnn`: cuDNN's paged attention through jax's private API (`cudnn.py`), an ablation baseline;
+  decode-only batches on a GPU with a jax that has it.
+- `auto`: `pallas` on a GPU, `xla` elsewhere.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.paged_attention.reference import ragged_paged_attention
+
+BACKENDS = ("auto", "xla", "pallas", "cudnn")
+
+
+def resolve_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return backend
+
+
+def paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    seq_lens: jax.Array,
+    query_start_loc: jax.Array,
+    *,
+    max_q_len: int,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+    backend: str = "auto",
+    **kernel_options,
+) -> jax.Array:
+    """Ragged paged attention (see `reference.ragged_paged_attention` for the layout).
+
+    `k_scales`/`v_scales`: [num_pages, Hkv] float32 dequantization scales when the pages are FP8.
+    `kernel_options` go to the Pallas kernel (e.g. `num_splits`, `interpret`).
+    """
+    backend = resolve_backend(backend)
+    common = dict(max_q_len=max_q_len, sm_scale=sm_scale, soft_cap=soft_cap,
+                  sliding_window=sliding_window)  # fmt: skip
+    if backend == "xla":
+        return ragged_paged_attention(
+            q, k_pages, v_pages, page_table, seq_lens, query_start_loc,
+            k_scales=k_scales, v_scales=v_scales, **common,
+        )  # fmt: skip
+    if backend == "pallas":
+        from pallas_kernels.paged_attention.mosaic_gpu import ragged_paged_attention_mgpu
+
+        return ragged_paged_attention_mgpu(
+            q, k_pages, v_pages, page_table, seq_lens, query_start_loc,
+            k_scales=k_scales, v_scales=v_scales, **common, **kernel_options,
+        )  # fmt: skip
+    from pallas_kernels.paged_attention.cudnn import cudnn_paged_attention
+
+    return cudnn_paged_attention(
+        q, k_pages, v_pages, page_table, seq_lens, query_start_loc,
+        k_scales=k_scales, v_scales=v_scales, **common,
+    )  # fmt: skip
