@@ -1,0 +1,496 @@
+"""Ragged paged attention for Hopper in Mosaic GPU (Pallas): decode, prefill chunks, FP8 K/V.
+
+One kernel serves decode batches, chunked-prefill batches and batches that mix them (the engine's
+mixed step): the same layout as `reference.ragged_paged_attention`, whose docstring describes it.
+
+How the work is cut
+-------------------
+- The query tokens of each sequence are cut into *query blocks* of `bq` tokens (`bq = 1` for a
+  decode-only batch; `64 // group` otherwise). For one KV head, a block's queries of all the
+  `group` query heads sharing that KV head form the 64-row A operand of `wgmma` (rows are
+  (token, head-in-group) pairs, padded to 64). A decode block so fills `group` of 64 rows: the
+  tensor cores do 16x the useful FLOPs for GQA 32/8, which costs nothing because decode is bound
+  by reading K/V (the FLOPs per K/V byte stay far under the H200's ~200 FLOP/B balance point).
+- Grid: (query block, KV head, context split). Each program streams its share of the sequence's
+  K/V in tiles of `block_kv = max(64, page_size)` tokens, each tile one TMA copy per page
+  (`block_kv // page_size` copies for small pages) straight from the page pool, through
+  `num_stages` shared-memory buffers: the copies for tile i+num_stages-1 are in flight while tile
+  i is computed. Page ids come from the page table in global memory, read as scalars.
+- Softmax is online (flash-attention style) in fp32, in the log2 domain. With several context
+  splits (long contexts, few sequences: the grid would not fill 132 SMs otherwise) each split
+  writes its normalised output and log-sum-exp, and a small XLA epilogue combines them.
+- Isolation: only pages below the sequence's length are read; page-table entries past it are
+  clamped to its last page (never dereferenced as garbage). Keys past the length are masked
+  (select, not multiply) and values past it are zeroed in shared memory before `P @ V`, so NaN in
+  unused page slots cannot reach an output, not even as NaN * 0.
+- FP8 (e4m3) pages with one fp32 scale per (page, KV head): tiles are copied as fp8 (half the
+  bytes), converted to bf16 in shared memory, and the scales are applied to the columns of the
+  scores (K) and of the probabilities (V), so dequantization is one multiply per score.
+
+The Pallas Triton backend is not used (deprecated from jax 0.11). On CPU the kernel runs under jax's
+GPU interpreter (`interpret=True`), which is how the tests check it against the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import _compat
+
+ROWS = 64  # wgmma M: query rows per program
+BLOCK_KV = 64  # keys per tile
+LOG2E = math.log2(math.e)
+RCP_LN2 = 1.0 / math.log(2.0)
+NEG = -1e30  # masked score in the log2 domain: finite, so fully masked tiles never give NaN
+SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn),)
+
+
+def _swizzled(shape, dtype):
+    """A shared-memory buffer in the layout TMA and wgmma want: (8 rows, swizzle bytes) tiles."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = min(128, shape[-1] * itemsize)
+    return plgpu.SMEM(
+        shape,
+        dtype,
+        transforms=(
+            plgpu.TilingTransform((8, swizzle // itemsize)),
+            plgpu.SwizzleTransform(swizzle),
+        ),
+    )
+
+
+def default_num_splits(num_programs: int, max_tiles: int, sms: int) -> int:
+    """Context splits so that (programs x splits) covers the SMs about twice, never past the tiles."""
+    if num_programs >= sms:
+        return 1
+    return max(1, min(max_tiles, -(-2 * sms // num_programs)))
+
+
+def ragged_paged_attention_mgpu(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    seq_lens: jax.Array,
+    query_start_loc: jax.Array,
+    *,
+    max_q_len: int,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+    num_splits: int | None = None,
+    num_stages: int | None = None,
+    warp_specialized: bool = True,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """Same contract as `reference.ragged_paged_attention`; returns [T, Hq, D] in q.dtype.
+
+    `num_splits` (static) cuts each sequence's context into that many parts (default: enough to
+    fill the GPU); `num_stages` is the depth of the shared-memory pipeline (default 3, 2 for
+    128-token tiles of head dim 256); `interpret` runs the kernel under the GPU interpreter
+    (default: when there is no GPU).
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_pages.shape
+    num_seqs, pages_per_seq = page_table.shape
+    _check_inputs(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, k_scales, v_scales)
+    group = num_q_heads // num_kv_heads
+    quantized = k_scales is not None
+    scale = head_dim**-0.5 if sm_scale is None else float(sm_scale)
+    interpret = _compat.default_interpret() if interpret is None else interpret
+    compute_dtype = jnp.float16 if quantized else jnp.bfloat16  # e4m3 converts only to f16
+
+    decode = max_q_len == 1
+    bq = 1 if decode else max(1, ROWS // group)
+    max_tiles = -(-pages_per_seq * page_size // BLOCK_KV)
+    q_rows = -(-bq * group // 8) * 8  # rows of a block actually loaded and stored
+
+    # ---- query blocks (XLA): which sequence, which tokens, where each block's queries sit.
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    if decode:
+        num_blocks = num_seqs
+        blk_seq = jnp.arange(num_seqs, dtype=jnp.int32)
+        blk_off = jnp.zeros((num_seqs,), jnp.int32)
+        blk_ok = jnp.ones((num_seqs,), bool)
+    else:
+        num_blocks = -(-num_tokens // bq) + num_seqs  # static bound on sum(ceil(q_len / bq))
+        per_seq = (q_lens + bq - 1) // bq
+        ends = jnp.cumsum(per_seq)
+        b = jnp.arange(num_blocks, dtype=jnp.int32)
+        blk_seq = jnp.searchsorted(ends, b, side="right").astype(jnp.int32)
+        blk_ok = blk_seq < num_seqs
+        blk_seq = jnp.minimum(blk_seq, num_seqs - 1)
+        blk_off = (b - (ends[blk_seq] - per_seq[blk_seq])) * bq
+    n_valid = jnp.where(blk_ok, jnp.clip(q_lens[blk_seq] - blk_off, 0, bq), 0)
+    kv_len = jnp.where(n_valid > 0, seq_lens[blk_seq], 0)
+    q_pos0 = kv_len - q_lens[blk_seq] + blk_off
+    meta = jnp.stack([blk_seq, q_pos0, n_valid, kv_len], axis=1).astype(jnp.int32)
+
+    j = jnp.arange(bq, dtype=jnp.int32)
+    tok = query_start_loc[blk_seq][:, None] + blk_off[:, None] + j[None, :]  # [nb, bq]
+    tok_ok = j[None, :] < n_valid[:, None]
+    tok = jnp.where(tok_ok, tok, num_tokens)  # out of range: dropped when scattering back
+    qb = q[jnp.minimum(tok, num_tokens - 1)].astype(jnp.float32) * scale  # [nb, bq, Hq, D]
+    qb = jnp.where(tok_ok[:, :, None, None], qb, 0.0)
+    qb = qb.reshape(num_blocks, bq, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+    qb = qb.reshape(num_blocks, num_kv_heads, bq * group, head_dim)
+    qb = jnp.pad(qb, ((0, 0), (0, 0), (0, q_rows - bq * group), (0, 0))).astype(compute_dtype)
+
+    sms = _compat.num_sms()
+    if num_splits is None:
+        num_splits = default_num_splits(num_blocks * num_kv_heads, max_tiles, sms) if decode else 1
+    num_splits = max(1, min(int(num_splits), max_tiles))
+    if num_stages is None:
+        num_stages = 4 if warp_specialized else 2
+
+    kernel = _build_kernel(
+        num_blocks=num_blocks,
+        num_kv_heads=num_kv_heads,
+        num_splits=num_splits,
+        q_rows=q_rows,
+        group=group,
+        head_dim=head_dim,
+        page_size=page_size,
+        num_stages=num_stages,
+        kv_dtype=jnp.dtype(k_pages.dtype),
+        quantized=quantized,
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        sliding_window=None if sliding_window is None else int(sliding_window),
+        warp_specialized=warp_specialized,
+        interpret=interpret,
+    )
+    args = [meta, page_table.astype(jnp.int32)]
+    if quantized:
+        args += [k_scales.astype(jnp.float32), v_scales.astype(jnp.float32)]
+    out, lse = kernel(
+        *args, qb, k_pages, v_pages
+    )  # [splits, nb, Hkv, 64, D], [splits, nb, Hkv, 64]
+
+    if num_splits == 1:
+        ob = out[0]
+    else:  # combine the splits' partial softmaxes (log2 domain)
+        lmax = jnp.max(lse, axis=0)
+        w = jnp.exp2(lse - lmax[None])
+        ob = jnp.sum(w[..., None] * out.astype(jnp.float32), axis=0) / jnp.sum(w, axis=0)[..., None]
+
+    ob = ob[:, :, : bq * group].reshape(num_blocks, num_kv_heads, bq, group, head_dim)
+    ob = ob.transpose(0, 2, 1, 3, 4).reshape(num_blocks * bq, num_q_heads, head_dim)
+    result = jnp.zeros((num_tokens, num_q_heads, head_dim), q.dtype)
+    return result.at[tok.reshape(-1)].set(ob.astype(q.dtype), mode="drop")
+
+
+def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, k_scales, v_scales):
+    _, num_q_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads, d_k = k_pages.shape
+    if v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
+        raise ValueError(f"v_pages {v_pages.shape} {v_pages.dtype} must match k_pages "
+                         f"{k_pages.shape} {k_pages.dtype}")  # fmt: skip
+    if d_k != head_dim:
+        raise ValueError(f"head dim of q ({head_dim}) and k_pages ({d_k}) differ")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise NotImplementedError(f"head_dim {head_dim} not in {SUPPORTED_HEAD_DIMS}")
+    if page_size not in SUPPORTED_PAGE_SIZES:
+        raise NotImplementedError(f"page_size {page_size} not in {SUPPORTED_PAGE_SIZES}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"q heads ({num_q_heads}) not a multiple of kv heads ({num_kv_heads})")
+    if num_q_heads // num_kv_heads > ROWS:
+        raise NotImplementedError(f"at most {ROWS} query heads per KV head")
+    if page_table.ndim != 2 or seq_lens.shape != (page_table.shape[0],):
+        raise ValueError(f"page_table {page_table.shape} / seq_lens {seq_lens.shape} mismatch")
+    if query_start_loc.shape != (page_table.shape[0] + 1,):
+        raise ValueError(f"query_start_loc {query_start_loc.shape} must be [num_seqs + 1]")
+    quantized = jnp.dtype(k_pages.dtype) in FP8_DTYPES
+    if quantized != (k_scales is not None) or (k_scales is None) != (v_scales is None):
+        raise ValueError("k_scales and v_scales are required exactly when the pages are fp8 "
+                         f"(pages are {k_pages.dtype})")  # fmt: skip
+    if quantized and (k_scales.shape != (num_pages, num_kv_heads) != v_scales.shape):
+        raise ValueError(
+            f"k_scales/v_scales must be [num_pages, Hkv] = {(num_pages, num_kv_heads)}"
+        )
+    if not quantized and jnp.dtype(k_pages.dtype) != jnp.dtype(jnp.bfloat16):
+        raise NotImplementedError(f"kv dtype {k_pages.dtype}: the kernel reads bf16 or fp8 pages")
+
+
+@functools.cache
+def _build_kernel(
+    *,
+    num_blocks,
+    num_kv_heads,
+    num_splits,
+    q_rows,
+    group,
+    head_dim,
+    page_size,
+    num_stages,
+    kv_dtype,
+    quantized,
+    soft_cap,
+    sliding_window,
+    warp_specialized,
+    interpret,
+):
+    bk = BLOCK_KV
+    copies = max(1, bk // page_size)  # TMA copies (pages) per tile
+    # Hopper converts e4m3 only to f16 in hardware: FP8 tiles are computed in f16.
+    cdt = jnp.float16 if quantized else jnp.bfloat16
+    wgmma_layout = plgpu.Layout.WGMMA
+
+    def cast(x, layout):  # register layouts mean nothing to the GPU interpreter
+        return x if interpret else plgpu.layout_cast(x, layout)
+
+    def mma(a, b_ref, transpose_b=False):
+        """a @ b (or a @ b.T) into a fresh fp32 accumulator with wgmma; `a` a ref or an array.
+
+        The GPU interpreter's wgmma takes neither register operands nor transposed refs, so under
+        it the product is a plain dot of the same values (everything around it is interpreted).
+        """
+        cols = b_ref.shape[0] if transpose_b else b_ref.shape[1]
+        if interpret:
+            av = a[...] if not isinstance(a, jax.Array) else a
+            dims = (((1,), (1 if transpose_b else 0,)), ((), ()))
+            return lax.dot_general(av, b_ref[...], dims, preferred_element_type=jnp.float32)
+        b = plgpu.transpose_ref(b_ref, (1, 0)) if transpose_b else b_ref
+
+        def scope(acc_ref):
+            plgpu.wgmma(acc_ref, a, b)
+            return acc_ref[...]
+
+        return pl.run_scoped(scope, plgpu.ACC((ROWS, cols), jnp.float32))
+
+    def iota(shape, dim):
+        return cast(lax.broadcasted_iota(jnp.int32, shape, dim), wgmma_layout)
+
+    def body(*refs):
+        n_in = 9 if quantized else 7
+        ins, scratch = refs[:n_in], refs[n_in:]
+        if quantized:
+            meta_ref, pt_ref, ks_ref, vs_ref, q_ref, k_ref, v_ref, o_ref, lse_ref = ins
+            q_smem, k_smem, v_smem, kc_smem, vc_smem, lse_smem, *bars = scratch
+        else:
+            meta_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref = ins
+            q_smem, k_smem, v_smem, lse_smem, *bars = scratch
+            ks_ref = vs_ref = kc_smem = vc_smem = None
+        q_bar, k_bar, v_bar, k_free, v_free = bars if warp_specialized else (*bars, None, None)
+
+        blk = lax.axis_index("blk")
+        head = lax.axis_index("head")
+        split = lax.axis_index("split")
+        seq = meta_ref[blk, 0]
+        q_pos0 = meta_ref[blk, 1]
+        n_valid = meta_ref[blk, 2]
+        kv_len = meta_ref[blk, 3]
+
+        kv_end = jnp.minimum(kv_len, q_pos0 + n_valid)  # causal bound of the block's last query
+        if sliding_window is None:
+            kv_start = jnp.int32(0)
+        else:
+            kv_start = jnp.maximum(q_pos0 - sliding_window + 1, 0)
+        t_lo = lax.div(kv_start, jnp.int32(bk))
+        t_hi = lax.div(kv_end + bk - 1, jnp.int32(bk))
+        per = lax.div(t_hi - t_lo + num_splits - 1, jnp.int32(num_splits))
+        my_lo = t_lo + split * per
+        n_tiles = jnp.maximum(jnp.minimum(t_hi, my_lo + per) - my_lo, 0)
+        last_page = jnp.maximum(lax.div(kv_len - 1, jnp.int32(page_size)), 0)
+
+        def page_of(tile, c):
+            """Page holding copy `c` of `tile`, clamped to the sequence's last page."""
+            idx = lax.div(tile * bk + c * page_size, jnp.int32(page_size))
+            return pt_ref[seq, jnp.minimum(idx, last_page)]
+
+        def issue_k(i, slot):
+            tile = my_lo + i
+            for c in range(copies):
+                _copy(k_ref, k_smem, k_bar, tile, c, slot)
+
+        def issue_v(i, slot):
+            tile = my_lo + i
+            for c in range(copies):
+                _copy(v_ref, v_smem, v_bar, tile, c, slot)
+
+        def _copy(src, dst, bar, tile, c, slot):
+            page = page_of(tile, c)
+            if page_size > bk:  # a tile is a slice of one page
+                off = lax.rem(tile * bk, jnp.int32(page_size))
+                src_ref = src.at[page, pl.ds(off, bk), head]
+            else:
+                src_ref = src.at[page, :, head]
+            dst_ref = dst.at[slot] if copies == 1 else dst.at[slot, pl.ds(c * page_size, page_size)]
+            plgpu.copy_gmem_to_smem(src_ref, dst_ref, bar.at[slot])
+
+        def producer_prologue():
+            for st in range(num_stages):
+
+                @pl.when(st < n_tiles)
+                def _(st=st):
+                    issue_k(st, st)
+                    issue_v(st, st)
+
+        def col_scales(scale_ref, tile, shape):
+            """Per-column dequantization scales of a tile: one scalar per page it spans."""
+            out = cast(
+                jnp.full(shape, scale_ref[page_of(tile, 0), head], jnp.float32), wgmma_layout
+            )
+            if copies > 1:
+                cols = iota(shape, 1)
+                for c in range(1, copies):
+                    out = jnp.where(cols >= c * page_size, scale_ref[page_of(tile, c), head], out)
+            return out
+
+        def kv_step(i, carry):
+            acc, m_i, l_i = carry
+            slot = lax.rem(i, jnp.int32(num_stages))
+            tile = my_lo + i
+            base = tile * bk
+            shape = (ROWS, bk)
+            vshape = (bk, head_dim)
+
+            plgpu.barrier_wait(k_bar.at[slot])
+            if quantized:
+                kc_smem[...] = k_smem[slot].astype(cdt)
+                plgpu.commit_smem()
+                if warp_specialized:
+                    plgpu.barrier_arrive(k_free.at[slot])
+                s = mma(q_smem, kc_smem, transpose_b=True)
+            else:
+                s = mma(q_smem, k_smem.at[slot], transpose_b=True)  # [64, bk] scores, fp32
+                if warp_specialized:
+                    plgpu.barrier_arrive(k_free.at[slot])
+            if quantized:
+                s = s * col_scales(ks_ref, tile, shape)
+            if soft_cap is not None:  # cap * tanh(s / cap), tanh through exp
+                e = jnp.exp(s * (2.0 / soft_cap))
+                s = soft_cap - (2.0 * soft_cap) / (e + 1.0)
+
+            row = iota(shape, 0)
+            col = iota(shape, 1)
+            rel = base + col - q_pos0  # key position relative to the block's first query
+            # Query row r is token r // group: causal means rel <= r // group, i.e. r >= rel*group.
+            mask = (row >= rel * group) & (base + col < kv_len)
+            if sliding_window is not None:  # key > q_pos - window  <=>  r // group < rel + window
+                mask = mask & (row < (rel + sliding_window) * group)
+            s2 = jnp.where(mask, s * LOG2E, NEG)
+
+            m_new = jnp.maximum(m_i, s2.max(axis=1))
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s2 - lax.broadcast_in_dim(m_new, shape, [0]))
+            l_i = l_i * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            if quantized:
+                p = p * col_scales(vs_ref, tile, shape)
+            p16 = p.astype(cdt)
+
+            plgpu.barrier_wait(v_bar.at[slot])
+            if quantized:
+                vrow = iota(vshape, 0)
+                v = v_smem[slot].astype(cdt)
+                vc_smem[...] = jnp.where(base + vrow < kv_len, v, jnp.zeros_like(v))
+                plgpu.commit_smem()
+                if warp_specialized:
+                    plgpu.barrier_arrive(v_free.at[slot])
+                acc = acc + mma(p16, vc_smem)
+            else:
+                v_tile = v_smem.at[slot]
+
+                @pl.when(base + bk > kv_len)
+                def _zero_tail():  # slots past the sequence may hold anything, NaN included
+                    vrow = iota(vshape, 0)
+                    v = v_tile[...]
+                    v_tile[...] = jnp.where(base + vrow < kv_len, v, jnp.zeros_like(v))
+                    plgpu.commit_smem()
+
+                acc = acc + mma(p16, v_tile)
+                if warp_specialized:
+                    plgpu.barrier_arrive(v_free.at[slot])
+
+            if not warp_specialized:
+
+                @pl.when(i + num_stages < n_tiles)
+                def _refill():
+                    issue_k(i + num_stages, slot)
+                    issue_v(i + num_stages, slot)
+
+            return acc, m_new, l_i
+
+        def consumer():
+            plgpu.copy_gmem_to_smem(q_ref.at[blk, head], q_smem.at[pl.ds(0, q_rows)], q_bar)
+            if not warp_specialized:
+                producer_prologue()
+            plgpu.barrier_wait(q_bar)
+            acc = cast(jnp.zeros((ROWS, head_dim), jnp.float32), wgmma_layout)
+            m_i = cast(jnp.full((ROWS,), NEG, jnp.float32), wgmma_layout.reduce(1))
+            l_i = cast(jnp.zeros((ROWS,), jnp.float32), wgmma_layout.reduce(1))
+            acc, m_i, l_i = lax.fori_loop(0, n_tiles, kv_step, (acc, m_i, l_i))
+
+            l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
+            out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+            q_smem[...] = out.astype(cdt)  # q is no longer needed: its buffer stages the output
+            lse_smem[...] = m_i + jnp.log(l_safe) * RCP_LN2
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem.at[pl.ds(0, q_rows)], o_ref.at[split, blk, head])
+            plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, q_rows)], lse_ref.at[split, blk, head])
+            plgpu.wait_smem_to_gmem(0)
+
+        if not warp_specialized:
+            consumer()
+            return
+
+        wg = lax.axis_index("wg")
+        pl.when(wg == 0)(consumer)
+
+        @pl.when(wg == 1)
+        def _producer():  # keeps num_stages tiles in flight, refilling a slot once it is consumed
+            producer_prologue()
+
+            @pl.loop(0, jnp.maximum(n_tiles - num_stages, 0))
+            def _(i):
+                slot = lax.rem(i, jnp.int32(num_stages))
+                plgpu.barrier_wait(k_free.at[slot])
+                issue_k(i + num_stages, slot)
+                plgpu.barrier_wait(v_free.at[slot])
+                issue_v(i + num_stages, slot)
+
+            @pl.loop(jnp.maximum(n_tiles - num_stages, 0), n_tiles)
+            def _drain(i):  # observe the last releases too, so every barrier phase is consumed
+                slot = lax.rem(i, jnp.int32(num_stages))
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])
+
+    scratch = [
+        _swizzled((ROWS, head_dim), cdt),
+        _swizzled((num_stages, bk, head_dim), kv_dtype),
+        _swizzled((num_stages, bk, head_dim), kv_dtype),
+        *([_swizzled((bk, head_dim), cdt)] * 2 if quantized else []),
+        plgpu.SMEM((ROWS,), jnp.float32),
+        plgpu.Barrier(num_barriers=1),
+        plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
+    ]
+    if warp_specialized:
+        scratch += [plgpu.Barrier(num_barriers=num_stages)] * 2
+    out_type = (
+        jax.ShapeDtypeStruct((num_splits, num_blocks, num_kv_heads, q_rows, head_dim), cdt),
+        jax.ShapeDtypeStruct((num_splits, num_blocks, num_kv_heads, q_rows), jnp.float32),
+    )
+    kwargs = dict(
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=(num_blocks, num_kv_heads, num_splits),
+        grid_names=("blk", "head", "split"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )
+    if warp_specialized:
+        kwargs.update(num_threads=2, thread_name="wg")
+    if interpret:
+        kwargs["interpret"] = _compat.gpu_interpret_params()
+    return plgpu.kernel(body, **kwargs)

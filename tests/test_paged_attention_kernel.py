@@ -1,0 +1,135 @@
+"""The Mosaic GPU paged-attention kernel, run under jax's GPU interpreter, against the reference.
+
+Every case draws fresh random inputs (the seed is in the failure message). `make_case` hands pages
+out in a shuffled order and fills every slot no sequence owns, the scratch page, the spare
+page-table column and the padding query rows with NaN: an output that reads outside its own
+sequence's pages, or multiplies NaN by zero, fails.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_paged_attention_reference import make_case
+
+from pallas_kernels.paged_attention import paged_attention, ragged_paged_attention
+from pallas_kernels.paged_attention.mosaic_gpu import ragged_paged_attention_mgpu
+
+E4M3_MAX = 448.0
+
+
+def quantize_e4m3(pages: np.ndarray):
+    """Per-(page, kv head) amax scaling to e4m3; NaN slots stay NaN. Returns (fp8, scales, f32)."""
+    finite = np.where(np.isnan(pages), 0.0, pages)
+    scales = np.maximum(np.abs(finite).max(axis=(1, 3)) / E4M3_MAX, 1e-12).astype(np.float32)
+    q8 = jnp.asarray(pages / scales[:, None, :, None]).astype(jnp.float8_e4m3fn)
+    deq = np.asarray(q8.astype(jnp.float32)) * scales[:, None, :, None]
+    return q8, jnp.asarray(scales), deq
+
+
+def run_case(*, q_lens, ctx_lens, page_size, num_kv_heads, group, head_dim, fp8=False, **kw):
+    seed = secrets.randbelow(2**31)
+    rng = np.random.default_rng(seed)
+    q, k_pages, v_pages, table, lens, qsl, _, _ = make_case(
+        rng, q_lens=q_lens, ctx_lens=ctx_lens, page_size=page_size,
+        num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
+    )  # fmt: skip
+    qb = jnp.asarray(q, jnp.bfloat16)
+    if fp8:
+        k_in, k_scales, k_ref = quantize_e4m3(k_pages)
+        v_in, v_scales, v_ref = quantize_e4m3(v_pages)
+        extra = dict(k_scales=k_scales, v_scales=v_scales)
+    else:
+        k_in, v_in = jnp.asarray(k_pages, jnp.bfloat16), jnp.asarray(v_pages, jnp.bfloat16)
+        k_ref, v_ref = np.asarray(k_in, np.float32), np.asarray(v_in, np.float32)
+        extra = {}
+    max_q = max(q_lens)
+    common = dict(max_q_len=max_q, soft_cap=kw.get("soft_cap"),
+                  sliding_window=kw.get("sliding_window"))  # fmt: skip
+    tab, sl, loc = jnp.asarray(table), jnp.asarray(lens), jnp.asarray(qsl)
+    out = ragged_paged_attention_mgpu(qb, k_in, v_in, tab, sl, loc, interpret=True, **kw,
+                                      **extra, max_q_len=max_q)  # fmt: skip
+    ref = ragged_paged_attention(qb.astype(jnp.float32), jnp.asarray(k_ref), jnp.asarray(v_ref),
+                                 tab, sl, loc, **common)  # fmt: skip
+    out, ref = np.asarray(out, np.float32), np.asarray(ref)
+    n = sum(q_lens)
+    assert out.shape == q.shape and out.dtype == np.float32
+    assert np.isfinite(out).all(), f"non-finite output (seed {seed})"
+    err = np.linalg.norm(out[:n] - ref[:n]) / np.linalg.norm(ref[:n])
+    assert err < 1e-2, f"rel err {err:.2e} (seed {seed})"
+    assert np.all(out[n:] == 0), f"padding rows written (seed {seed})"
+    return err
+
+
+# Decode batches: lengths of 1, exact page multiples, partial last pages, long enough to split.
+@pytest.mark.parametrize(
+    "page_size,ctx_lens,num_splits",
+    [
+        (16, [0, 15, 31, 200], None),
+        (16, [63, 300, 5], 3),
+        (32, [31, 64, 150], None),
+        (64, [63, 64, 129], 2),
+        (128, [127, 128, 300], None),
+    ],
+)
+def test_decode_page_sizes_and_splits(page_size, ctx_lens, num_splits):
+    run_case(q_lens=[1] * len(ctx_lens), ctx_lens=ctx_lens, page_size=page_size,
+             num_kv_heads=2, group=4, head_dim=64, num_splits=num_splits,
+             warp_specialized=False)  # fmt: skip
+
+
+@pytest.mark.parametrize("head_dim,group,num_kv_heads", [(128, 8, 1), (256, 2, 2), (64, 1, 4)])
+def test_head_dims_and_gqa_ratios(head_dim, group, num_kv_heads):
+    run_case(q_lens=[1, 1, 3], ctx_lens=[40, 100, 17], page_size=16, num_kv_heads=num_kv_heads,
+             group=group, head_dim=head_dim, warp_specialized=False)  # fmt: skip
+
+
+def test_ragged_prefill_chunks_mixed_with_decodes():
+    # a chunk longer than a query block, one starting mid-context, fresh prompts, single tokens
+    run_case(q_lens=[1, 37, 5, 20, 1], ctx_lens=[100, 0, 50, 33, 0], page_size=16,
+             num_kv_heads=2, group=4, head_dim=64, warp_specialized=False)  # fmt: skip
+
+
+def test_sliding_window_and_soft_cap():
+    run_case(q_lens=[1, 20, 3], ctx_lens=[200, 60, 9], page_size=16, num_kv_heads=1, group=4,
+             head_dim=64, sliding_window=24, soft_cap=5.0, warp_specialized=False)  # fmt: skip
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_fp8_pages_match_reference_on_dequantized_values(page_size):
+    run_case(q_lens=[1, 1, 9], ctx_lens=[90, 200, 40], page_size=page_size, num_kv_heads=2,
+             group=4, head_dim=64, fp8=True, warp_specialized=False)  # fmt: skip
+
+
+def test_warp_specialized_pipeline():
+    # producer warpgroup feeding a consumer through free/full barriers: fewer, slower cases
+    run_case(q_lens=[1, 12, 1], ctx_lens=[150, 20, 63], page_size=16, num_kv_heads=1, group=4,
+             head_dim=64, num_stages=2, num_splits=2)  # fmt: skip
+
+
+def test_warp_specialized_fp8():
+    run_case(q_lens=[1, 1], ctx_lens=[130, 64], page_size=32, num_kv_heads=1, group=4,
+             head_dim=64, fp8=True)  # fmt: skip
+
+
+def test_dispatcher_routes_to_the_kernel_and_validates():
+    rng = np.random.default_rng(secrets.randbelow(2**31))
+    q, k, v, table, lens, qsl, _, _ = make_case(rng, q_lens=[1, 1], ctx_lens=[20, 5], page_size=16,
+                                                num_kv_heads=1, group=2, head_dim=64)  # fmt: skip
+    args = [jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16),
+            jnp.asarray(table), jnp.asarray(lens), jnp.asarray(qsl)]  # fmt: skip
+    out = paged_attention(*args, max_q_len=1, backend="pallas", interpret=True)
+    ref = paged_attention(*args, max_q_len=1, backend="xla")
+    np.testing.assert_allclose(np.asarray(out[:2], np.float32), np.asarray(ref[:2], np.float32),
+                               atol=3e-2, rtol=3e-2)  # fmt: skip
+    with pytest.raises(ValueError, match="attention backend"):
+        paged_attention(*args, max_q_len=1, backend="triton")
+    with pytest.raises(NotImplementedError, match="page_size"):
+        bad = jnp.zeros((4, 8, 1, 64), jnp.bfloat16)
+        ragged_paged_attention_mgpu(args[0], bad, bad, *args[3:], max_q_len=1, interpret=True)
+    with pytest.raises(ValueError, match="k_scales"):
+        k8 = args[1].astype(jnp.float8_e4m3fn)
+        ragged_paged_attention_mgpu(args[0], k8, k8, *args[3:], max_q_len=1, interpret=True)
