@@ -91,7 +91,7 @@ def ragged_paged_attention_mgpu(
     v_scales: jax.Array | None = None,
     num_splits: int | None = None,
     num_stages: int | None = None,
-    warp_specialized: bool = True,
+    warp_specialized: bool | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
     """Same contract as `reference.ragged_paged_attention`; returns [T, Hq, D] in q.dtype.
@@ -151,6 +151,8 @@ def ragged_paged_attention_mgpu(
     if num_splits is None:
         num_splits = default_num_splits(num_blocks * num_kv_heads, max_tiles, sms) if decode else 1
     num_splits = max(1, min(int(num_splits), max_tiles))
+    if warp_specialized is None:  # measured on the H200: see the module docstring
+        warp_specialized = quantized
     if num_stages is None:
         num_stages = 4 if warp_specialized else 2
 
@@ -186,8 +188,23 @@ def ragged_paged_attention_mgpu(
 
     ob = ob[:, :, : bq * group].reshape(num_blocks, num_kv_heads, bq, group, head_dim)
     ob = ob.transpose(0, 2, 1, 3, 4).reshape(num_blocks * bq, num_q_heads, head_dim)
-    result = jnp.zeros((num_tokens, num_q_heads, head_dim), q.dtype)
-    return result.at[tok.reshape(-1)].set(ob.astype(q.dtype), mode="drop")
+    # Back to token order with a gather (cheaper than a scatter): token t sits in block row
+    # src[t], or nowhere (padding) -> zeros.
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    if decode:
+        seq = jnp.searchsorted(query_start_loc[1:], t, side="right")
+        seq = jnp.minimum(seq, num_seqs - 1)
+        ok = (t == query_start_loc[seq]) & (q_lens[seq] > 0)
+        src = seq
+    else:
+        src = (
+            jnp.zeros((num_tokens,), jnp.int32)
+            .at[tok.reshape(-1)]
+            .set(jnp.arange(num_blocks * bq, dtype=jnp.int32), mode="drop")
+        )
+        ok = jnp.zeros((num_tokens,), bool).at[tok.reshape(-1)].set(True, mode="drop")
+    out = jnp.where(ok[:, None, None], ob[src].astype(q.dtype), jnp.zeros((), q.dtype))
+    return out
 
 
 def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, k_scales, v_scales):
@@ -241,6 +258,9 @@ def _build_kernel(
     interpret,
 ):
     bk = BLOCK_KV
+    # FP8 with a producer warpgroup: it also converts tiles to f16, off the consumer's path.
+    convert_in_producer = quantized and warp_specialized
+    conv_stages = 2
     copies = max(1, bk // page_size)  # TMA copies (pages) per tile
     # Hopper converts e4m3 only to f16 in hardware: FP8 tiles are computed in f16.
     cdt = jnp.float16 if quantized else jnp.bfloat16
@@ -271,6 +291,12 @@ def _build_kernel(
     def iota(shape, dim):
         return cast(lax.broadcasted_iota(jnp.int32, shape, dim), wgmma_layout)
 
+    def convert_v(v8_ref, base, kv_len):
+        """An fp8 V tile as f16, rows past the sequence zeroed (they may hold NaN)."""
+        v = v8_ref[...].astype(cdt)
+        row = iota((bk, head_dim), 0)
+        return jnp.where(base + row < kv_len, v, jnp.zeros_like(v))
+
     def body(*refs):
         n_in = 9 if quantized else 7
         ins, scratch = refs[:n_in], refs[n_in:]
@@ -281,7 +307,12 @@ def _build_kernel(
             meta_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref = ins
             q_smem, k_smem, v_smem, lse_smem, *bars = scratch
             ks_ref = vs_ref = kc_smem = vc_smem = None
-        q_bar, k_bar, v_bar, k_free, v_free = bars if warp_specialized else (*bars, None, None)
+        q_bar, k_bar, v_bar, *ws_bars = bars
+        k_free = v_free = kc_full = vc_full = None
+        if convert_in_producer:
+            kc_full, vc_full, k_free, v_free = ws_bars  # the frees guard the f16 buffers
+        elif warp_specialized:
+            k_free, v_free = ws_bars
 
         blk = lax.axis_index("blk")
         head = lax.axis_index("head")
@@ -355,14 +386,18 @@ def _build_kernel(
             shape = (ROWS, bk)
             vshape = (bk, head_dim)
 
-            plgpu.barrier_wait(k_bar.at[slot])
-            if quantized:
+            if convert_in_producer:  # the producer hands over f16 tiles
+                cslot = lax.rem(i, jnp.int32(conv_stages))
+                plgpu.barrier_wait(kc_full.at[cslot])
+                s = mma(q_smem, kc_smem.at[cslot], transpose_b=True)
+                plgpu.barrier_arrive(k_free.at[cslot])
+            elif quantized:
+                plgpu.barrier_wait(k_bar.at[slot])
                 kc_smem[...] = k_smem[slot].astype(cdt)
                 plgpu.commit_smem()
-                if warp_specialized:
-                    plgpu.barrier_arrive(k_free.at[slot])
                 s = mma(q_smem, kc_smem, transpose_b=True)
             else:
+                plgpu.barrier_wait(k_bar.at[slot])
                 s = mma(q_smem, k_smem.at[slot], transpose_b=True)  # [64, bk] scores, fp32
                 if warp_specialized:
                     plgpu.barrier_arrive(k_free.at[slot])
@@ -390,16 +425,17 @@ def _build_kernel(
                 p = p * col_scales(vs_ref, tile, shape)
             p16 = p.astype(cdt)
 
-            plgpu.barrier_wait(v_bar.at[slot])
-            if quantized:
-                vrow = iota(vshape, 0)
-                v = v_smem[slot].astype(cdt)
-                vc_smem[...] = jnp.where(base + vrow < kv_len, v, jnp.zeros_like(v))
+            if convert_in_producer:
+                plgpu.barrier_wait(vc_full.at[cslot])
+                acc = acc + mma(p16, vc_smem.at[cslot])
+                plgpu.barrier_arrive(v_free.at[cslot])
+            elif quantized:
+                plgpu.barrier_wait(v_bar.at[slot])
+                vc_smem[...] = convert_v(v_smem.at[slot], base, kv_len)
                 plgpu.commit_smem()
-                if warp_specialized:
-                    plgpu.barrier_arrive(v_free.at[slot])
                 acc = acc + mma(p16, vc_smem)
             else:
+                plgpu.barrier_wait(v_bar.at[slot])
                 v_tile = v_smem.at[slot]
 
                 @pl.when(base + bk > kv_len)
@@ -421,6 +457,47 @@ def _build_kernel(
                     issue_v(i + num_stages, slot)
 
             return acc, m_new, l_i
+
+        def converting_producer():
+            """FP8: convert each landed tile to f16 for the consumer, then refill its fp8 slot."""
+
+            def step(i, carry):
+                slot = lax.rem(i, jnp.int32(num_stages))
+                cslot = lax.rem(i, jnp.int32(conv_stages))
+                base = (my_lo + i) * bk
+                plgpu.barrier_wait(k_bar.at[slot])
+
+                @pl.when(i >= conv_stages)
+                def _():
+                    plgpu.barrier_wait(k_free.at[cslot])
+
+                kc_smem[cslot] = k_smem[slot].astype(cdt)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(kc_full.at[cslot])
+                plgpu.barrier_wait(v_bar.at[slot])
+
+                @pl.when(i >= conv_stages)
+                def _():
+                    plgpu.barrier_wait(v_free.at[cslot])
+
+                vc_smem[cslot] = convert_v(v_smem.at[slot], base, kv_len)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(vc_full.at[cslot])
+
+                @pl.when(i + num_stages < n_tiles)
+                def _():
+                    issue_k(i + num_stages, slot)
+                    issue_v(i + num_stages, slot)
+
+                return carry
+
+            lax.fori_loop(0, n_tiles, step, 0)
+
+            @pl.loop(jnp.maximum(n_tiles - conv_stages, 0), n_tiles)
+            def _drain(i):  # observe the last releases too, so every barrier phase is consumed
+                cslot = lax.rem(i, jnp.int32(conv_stages))
+                plgpu.barrier_wait(k_free.at[cslot])
+                plgpu.barrier_wait(v_free.at[cslot])
 
         def consumer():
             plgpu.copy_gmem_to_smem(q_ref.at[blk, head], q_smem.at[pl.ds(0, q_rows)], q_bar)
@@ -451,6 +528,9 @@ def _build_kernel(
         @pl.when(wg == 1)
         def _producer():  # keeps num_stages tiles in flight, refilling a slot once it is consumed
             producer_prologue()
+            if convert_in_producer:
+                converting_producer()
+                return
 
             @pl.loop(0, jnp.maximum(n_tiles - num_stages, 0))
             def _(i):
@@ -470,13 +550,16 @@ def _build_kernel(
         _swizzled((ROWS, head_dim), cdt),
         _swizzled((num_stages, bk, head_dim), kv_dtype),
         _swizzled((num_stages, bk, head_dim), kv_dtype),
-        *([_swizzled((bk, head_dim), cdt)] * 2 if quantized else []),
+        *([_swizzled((conv_stages, bk, head_dim), cdt)] * 2 if convert_in_producer else []),
+        *([_swizzled((bk, head_dim), cdt)] * 2 if quantized and not convert_in_producer else []),
         plgpu.SMEM((ROWS,), jnp.float32),
         plgpu.Barrier(num_barriers=1),
         plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
     ]
-    if warp_specialized:
+    if convert_in_producer:
+        scratch += [plgpu.Barrier(num_barriers=conv_stages)] * 4
+    elif warp_specialized:
         scratch += [plgpu.Barrier(num_barriers=num_stages)] * 2
     out_type = (
         jax.ShapeDtypeStruct((num_splits, num_blocks, num_kv_heads, q_rows, head_dim), cdt),
