@@ -110,6 +110,12 @@ def test_warp_specialized_pipeline():
              head_dim=64, num_stages=2, num_splits=2)  # fmt: skip
 
 
+def test_two_consumer_prefill():
+    # prefill blocks of 128 query rows: two consumer warpgroups share 128-key tiles
+    run_case(q_lens=[40, 1, 70], ctx_lens=[100, 30, 0], page_size=16, num_kv_heads=1, group=4,
+             head_dim=64)  # fmt: skip
+
+
 def test_warp_specialized_fp8():
     run_case(q_lens=[1, 1], ctx_lens=[130, 64], page_size=32, num_kv_heads=1, group=4,
              head_dim=64, fp8=True)  # fmt: skip

@@ -45,7 +45,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import _compat
 
 ROWS = 64  # wgmma M: query rows per program
-BLOCK_KV = 64  # keys per tile
 LOG2E = math.log2(math.e)
 RCP_LN2 = 1.0 / math.log(2.0)
 NEG = -1e30  # masked score in the log2 domain: finite, so fully masked tiles never give NaN
@@ -92,6 +91,8 @@ def ragged_paged_attention_mgpu(
     num_splits: int | None = None,
     num_stages: int | None = None,
     warp_specialized: bool | None = None,
+    block_kv: int | None = None,
+    num_consumers: int | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
     """Same contract as `reference.ragged_paged_attention`; returns [T, Hq, D] in q.dtype.
@@ -112,9 +113,18 @@ def ragged_paged_attention_mgpu(
     compute_dtype = jnp.float16 if quantized else jnp.bfloat16  # e4m3 converts only to f16
 
     decode = max_q_len == 1
-    bq = 1 if decode else max(1, ROWS // group)
-    max_tiles = -(-pages_per_seq * page_size // BLOCK_KV)
+    # Decode: one consumer warpgroup, 64-key tiles. Prefill: two consumers (128 query rows)
+    # share each K/V tile, 128 keys per tile (64 for fp8, whose f16 copies also need room).
+    if num_consumers is None:
+        num_consumers = 1 if decode or warp_specialized is False else 2
+    if block_kv is None:
+        block_kv = 64 if decode or quantized else 128
+    if block_kv not in (64, 128):
+        raise ValueError(f"block_kv must be 64 or 128, got {block_kv}")
+    bq = 1 if decode else max(1, num_consumers * ROWS // group)
     q_rows = -(-bq * group // 8) * 8  # rows of a block actually loaded and stored
+    num_consumers = -(-q_rows // ROWS)
+    max_tiles = -(-pages_per_seq * page_size // block_kv)
 
     # ---- query blocks (XLA): which sequence, which tokens, where each block's queries sit.
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
@@ -152,9 +162,9 @@ def ragged_paged_attention_mgpu(
         num_splits = default_num_splits(num_blocks * num_kv_heads, max_tiles, sms) if decode else 1
     num_splits = max(1, min(int(num_splits), max_tiles))
     if warp_specialized is None:  # measured on the H200: see the module docstring
-        warp_specialized = quantized
+        warp_specialized = quantized or num_consumers > 1
     if num_stages is None:
-        num_stages = 4 if warp_specialized else 2
+        num_stages = 4 if warp_specialized and block_kv == 64 else 2
 
     kernel = _build_kernel(
         num_blocks=num_blocks,
@@ -170,6 +180,8 @@ def ragged_paged_attention_mgpu(
         soft_cap=None if soft_cap is None else float(soft_cap),
         sliding_window=None if sliding_window is None else int(sliding_window),
         warp_specialized=warp_specialized,
+        block_kv=block_kv,
+        consumers=num_consumers,
         interpret=interpret,
     )
     args = [meta, page_table.astype(jnp.int32)]
@@ -255,9 +267,11 @@ def _build_kernel(
     soft_cap,
     sliding_window,
     warp_specialized,
+    block_kv,
+    consumers,
     interpret,
 ):
-    bk = BLOCK_KV
+    bk = block_kv
     # FP8 with a producer warpgroup: it also converts tiles to f16, off the consumer's path.
     convert_in_producer = quantized and warp_specialized
     conv_stages = 2
@@ -378,85 +392,97 @@ def _build_kernel(
                     out = jnp.where(cols >= c * page_size, scale_ref[page_of(tile, c), head], out)
             return out
 
-        def kv_step(i, carry):
-            acc, m_i, l_i = carry
-            slot = lax.rem(i, jnp.int32(num_stages))
-            tile = my_lo + i
-            base = tile * bk
-            shape = (ROWS, bk)
-            vshape = (bk, head_dim)
+        def make_step(w, masked):
+            q_w = q_smem.at[w]
+            r0 = w * ROWS  # this consumer's first query row in the block
 
-            if convert_in_producer:  # the producer hands over f16 tiles
-                cslot = lax.rem(i, jnp.int32(conv_stages))
-                plgpu.barrier_wait(kc_full.at[cslot])
-                s = mma(q_smem, kc_smem.at[cslot], transpose_b=True)
-                plgpu.barrier_arrive(k_free.at[cslot])
-            elif quantized:
-                plgpu.barrier_wait(k_bar.at[slot])
-                kc_smem[...] = k_smem[slot].astype(cdt)
-                plgpu.commit_smem()
-                s = mma(q_smem, kc_smem, transpose_b=True)
-            else:
-                plgpu.barrier_wait(k_bar.at[slot])
-                s = mma(q_smem, k_smem.at[slot], transpose_b=True)  # [64, bk] scores, fp32
-                if warp_specialized:
-                    plgpu.barrier_arrive(k_free.at[slot])
-            if quantized:
-                s = s * col_scales(ks_ref, tile, shape)
-            if soft_cap is not None:  # cap * tanh(s / cap), tanh through exp
-                e = jnp.exp(s * (2.0 / soft_cap))
-                s = soft_cap - (2.0 * soft_cap) / (e + 1.0)
+            def kv_step(i, carry):
+                acc, m_i, l_i = carry
+                slot = lax.rem(i, jnp.int32(num_stages))
+                tile = my_lo + i
+                base = tile * bk
+                shape = (ROWS, bk)
+                vshape = (bk, head_dim)
 
-            row = iota(shape, 0)
-            col = iota(shape, 1)
-            rel = base + col - q_pos0  # key position relative to the block's first query
-            # Query row r is token r // group: causal means rel <= r // group, i.e. r >= rel*group.
-            mask = (row >= rel * group) & (base + col < kv_len)
-            if sliding_window is not None:  # key > q_pos - window  <=>  r // group < rel + window
-                mask = mask & (row < (rel + sliding_window) * group)
-            s2 = jnp.where(mask, s * LOG2E, NEG)
-
-            m_new = jnp.maximum(m_i, s2.max(axis=1))
-            alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(s2 - lax.broadcast_in_dim(m_new, shape, [0]))
-            l_i = l_i * alpha + p.sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            if quantized:
-                p = p * col_scales(vs_ref, tile, shape)
-            p16 = p.astype(cdt)
-
-            if convert_in_producer:
-                plgpu.barrier_wait(vc_full.at[cslot])
-                acc = acc + mma(p16, vc_smem.at[cslot])
-                plgpu.barrier_arrive(v_free.at[cslot])
-            elif quantized:
-                plgpu.barrier_wait(v_bar.at[slot])
-                vc_smem[...] = convert_v(v_smem.at[slot], base, kv_len)
-                plgpu.commit_smem()
-                acc = acc + mma(p16, vc_smem)
-            else:
-                plgpu.barrier_wait(v_bar.at[slot])
-                v_tile = v_smem.at[slot]
-
-                @pl.when(base + bk > kv_len)
-                def _zero_tail():  # slots past the sequence may hold anything, NaN included
-                    vrow = iota(vshape, 0)
-                    v = v_tile[...]
-                    v_tile[...] = jnp.where(base + vrow < kv_len, v, jnp.zeros_like(v))
+                if convert_in_producer:  # the producer hands over f16 tiles
+                    cslot = lax.rem(i, jnp.int32(conv_stages))
+                    plgpu.barrier_wait(kc_full.at[cslot])
+                    s = mma(q_w, kc_smem.at[cslot], transpose_b=True)
+                    plgpu.barrier_arrive(k_free.at[cslot])
+                elif quantized:
+                    plgpu.barrier_wait(k_bar.at[slot])
+                    kc_smem[...] = k_smem[slot].astype(cdt)
                     plgpu.commit_smem()
+                    s = mma(q_w, kc_smem, transpose_b=True)
+                else:
+                    plgpu.barrier_wait(k_bar.at[slot])
+                    s = mma(q_w, k_smem.at[slot], transpose_b=True)  # [64, bk] scores, fp32
+                    if warp_specialized:
+                        plgpu.barrier_arrive(k_free.at[slot])
+                if quantized:
+                    s = s * col_scales(ks_ref, tile, shape)
+                if soft_cap is not None:  # cap * tanh(s / cap), tanh through exp
+                    e = jnp.exp(s * (2.0 / soft_cap))
+                    s = soft_cap - (2.0 * soft_cap) / (e + 1.0)
 
-                acc = acc + mma(p16, v_tile)
-                if warp_specialized:
-                    plgpu.barrier_arrive(v_free.at[slot])
+                if masked:
+                    row = iota(shape, 0) + r0
+                    col = iota(shape, 1)
+                    rel = base + col - q_pos0  # key position relative to the block's first query
+                    # Row r is token r // group: causal means rel <= r // group, i.e. r >= rel*group.
+                    mask = (row >= rel * group) & (base + col < kv_len)
+                    if (
+                        sliding_window is not None
+                    ):  # key > q_pos - window <=> r // group < rel + window
+                        mask = mask & (row < (rel + sliding_window) * group)
+                    s2 = jnp.where(mask, s * LOG2E, NEG)
+                else:  # a tile every row of this consumer sees in full
+                    s2 = s * LOG2E
 
-            if not warp_specialized:
+                m_new = jnp.maximum(m_i, s2.max(axis=1))
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(s2 - lax.broadcast_in_dim(m_new, shape, [0]))
+                l_i = l_i * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                if quantized:
+                    p = p * col_scales(vs_ref, tile, shape)
+                p16 = p.astype(cdt)
 
-                @pl.when(i + num_stages < n_tiles)
-                def _refill():
-                    issue_k(i + num_stages, slot)
-                    issue_v(i + num_stages, slot)
+                if convert_in_producer:
+                    plgpu.barrier_wait(vc_full.at[cslot])
+                    acc = acc + mma(p16, vc_smem.at[cslot])
+                    plgpu.barrier_arrive(v_free.at[cslot])
+                elif quantized:
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    vc_smem[...] = convert_v(v_smem.at[slot], base, kv_len)
+                    plgpu.commit_smem()
+                    acc = acc + mma(p16, vc_smem)
+                else:
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    v_tile = v_smem.at[slot]
+                    if masked:
 
-            return acc, m_new, l_i
+                        @pl.when(base + bk > kv_len)
+                        def _zero_tail():  # slots past the sequence may hold anything, NaN included
+                            vrow = iota(vshape, 0)
+                            v = v_tile[...]
+                            v_tile[...] = jnp.where(base + vrow < kv_len, v, jnp.zeros_like(v))
+                            plgpu.commit_smem()
+
+                    acc = acc + mma(p16, v_tile)
+                    if warp_specialized:
+                        plgpu.barrier_arrive(v_free.at[slot])
+
+                if not warp_specialized:
+
+                    @pl.when(i + num_stages < n_tiles)
+                    def _refill():
+                        issue_k(i + num_stages, slot)
+                        issue_v(i + num_stages, slot)
+
+                return acc, m_new, l_i
+
+            return kv_step
 
         def converting_producer():
             """FP8: convert each landed tile to f16 for the consumer, then refill its fp8 slot."""
@@ -499,34 +525,53 @@ def _build_kernel(
                 plgpu.barrier_wait(k_free.at[cslot])
                 plgpu.barrier_wait(v_free.at[cslot])
 
-        def consumer():
-            plgpu.copy_gmem_to_smem(q_ref.at[blk, head], q_smem.at[pl.ds(0, q_rows)], q_bar)
+        def consumer(w):
+            rows = min(ROWS, q_rows - w * ROWS)  # query rows this consumer loads and stores
+            q_w, lse_w = q_smem.at[w], lse_smem.at[w]
+            if consumers > 1:
+                plgpu.set_max_registers(232, action="increase")
+            plgpu.copy_gmem_to_smem(
+                q_ref.at[blk, head, pl.ds(w * ROWS, rows)], q_w.at[pl.ds(0, rows)], q_bar.at[w]
+            )
             if not warp_specialized:
                 producer_prologue()
-            plgpu.barrier_wait(q_bar)
+            plgpu.barrier_wait(q_bar.at[w])
             acc = cast(jnp.zeros((ROWS, head_dim), jnp.float32), wgmma_layout)
             m_i = cast(jnp.full((ROWS,), NEG, jnp.float32), wgmma_layout.reduce(1))
             l_i = cast(jnp.zeros((ROWS,), jnp.float32), wgmma_layout.reduce(1))
-            acc, m_i, l_i = lax.fori_loop(0, n_tiles, kv_step, (acc, m_i, l_i))
+            # Leading tiles that every row of this consumer sees whole skip the masking.
+            if sliding_window is None:
+                seen = jnp.minimum(q_pos0 + lax.div(jnp.int32(w * ROWS), jnp.int32(group)) + 1,
+                                   kv_len)  # fmt: skip
+                n_full = jnp.clip(lax.div(seen, jnp.int32(bk)) - my_lo, 0, n_tiles)
+            else:
+                n_full = jnp.int32(0)
+            carry = (acc, m_i, l_i)
+            carry = lax.fori_loop(0, n_full, make_step(w, masked=False), carry)
+            acc, m_i, l_i = lax.fori_loop(n_full, n_tiles, make_step(w, masked=True), carry)
 
             l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
             out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-            q_smem[...] = out.astype(cdt)  # q is no longer needed: its buffer stages the output
-            lse_smem[...] = m_i + jnp.log(l_safe) * RCP_LN2
+            q_w[...] = out.astype(cdt)  # q is no longer needed: its buffer stages the output
+            lse_w[...] = m_i + jnp.log(l_safe) * RCP_LN2
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem.at[pl.ds(0, q_rows)], o_ref.at[split, blk, head])
-            plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, q_rows)], lse_ref.at[split, blk, head])
+            dst = pl.ds(w * ROWS, rows)
+            plgpu.copy_smem_to_gmem(q_w.at[pl.ds(0, rows)], o_ref.at[split, blk, head, dst])
+            plgpu.copy_smem_to_gmem(lse_w.at[pl.ds(0, rows)], lse_ref.at[split, blk, head, dst])
             plgpu.wait_smem_to_gmem(0)
 
         if not warp_specialized:
-            consumer()
+            consumer(0)
             return
 
         wg = lax.axis_index("wg")
-        pl.when(wg == 0)(consumer)
+        for w in range(consumers):
+            pl.when(wg == w)(functools.partial(consumer, w))
 
-        @pl.when(wg == 1)
+        @pl.when(wg == consumers)
         def _producer():  # keeps num_stages tiles in flight, refilling a slot once it is consumed
+            if consumers > 1:
+                plgpu.set_max_registers(40, action="decrease")
             producer_prologue()
             if convert_in_producer:
                 converting_producer()
@@ -547,20 +592,22 @@ def _build_kernel(
                 plgpu.barrier_wait(v_free.at[slot])
 
     scratch = [
-        _swizzled((ROWS, head_dim), cdt),
+        _swizzled((consumers, ROWS, head_dim), cdt),
         _swizzled((num_stages, bk, head_dim), kv_dtype),
         _swizzled((num_stages, bk, head_dim), kv_dtype),
         *([_swizzled((conv_stages, bk, head_dim), cdt)] * 2 if convert_in_producer else []),
         *([_swizzled((bk, head_dim), cdt)] * 2 if quantized and not convert_in_producer else []),
-        plgpu.SMEM((ROWS,), jnp.float32),
-        plgpu.Barrier(num_barriers=1),
+        plgpu.SMEM((consumers, ROWS), jnp.float32),
+        plgpu.Barrier(num_barriers=consumers),
         plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
     ]
+    frees = dict(num_arrivals=consumers)
     if convert_in_producer:
-        scratch += [plgpu.Barrier(num_barriers=conv_stages)] * 4
+        scratch += [plgpu.Barrier(num_barriers=conv_stages)] * 2
+        scratch += [plgpu.Barrier(num_barriers=conv_stages, **frees)] * 2
     elif warp_specialized:
-        scratch += [plgpu.Barrier(num_barriers=num_stages)] * 2
+        scratch += [plgpu.Barrier(num_barriers=num_stages, **frees)] * 2
     out_type = (
         jax.ShapeDtypeStruct((num_splits, num_blocks, num_kv_heads, q_rows, head_dim), cdt),
         jax.ShapeDtypeStruct((num_splits, num_blocks, num_kv_heads, q_rows), jnp.float32),
@@ -573,7 +620,9 @@ def _build_kernel(
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )
     if warp_specialized:
-        kwargs.update(num_threads=2, thread_name="wg")
+        kwargs.update(num_threads=consumers + 1, thread_name="wg")
+    elif consumers != 1:
+        raise ValueError("several consumer warpgroups need the warp-specialised pipeline")
     if interpret:
         kwargs["interpret"] = _compat.gpu_interpret_params()
     return plgpu.kernel(body, **kwargs)
