@@ -10,6 +10,8 @@ Layout and conventions (shared with the kernels):
 - `seq_lens`: [S] int32 context length *including* this step's new tokens, which are the last
   `q_len` positions of the sequence. A prefill chunk and a decode token are the same thing with
   different `q_len`, so one call handles a batch mixing both.
+- `k_scales`, `v_scales` (FP8 pages only): [num_pages, Hkv] float32; a page's value is
+  `float32(page) * scale[page, head]` (see `fp8.py`). Only gathered pages are dequantized.
 
 Isolation: keys at positions >= seq_len are zeroed before use, so pages a sequence does not own
 (or poisoned padding) cannot reach its output, not even as NaN * 0.
@@ -33,6 +35,8 @@ def ragged_paged_attention(
     sm_scale: float | None = None,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Causal GQA attention of each sequence's new tokens over its paged context.
 
@@ -52,8 +56,8 @@ def ragged_paged_attention(
     q_lens = query_start_loc[1:] - query_start_loc[:-1]  # [S]
     kv_pos = jnp.arange(max_kv)
     if max_q_len == 1:
-        out = _seq_major_decode(q, k_pages, v_pages, page_table, seq_lens, q_lens,
-                                query_start_loc, scale, soft_cap, sliding_window)  # fmt: skip
+        out = _seq_major_decode(q, k_pages, v_pages, k_scales, v_scales, page_table, seq_lens,
+                                q_lens, query_start_loc, scale, soft_cap, sliding_window)  # fmt: skip
         return out.astype(q.dtype)
 
     # Token-major: every query row gathers its own sequence's keys. Work is T x L, whatever the
@@ -65,10 +69,8 @@ def ragged_paged_attention(
     seq = jnp.minimum(seq, num_seqs - 1)
     q_pos = seq_lens[seq] - q_lens[seq] + (t - query_start_loc[seq])  # [T]
     kv_valid = (kv_pos[None, :] < seq_lens[seq][:, None]) & valid[:, None]  # [T, L]
-    k = k_pages[page_table[seq]].reshape(num_tokens, max_kv, num_kv_heads, head_dim)
-    v = v_pages[page_table[seq]].reshape(num_tokens, max_kv, num_kv_heads, head_dim)
-    k = jnp.where(kv_valid[:, :, None, None], k.astype(jnp.float32), 0.0)
-    v = jnp.where(kv_valid[:, :, None, None], v.astype(jnp.float32), 0.0)
+    k = jnp.where(kv_valid[:, :, None, None], _gather(k_pages, k_scales, page_table[seq]), 0.0)
+    v = jnp.where(kv_valid[:, :, None, None], _gather(v_pages, v_scales, page_table[seq]), 0.0)
     mask = kv_valid & (kv_pos[None, :] <= q_pos[:, None])
     if sliding_window is not None:
         mask &= kv_pos[None, :] > q_pos[:, None] - sliding_window
@@ -77,6 +79,14 @@ def ragged_paged_attention(
     probs = _masked_softmax(scores, mask[:, None, None, :], soft_cap)
     out = jnp.einsum("thgk,tkhd->thgd", probs, v).reshape(num_tokens, num_q_heads, head_dim)
     return jnp.where(valid[:, None, None], out, 0.0).astype(q.dtype)
+
+
+def _gather(pages, scales, ids):
+    """Pages `ids` [N, pages_per_seq] as float32 keys [N, pages_per_seq * page_size, Hkv, D]."""
+    x = pages[ids].astype(jnp.float32)
+    if scales is not None:
+        x = x * scales[ids][:, :, None, :, None]
+    return x.reshape(ids.shape[0], -1, *pages.shape[2:])
 
 
 def _masked_softmax(scores, mask, soft_cap):
@@ -91,8 +101,8 @@ def _masked_softmax(scores, mask, soft_cap):
     return probs / jnp.where(denom == 0.0, 1.0, denom)
 
 
-def _seq_major_decode(q, k_pages, v_pages, page_table, seq_lens, q_lens, query_start_loc,
-                      scale, soft_cap, sliding_window):  # fmt: skip
+def _seq_major_decode(q, k_pages, v_pages, k_scales, v_scales, page_table, seq_lens, q_lens,
+                      query_start_loc, scale, soft_cap, sliding_window):  # fmt: skip
     """Decode-only batches (at most one new token per sequence): gather each sequence's keys once."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
@@ -105,10 +115,8 @@ def _seq_major_decode(q, k_pages, v_pages, page_table, seq_lens, q_lens, query_s
     qs = q[jnp.clip(rows, 0, num_tokens - 1)].astype(jnp.float32)  # [S, Hq, D]
     qs = qs.reshape(num_seqs, num_kv_heads, group, head_dim)
     kv_valid = kv_pos[None, :] < seq_lens[:, None]  # [S, L]
-    k = k_pages[page_table].reshape(num_seqs, max_kv, num_kv_heads, head_dim)
-    v = v_pages[page_table].reshape(num_seqs, max_kv, num_kv_heads, head_dim)
-    k = jnp.where(kv_valid[:, :, None, None], k.astype(jnp.float32), 0.0)
-    v = jnp.where(kv_valid[:, :, None, None], v.astype(jnp.float32), 0.0)
+    k = jnp.where(kv_valid[:, :, None, None], _gather(k_pages, k_scales, page_table), 0.0)
+    v = jnp.where(kv_valid[:, :, None, None], _gather(v_pages, v_scales, page_table), 0.0)
     mask = kv_valid & has_q[:, None]
     if sliding_window is not None:
         mask &= kv_pos[None, :] > (seq_lens[:, None] - 1) - sliding_window
