@@ -16,9 +16,14 @@ import jax.numpy as jnp
 
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.parallel.sharding import DEFAULT_RULES, named_sharding
+from pallas_kernels.paged_attention.fp8 import FP8_DTYPE, quantize_pages_write
 
 SCRATCH_PAGE = 0
 KV_AXES = ("layers", "pages", None, "kv_heads", "head_dim")
+SCALE_AXES = ("layers", "pages", "kv_heads")
+# "auto": the model's activation dtype. "float8_e4m3fn" adds per-(page, kv head) float32 scales.
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "float8_e4m3fn")
+_KV_DTYPE_ALIASES = {"fp8": "float8_e4m3fn"}
 
 
 @jax.tree_util.register_dataclass
@@ -28,10 +33,18 @@ class KVCache:
 
     Stacking costs nothing at read time (attention gathers pages of layer `l` directly) and lets
     both layer loops (`unrolled` and `scan`) update the pools in place when the cache is donated.
+    FP8 pools carry float32 scales [num_layers, num_pages, Hkv] (format: `paged_attention.fp8`);
+    other pools have None there.
     """
 
     k_pages: jax.Array
     v_pages: jax.Array
+    k_scales: jax.Array | None = None
+    v_scales: jax.Array | None = None
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.k_scales is not None
 
     @property
     def num_layers(self) -> int:
@@ -59,6 +72,27 @@ class PageTable:
     seq_lens: jax.Array
 
 
+def kv_dtype(cfg: ModelConfig, dtype: str | jnp.dtype | None = None) -> jnp.dtype:
+    """The pool dtype for a `KV_DTYPES` name (or alias "fp8", or a dtype); None/"auto": cfg.dtype."""
+    if dtype is None or (isinstance(dtype, str) and dtype == "auto"):
+        return jnp.dtype(cfg.dtype)
+    if isinstance(dtype, str):
+        dtype = _KV_DTYPE_ALIASES.get(dtype, dtype)
+        if dtype not in KV_DTYPES:
+            raise ValueError(
+                f"kv dtype {dtype!r} is invalid: must be one of {', '.join(KV_DTYPES)}"
+            )
+    return jnp.dtype(dtype)
+
+
+def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype: str | jnp.dtype | None = None) -> int:
+    """Device bytes one page index costs across all layers, K and V, scales included."""
+    dtype = kv_dtype(cfg, dtype)
+    per_pool = cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    scales = cfg.num_layers * cfg.num_kv_heads * 4 if dtype == FP8_DTYPE else 0
+    return 2 * (per_pool + scales)
+
+
 def init_kv_cache(
     cfg: ModelConfig,
     num_pages: int,
@@ -67,19 +101,28 @@ def init_kv_cache(
     mesh=None,
     rules=DEFAULT_RULES,
 ) -> KVCache:
-    """Zeroed pools allocated on the device; page 0 is the scratch page (so usable pages = n-1)."""
+    """Zeroed pools allocated on the device; page 0 is the scratch page (so usable pages = n-1).
+
+    `dtype`: see `kv_dtype`; float8_e4m3fn (or "fp8") also allocates zero scales (0 = empty page).
+    """
     if num_pages < 2:
         raise ValueError(f"num_pages must be >= 2 (page 0 is scratch), got {num_pages}")
     if page_size <= 0:
         raise ValueError(f"page_size must be positive, got {page_size}")
     shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
-    dtype = jnp.dtype(dtype or cfg.dtype)
-    sharding = named_sharding(mesh, KV_AXES, shape, rules) if mesh is not None else None
+    scale_shape = (cfg.num_layers, num_pages, cfg.num_kv_heads)
+    dtype = kv_dtype(cfg, dtype)
+    quantized = dtype == FP8_DTYPE
 
     def zeros():
-        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        scales = [jnp.zeros(scale_shape, jnp.float32) for _ in range(2)] if quantized else []
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), *scales)
 
-    out = None if sharding is None else KVCache(sharding, sharding)
+    out = None
+    if mesh is not None:
+        pages = named_sharding(mesh, KV_AXES, shape, rules)
+        scales = [named_sharding(mesh, SCALE_AXES, scale_shape, rules)] * 2 if quantized else []
+        out = KVCache(pages, pages, *scales)
     return jax.jit(zeros, out_shardings=out)()
 
 
@@ -107,7 +150,18 @@ def write_kv(
     page: jax.Array,
     offset: jax.Array,
 ) -> KVCache:
-    """Scatter new K/V [T, Hkv, D] of layer `layer` into their slots (in place when donated)."""
+    """Scatter new K/V [T, Hkv, D] of layer `layer` into their slots (in place when donated).
+
+    FP8 pools are quantized on write (and touched pages requantized when their scale grows).
+    """
+    if kv.is_quantized:
+        k_pages, k_scales = quantize_pages_write(
+            kv.k_pages, kv.k_scales, k, page, offset, layer=layer
+        )
+        v_pages, v_scales = quantize_pages_write(
+            kv.v_pages, kv.v_scales, v, page, offset, layer=layer
+        )
+        return KVCache(k_pages, v_pages, k_scales, v_scales)
     return KVCache(
         kv.k_pages.at[layer, page, offset].set(k.astype(kv.k_pages.dtype)),
         kv.v_pages.at[layer, page, offset].set(v.astype(kv.v_pages.dtype)),

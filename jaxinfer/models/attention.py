@@ -54,6 +54,12 @@ def paged_attention(
     k_pool = kv.k_pages.reshape(num_layers * num_pages, page_size, hkv, d)
     v_pool = kv.v_pages.reshape(num_layers * num_pages, page_size, hkv, d)
     page_ids = batch.page_table.page_ids + layer * num_pages
+    scales = {}
+    if kv.is_quantized:
+        scales = dict(
+            k_scales=kv.k_scales.reshape(num_layers * num_pages, hkv),
+            v_scales=kv.v_scales.reshape(num_layers * num_pages, hkv),
+        )
     return ragged_paged_attention(
         q,
         k_pool,
@@ -63,4 +69,5 @@ def paged_attention(
         batch.query_start_loc,
         max_q_len=batch.max_q_len,
         sliding_window=sliding_window,
+        **scales,
     )
