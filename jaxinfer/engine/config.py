@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jaxinfer.kv.cache import KV_DTYPES
 from jaxinfer.models.attention import ATTENTION_BACKENDS
 
 SCHEDULERS = ("fcfs", "priority", "shortest_first", "static")
@@ -16,6 +17,7 @@ class EngineConfig:
     # shape (e.g. preset:llama3-8b); anything else: a Hugging Face model directory.
     model: str = "tiny"
     dtype: str = "float32"
+    kv_dtype: str = "auto"  # KV cache pools: "auto" = dtype; float8_e4m3fn adds per-page scales
     seed: int = 0
     page_size: int = 16
     num_pages: int = 512  # including the scratch page
@@ -38,6 +40,7 @@ class EngineConfig:
             ("scheduler", SCHEDULERS),
             ("allocation", ALLOCATIONS),
             ("attention_backend", ATTENTION_BACKENDS),
+            ("kv_dtype", KV_DTYPES),
         ):
             if getattr(self, key) not in allowed:
                 raise bad(key, f"one of {', '.join(allowed)}")

@@ -88,6 +88,7 @@ class Engine:
                 chunked_prefill=config.chunked_prefill,
             ),
             backend=config.attention_backend,
+            kv_dtype=config.kv_dtype,
         )
         self.eos_ids = tuple(cfg.eos_token_ids)
         self.sequences: list[Sequence] = []

@@ -130,9 +130,10 @@ def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingB
 class ModelRunner:
     """Owns the KV cache; turns host-built batches into sampled tokens."""
 
-    def __init__(self, cfg: ModelConfig, params, shapes: RunnerShapes, backend: str = "xla"):
+    def __init__(self, cfg: ModelConfig, params, shapes: RunnerShapes, backend: str = "xla",
+                 kv_dtype: str = "auto"):  # fmt: skip
         self.cfg, self.params, self.shapes, self.backend = cfg, params, shapes, backend
-        self.kv = init_kv_cache(cfg, shapes.num_pages, shapes.page_size)
+        self.kv = init_kv_cache(cfg, shapes.num_pages, shapes.page_size, kv_dtype)
         self.token_buckets = _pow2_buckets(min(16, shapes.max_step_tokens), shapes.max_step_tokens)
         self.seq_buckets = _pow2_buckets(min(8, shapes.max_num_seqs), shapes.max_num_seqs)
 
