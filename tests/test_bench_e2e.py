@@ -1,0 +1,146 @@
+"""The end-to-end benchmark's smoke mode runs on the CPU, writes the documented schema, and its
+roofline and trace summary count what they claim to."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax.numpy as jnp
+import pytest
+
+from jaxinfer.metrics.device_trace import hlo_category, summarize_trace
+from jaxinfer.models.presets import preset
+
+SCRIPT = Path(__file__).resolve().parent.parent / "experiments" / "bench_e2e.py"
+HAS_TORCH = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_e2e", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_smoke_run_writes_schema_with_zero_compiles_after_warmup(bench, tmp_path, monkeypatch):
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")  # main() only sets a default
+    out = tmp_path / "e2e.json"
+    # No persistent compile cache: it is process-wide and would outlive this test.
+    argv = [
+        "--smoke",
+        "--out",
+        str(out),
+        "--profile",
+        str(tmp_path / "prof"),
+        "--compile-cache",
+        "",
+    ]
+    bench.main(argv)
+    r = json.loads(out.read_text())
+    for key in ("device", "jax", "commit", "date", "command", "methods", "engine", "workloads"):
+        assert key in r, key
+    assert "--smoke" in r["command"]
+    assert r["errors"] == []
+    assert r["warmup_s"] > 0 and r["compiles_after_warmup"] == 0
+
+    decode = r["decode"]
+    assert {(d["batch"], d["context"]) for d in decode} == {(1, 16), (4, 16), (1, 40), (4, 40)}
+    for d in decode:
+        assert d["step_ms"] > 0 and d["roofline_ms"] > 0 and d["ratio"] > 0, d
+        assert d["attention_backend"] == "xla" and d["rows"] >= d["batch"]
+
+    ours = [t for t in r["throughput"] if t["impl"] == "jaxinfer"]
+    assert {t["workload"] for t in ours} == {"fixed_16_8", "sharegpt_like"}
+    for t in r["throughput"]:
+        assert t["num_requests"] > 0 and t["wall_s"] > 0, t
+        assert t["output_tok_s"] > 0 and t["total_tok_s"] > t["output_tok_s"], t
+    for t in ours:
+        assert t["num_requests"] == 8 and t["compiles_during_run"] == 0
+        realized = r["workloads"][t["workload"]]["realized"]
+        assert t["output_tokens"] == realized["output_len"]["sum"]
+    if HAS_TORCH:
+        (hf,) = [t for t in r["throughput"] if t["impl"] == "transformers"]
+        assert hf["workload"] == "fixed_16_8" and hf["output_tokens"] == 4 * 8
+        assert "first 4 requests" in hf["note"] and len(hf["batch_sweep"]) == 2
+
+    prof = r["profile"]
+    assert prof["steps_traced"]["decode_scans"] == 2 and prof["steps_traced"]["mixed"] >= 1
+    assert "error" not in prof, prof
+    assert prof["device_ms"] > 0 and prof["top_ops"]
+    assert {m["name"] for m in prof["modules"]} >= {"jit_decode_loop", "jit_mixed_step"}
+
+
+def test_roofline_reads_weights_once_and_kv_of_the_mean_attended_length(bench):
+    cfg = preset("llama3-8b", param_dtype="bfloat16", dtype="bfloat16")
+    # 8.03e9 parameters, less the 128256 x 4096 input table (only one row gathered), in bf16.
+    assert bench.weight_bytes_per_step(cfg, 1) == 2 * (8_030_261_248 - 128256 * 4096 + 4096)
+    kv = SimpleNamespace(k_pages=jnp.zeros((1,), jnp.bfloat16), page_size=16)
+    per_token = 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 kv heads, d 128, bf16
+    # An 8-step scan from 2048 tokens attends over 2049..2056 keys: 2052.5 on average.
+    assert bench.kv_bytes_per_step(cfg, kv, 3, 2048, 8) == 3 * 2052.5 * per_token
+
+
+def _write_trace(root: Path, events: list[dict]) -> None:
+    run = root / "plugins" / "profile" / "run1"
+    run.mkdir(parents=True)
+    with gzip.open(run / "host.trace.json.gz", "wt") as f:
+        json.dump({"displayTimeUnit": "ns", "metadata": {}, "traceEvents": events}, f)
+
+
+def _meta(pid, name, tid=None):
+    if tid is None:
+        return {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": name}}
+    return {"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": name}}
+
+
+def _kernel(pid, tid, name, ts, dur, hlo_op=None, module=None):
+    args = {} if hlo_op is None else {"hlo_op": hlo_op, "hlo_module": module}
+    return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur, "args": args}
+
+
+def test_trace_summary_sums_gpu_stream_kernels_and_skips_derived_lines(tmp_path):
+    events = [
+        _meta(1, "/host:CPU"), _meta(1, "python", tid=1),
+        _meta(2, "/device:GPU:0"), _meta(2, "Stream #7(Compute)", tid=7),
+        _meta(2, "XLA Ops", tid=100),
+        _kernel(1, 1, "PjitFunction(decode_loop)", 0, 500),  # host: not device time
+        _kernel(2, 7, "gemv_kernel", 10, 30, "fusion.1", "jit_decode_loop"),
+        _kernel(2, 7, "gemv_kernel", 50, 30, "fusion.12", "jit_decode_loop"),
+        _kernel(2, 7, "paged_attn", 90, 15, "custom-call.3", "jit_mixed_step"),
+        _kernel(2, 100, "fusion.1", 10, 30, "fusion.1", "jit_decode_loop"),  # derived: a repeat
+    ]  # fmt: skip
+    _write_trace(tmp_path, events)
+    s = summarize_trace(tmp_path)
+    assert s["source"] == "gpu_streams" and s["num_events"] == 3
+    assert s["device_ms"] == pytest.approx(0.075) and s["span_ms"] == pytest.approx(0.095)
+    assert s["top_ops"][0] == {"name": "gemv_kernel", "time_ms": 0.06, "count": 2, "share": 0.8}
+    assert [(c["name"], c["count"]) for c in s["top_hlo_categories"]] == [
+        ("fusion", 2), ("custom-call", 1)
+    ]  # fmt: skip
+    assert [m["name"] for m in s["modules"]] == ["jit_decode_loop", "jit_mixed_step"]
+
+
+def test_trace_summary_on_cpu_counts_thunks_but_not_enclosing_loops(tmp_path):
+    events = [
+        _meta(1, "/host:CPU"), _meta(1, "worker", tid=3),
+        _kernel(1, 3, "while.85", 0, 100, "while.85", "jit_decode_loop"),
+        _kernel(1, 3, "ynn_fusion.2", 10, 40, "ynn_fusion.2", "jit_decode_loop"),
+        _kernel(1, 3, "SlinkyThreadPool::Await", 60, 30),  # no hlo_op: not an XLA thunk
+    ]  # fmt: skip
+    _write_trace(tmp_path, events)
+    s = summarize_trace(tmp_path)
+    assert s["source"] == "cpu_thunks" and s["device_ms"] == pytest.approx(0.04)
+    assert [op["name"] for op in s["top_ops"]] == ["ynn_fusion.2"]
+
+
+def test_trace_summary_reports_a_missing_trace_instead_of_raising(tmp_path):
+    assert "error" in summarize_trace(tmp_path / "nothing_here")
+    assert hlo_category("loop_add_fusion_3") == "loop_add_fusion"
+    assert hlo_category("gemm_fusion_dot.12.1") == "gemm_fusion_dot"
