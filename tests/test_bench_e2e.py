@@ -32,16 +32,9 @@ def bench():
 def test_smoke_run_writes_schema_with_zero_compiles_after_warmup(bench, tmp_path, monkeypatch):
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")  # main() only sets a default
     out = tmp_path / "e2e.json"
-    # No persistent compile cache: it is process-wide and would outlive this test.
-    argv = [
-        "--smoke",
-        "--out",
-        str(out),
-        "--profile",
-        str(tmp_path / "prof"),
-        "--compile-cache",
-        "",
-    ]
+    argv = ["--smoke", "--out", str(out), "--profile", str(tmp_path / "prof")]
+    argv += ["--compile-cache", ""]  # process-wide: it would outlive this test
+    argv += ["--attention-backend", "xla"]  # what auto stands for on a CPU
     bench.main(argv)
     r = json.loads(out.read_text())
     for key in ("device", "jax", "commit", "date", "command", "methods", "engine", "workloads"):
