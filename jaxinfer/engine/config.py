@@ -29,7 +29,7 @@ class EngineConfig:
     chunked_prefill: bool = True
     decode_steps: int = 8  # decode steps per jitted call when the batch is decode-only
     async_decode: bool = True  # dispatch the next decode scan before reading the previous one
-    attention_backend: str = "xla"
+    attention_backend: str = "auto"
     num_logprobs: int = 0  # top-k logprobs computed on device (static; requests may ask <= this)
 
     def __post_init__(self) -> None:

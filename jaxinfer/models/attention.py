@@ -1,7 +1,9 @@
 """Attention for the model: dense causal (whole sequences, no cache) and paged (ragged batches).
 
-The paged path is the one interface with several backends: `xla` is the pure-JAX reference in
-`pallas_kernels.paged_attention` (runs anywhere, the oracle in tests); Pallas kernels plug in here.
+The paged path is the one interface with several backends (`pallas_kernels.paged_attention`'s
+dispatcher): `xla`, the pure-JAX reference (runs anywhere, the oracle in tests); `pallas`, the Mosaic
+GPU kernel (interpreted on CPU); `cudnn`, cuDNN's paged decode (an ablation baseline); `auto`,
+`pallas` on a GPU and `xla` elsewhere.
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ import jax.numpy as jnp
 
 from jaxinfer.kv.cache import KVCache
 from jaxinfer.models.batch import RaggedBatch
-from pallas_kernels.paged_attention import ragged_paged_attention
+from pallas_kernels.paged_attention import BACKENDS, paged_attention_dispatch
 
-ATTENTION_BACKENDS = ("xla",)
+ATTENTION_BACKENDS = BACKENDS
 
 
 def causal_attention(
@@ -50,6 +52,9 @@ def paged_attention(
     """
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+    if backend == "pallas" and kv.k_pages.dtype == jnp.float32:
+        raise ValueError("attention backend 'pallas' reads bf16 or fp8 pages; this cache is "
+                         "float32 (set engine.kv_dtype or the model dtype to bfloat16)")  # fmt: skip
     num_layers, num_pages, page_size, hkv, d = kv.k_pages.shape
     k_pool = kv.k_pages.reshape(num_layers * num_pages, page_size, hkv, d)
     v_pool = kv.v_pages.reshape(num_layers * num_pages, page_size, hkv, d)
@@ -60,7 +65,7 @@ def paged_attention(
             k_scales=kv.k_scales.reshape(num_layers * num_pages, hkv),
             v_scales=kv.v_scales.reshape(num_layers * num_pages, hkv),
         )
-    return ragged_paged_attention(
+    return paged_attention_dispatch(
         q,
         k_pool,
         v_pool,
@@ -69,5 +74,6 @@ def paged_attention(
         batch.query_start_loc,
         max_q_len=batch.max_q_len,
         sliding_window=sliding_window,
+        backend=backend,
         **scales,
     )

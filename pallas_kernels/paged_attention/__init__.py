@@ -1,4 +1,12 @@
 from pallas_kernels.paged_attention.dispatch import BACKENDS, paged_attention, resolve_backend
 from pallas_kernels.paged_attention.reference import ragged_paged_attention
 
-__all__ = ["BACKENDS", "paged_attention", "ragged_paged_attention", "resolve_backend"]
+paged_attention_dispatch = paged_attention  # the name jaxinfer's model code uses
+
+__all__ = [
+    "BACKENDS",
+    "paged_attention",
+    "paged_attention_dispatch",
+    "ragged_paged_attention",
+    "resolve_backend",
+]

@@ -4,7 +4,8 @@
 - `pallas`: the Mosaic GPU kernel (`mosaic_gpu.py`); on CPU it runs under the GPU interpreter.
 - `cudnn`: cuDNN's paged attention through jax's private API (`cudnn.py`), an ablation baseline;
   decode-only batches on a GPU with a jax that has it.
-- `auto`: `pallas` on a GPU, `xla` elsewhere.
+- `auto`: `pallas` on a GPU when the kernel supports the shape (head dim, page size, kv dtype),
+  `xla` otherwise.
 """
 
 from __future__ import annotations
@@ -16,12 +17,21 @@ from pallas_kernels.paged_attention.reference import ragged_paged_attention
 BACKENDS = ("auto", "xla", "pallas", "cudnn")
 
 
-def resolve_backend(backend: str) -> str:
+def resolve_backend(backend: str, q=None, k_pages=None) -> str:
+    """The backend `backend` stands for here (`auto` looks at the device and, given, the shapes)."""
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
-    return backend
+    if backend != "auto":
+        return backend
+    if jax.default_backend() != "gpu":
+        return "xla"
+    if q is not None and k_pages is not None:
+        from pallas_kernels.paged_attention.mosaic_gpu import unsupported_reason
+
+        _, page_size, hkv, d = k_pages.shape
+        if unsupported_reason(q.shape[1], hkv, d, page_size, k_pages.dtype) is not None:
+            return "xla"
+    return "pallas"
 
 
 def paged_attention(
@@ -46,7 +56,7 @@ def paged_attention(
     `k_scales`/`v_scales`: [num_pages, Hkv] float32 dequantization scales when the pages are FP8.
     `kernel_options` go to the Pallas kernel (e.g. `num_splits`, `interpret`).
     """
-    backend = resolve_backend(backend)
+    backend = resolve_backend(backend, q, k_pages)
     common = dict(max_q_len=max_q_len, sm_scale=sm_scale, soft_cap=soft_cap,
                   sliding_window=sliding_window)  # fmt: skip
     if backend == "xla":

@@ -219,6 +219,19 @@ def ragged_paged_attention_mgpu(
     return out
 
 
+def unsupported_reason(num_q_heads, num_kv_heads, head_dim, page_size, kv_dtype) -> str | None:
+    """Why the kernel cannot serve this attention shape (None when it can)."""
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"head_dim {head_dim} not in {SUPPORTED_HEAD_DIMS}"
+    if page_size not in SUPPORTED_PAGE_SIZES:
+        return f"page_size {page_size} not in {SUPPORTED_PAGE_SIZES}"
+    if num_q_heads % num_kv_heads or num_q_heads // num_kv_heads > ROWS:
+        return f"{num_q_heads} query heads over {num_kv_heads} kv heads"
+    if jnp.dtype(kv_dtype) not in (*FP8_DTYPES, jnp.dtype(jnp.bfloat16)):
+        return f"kv dtype {jnp.dtype(kv_dtype)}: the kernel reads bf16 or fp8 pages"
+    return None
+
+
 def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, k_scales, v_scales):
     _, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, d_k = k_pages.shape
