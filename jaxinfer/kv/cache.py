@@ -133,7 +133,9 @@ def token_slots(
     num_tokens = positions.shape[0]
     num_seqs = page_table.page_ids.shape[0]
     t = jnp.arange(num_tokens)
-    seq = jnp.searchsorted(query_start_loc[1:], t, side="right")  # S for padding tokens
+    seq = jnp.searchsorted(
+        query_start_loc[1:], t, side="right", method="compare_all"
+    )  # S for padding tokens
     valid = seq < num_seqs
     seq = jnp.minimum(seq, num_seqs - 1)
     block = jnp.clip(positions // page_size, 0, page_table.page_ids.shape[1] - 1)

@@ -115,10 +115,11 @@ def ragged_paged_attention_mgpu(
     decode = max_q_len == 1
     # Decode: one consumer warpgroup, 64-key tiles. Prefill: two consumers (128 query rows)
     # share each K/V tile, 128 keys per tile (64 for fp8, whose f16 copies also need room).
-    if num_consumers is None:
-        num_consumers = 1 if decode or warp_specialized is False else 2
-    if block_kv is None:
-        block_kv = 64 if decode or quantized else 128
+    if num_consumers is None:  # (fp8 at head dim 256 needs the room for its f16 copies)
+        one = decode or warp_specialized is False or (quantized and head_dim > 128)
+        num_consumers = 1 if one else 2
+    if block_kv is None:  # 128-key tiles of head dim 256 would not fit shared memory twice over
+        block_kv = 64 if decode or quantized or head_dim > 128 else 128
     if block_kv not in (64, 128):
         raise ValueError(f"block_kv must be 64 or 128, got {block_kv}")
     bq = 1 if decode else max(1, num_consumers * ROWS // group)
@@ -138,7 +139,7 @@ def ragged_paged_attention_mgpu(
         per_seq = (q_lens + bq - 1) // bq
         ends = jnp.cumsum(per_seq)
         b = jnp.arange(num_blocks, dtype=jnp.int32)
-        blk_seq = jnp.searchsorted(ends, b, side="right").astype(jnp.int32)
+        blk_seq = jnp.searchsorted(ends, b, side="right", method="compare_all").astype(jnp.int32)
         blk_ok = blk_seq < num_seqs
         blk_seq = jnp.minimum(blk_seq, num_seqs - 1)
         blk_off = (b - (ends[blk_seq] - per_seq[blk_seq])) * bq
@@ -164,7 +165,7 @@ def ragged_paged_attention_mgpu(
     if warp_specialized is None:  # measured on the H200: see the module docstring
         warp_specialized = quantized or num_consumers > 1
     if num_stages is None:
-        num_stages = 4 if warp_specialized and block_kv == 64 else 2
+        num_stages = 4 if warp_specialized and block_kv == 64 and head_dim <= 128 else 2
 
     kernel = _build_kernel(
         num_blocks=num_blocks,
@@ -204,7 +205,7 @@ def ragged_paged_attention_mgpu(
     # src[t], or nowhere (padding) -> zeros.
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     if decode:
-        seq = jnp.searchsorted(query_start_loc[1:], t, side="right")
+        seq = jnp.searchsorted(query_start_loc[1:], t, side="right", method="compare_all")
         seq = jnp.minimum(seq, num_seqs - 1)
         ok = (t == query_start_loc[seq]) & (q_lens[seq] > 0)
         src = seq
@@ -287,7 +288,7 @@ def _build_kernel(
     bk = block_kv
     # FP8 with a producer warpgroup: it also converts tiles to f16, off the consumer's path.
     convert_in_producer = quantized and warp_specialized
-    conv_stages = 2
+    conv_stages = 2 if head_dim <= 128 else 1  # f16 copies of head dim 256 tiles are big
     copies = max(1, bk // page_size)  # TMA copies (pages) per tile
     # Hopper converts e4m3 only to f16 in hardware: FP8 tiles are computed in f16.
     cdt = jnp.float16 if quantized else jnp.bfloat16

@@ -64,7 +64,9 @@ def ragged_paged_attention(
     # mix of prefill chunks and decodes (padding queries per sequence to max_q_len would cost
     # S x max_q_len x L, which explodes for mixed batches).
     t = jnp.arange(num_tokens)
-    seq = jnp.searchsorted(query_start_loc[1:], t, side="right")  # S for padding rows
+    seq = jnp.searchsorted(
+        query_start_loc[1:], t, side="right", method="compare_all"
+    )  # S for padding rows
     valid = seq < num_seqs
     seq = jnp.minimum(seq, num_seqs - 1)
     q_pos = seq_lens[seq] - q_lens[seq] + (t - query_start_loc[seq])  # [T]
