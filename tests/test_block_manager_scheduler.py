@@ -46,6 +46,7 @@ def simulate(specs, cfg: SchedulerConfig, num_pages: int, page_size: int, alloca
     kv: dict[tuple[int, int], tuple[int, int, int]] = {}  # (page, slot) -> (seq_id, pos, token)
     first_admission: dict[int, float] = {}  # seq_id -> first scheduled step, in admission order
     rejected, step, preemptions = set(), 0, 0
+    static_batch: set[int] = set()  # static: the batch formed at the last idle step
     last_arrival = max((a for a, *_ in specs), default=0)
     while step <= last_arrival or sch.has_unfinished():
         assert step < 5_000, "the simulated engine loop did not terminate"
@@ -58,6 +59,8 @@ def simulate(specs, cfg: SchedulerConfig, num_pages: int, page_size: int, alloca
             (s for s in seqs if s.status in (WAITING, PREEMPTED) and s.arrival_time <= now),
             key=lambda s: (s.status is not PREEMPTED, *policy.key(s)),
         )
+        if not running_before:
+            static_batch = {s.seq_id for s in waiting_order[: cfg.max_num_seqs]}
         had_work = sch.has_unfinished()
         out = sch.schedule(now)
         preemptions += len(out.preempted)
@@ -97,8 +100,10 @@ def simulate(specs, cfg: SchedulerConfig, num_pages: int, page_size: int, alloca
             assert all(policy.key(r) < policy.key(s) for r in sch.running)
         admitted = [s for s in waiting_order if s.status is RUNNING]
         assert admitted == waiting_order[: len(admitted)], "admission overtook the queue order"
-        if out.preempted or (running_before and not policy.admits_while_running):
+        if out.preempted:
             assert not admitted
+        if not policy.admits_while_running:  # only members of the batch formed when idle
+            assert {s.seq_id for s in admitted} <= static_batch
         if out.is_decode_only:
             assert all(x.seq.num_uncomputed_tokens == 1 for x in out.scheduled)
         for x in out.scheduled:
@@ -481,6 +486,36 @@ def test_static_admits_only_when_idle():
     assert step(sch, 1.0)[0] == [(1, 1)]  # 2 waits although a slot is free
     assert step(sch, 2.0)[0] == [(1, 1)]
     assert step(sch, 3.0)[0] == [(2, 4)]
+
+
+def test_static_batch_fills_over_several_steps_of_the_token_budget():
+    # 4 prompts of 6 tokens under an 8-token budget: the batch of max_num_seqs=3 needs 3 steps to
+    # admit; the 4th request waits for the whole batch although slots and budget are free.
+    cfg = SchedulerConfig(policy="static", max_num_seqs=3, max_num_batched_tokens=8)
+    sch = Scheduler(cfg, BlockManager(64, 4))
+    for i in range(4):
+        sch.add(make_seq(i, 6, 2 if i == 0 else 4))
+    assert step(sch, 0.0)[0] == [(0, 6), (1, 2)]
+    assert sch.can_admit_waiting  # the batch is still forming
+    assert step(sch, 1.0)[0] == [(0, 1), (1, 4), (2, 3)]  # 0 finishes
+    assert step(sch, 2.0)[0] == [(1, 1), (2, 3)]
+    assert not sch.can_admit_waiting  # batch {0, 1, 2} admitted: 3 waits for all of it
+    assert step(sch, 3.0)[0] == [(1, 1), (2, 1)]
+    assert step(sch, 4.0)[0] == [(1, 1), (2, 1)]  # 1 finishes
+    assert step(sch, 5.0)[0] == [(2, 1)]  # 2 finishes
+    assert step(sch, 6.0)[0] == [(3, 6)]
+
+
+def test_static_batch_member_aborted_before_admission_is_dropped():
+    cfg = SchedulerConfig(policy="static", max_num_seqs=3, max_num_batched_tokens=8)
+    sch = Scheduler(cfg, BlockManager(64, 4))
+    seqs = [make_seq(i, 6, 3) for i in range(4)]
+    for s in seqs:
+        sch.add(s)
+    assert step(sch, 0.0)[0] == [(0, 6), (1, 2)]
+    sch.abort(seqs[2], 0.5)  # a member of the forming batch, still waiting
+    assert step(sch, 1.0)[0] == [(0, 1), (1, 4)]  # 3 is not a member: it waits
+    assert not sch.can_admit_waiting
 
 
 def test_abort_and_fail_free_pages():

@@ -1,9 +1,10 @@
 """The engine loop: schedule (host) -> build a fixed-shape batch -> jitted step (device) -> append
 tokens, check stops, record metrics (host).
 
-A decode-only step with nobody waiting runs `decode_steps` tokens in one jitted scan; its tokens
-reach the host together, and their timestamps say so (that is what a streaming client would see).
-With `async_decode`, while nobody is waiting the next scan is dispatched from the previous scan's
+A decode-only step that no waiting request could join (none waits, or the policy admits none
+while a batch runs) runs `decode_steps` tokens in one jitted scan; its tokens reach the host
+together, and their timestamps say so (that is what a streaming client would see).
+With `async_decode`, while no waiting request could join, the next scan is dispatched from the previous scan's
 final device state *before* the host reads and post-processes the previous scan's tokens, so host
 work overlaps device work. Pages for both scans are reserved up front; a sequence that finishes in
 scan N idles through scan N+1 (its row is masked on device or its tokens dropped on the host), and
@@ -227,7 +228,7 @@ class Engine:
     def _lookahead(self, seqs: list[Sequence]) -> int:
         """Decode steps to run on device: reserve their pages now, or fall back to one step."""
         k = self.config.decode_steps
-        if k <= 1 or self.scheduler.num_waiting > 0:
+        if k <= 1 or self.scheduler.can_admit_waiting:
             return 1
         for seq in seqs:
             need = min(seq.num_tokens + k - 1, seq.max_total_tokens)
@@ -279,7 +280,7 @@ class Engine:
 
     def _chain(self, prev: _Inflight) -> _Inflight | None:
         """Dispatch the next scan from `prev`'s device state, before reading `prev`'s tokens."""
-        if self.scheduler.num_waiting > 0:
+        if self.scheduler.can_admit_waiting:
             return None
         if any(s.status is not SeqStatus.RUNNING for s in prev.seqs):
             return None

@@ -9,6 +9,11 @@ One `schedule(now)` call builds one step, in this order:
    policy order. Admission stops at the first sequence that does not fit (no overtaking), and is
    skipped entirely in a step that preempted something (a victim is not re-admitted at once).
 
+`static` (the naive baseline) admits only whole batches: when nothing runs, the batch is the first
+`max_num_seqs` waiting sequences; admitting it may take several steps of the token budget (its
+prompts are prefilled chunk by chunk), and nobody else is admitted until it has finished. The
+batch closes early when a member does not fit in the KV cache or a step preempts.
+
 Limits: at most `max_num_seqs` running, at most `max_num_batched_tokens` new tokens per step. With
 `chunked_prefill` a prefill gets `min(uncomputed, budget left)` tokens; without it a prefill is
 scheduled whole or not at all, and one longer than the budget is allowed only as the first (so
@@ -112,6 +117,7 @@ class Scheduler:
         self.policy = POLICIES[config.policy]
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        self._batch: list[Sequence] = []  # static: members of the current batch not yet admitted
 
     # -- queue -------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> bool:
@@ -152,6 +158,13 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def can_admit_waiting(self) -> bool:
+        """Whether the next step may admit a waiting sequence (the engine keeps steps short then)."""
+        if not self.waiting:
+            return False
+        return self.policy.admits_while_running or not self.running or bool(self._batch)
+
     def running_seqs(self) -> list[Sequence]:
         return sorted(self.running, key=self.policy.key)
 
@@ -173,14 +186,21 @@ class Scheduler:
             if n and self._reserve(seq, seq.num_computed_tokens + n, scheduled, out, now):
                 scheduled[seq] = n
 
-        if not out.preempted and (self.policy.admits_while_running or not was_running):
-            for seq in sorted(self.waiting, key=self._waiting_key):
+        if out.preempted:
+            self._batch = []
+        else:
+            for seq in self._admission_order(was_running):
                 if len(self.running) >= self.config.max_num_seqs:
                     break
                 n = self._num_new_tokens(seq, scheduled)
-                if not n or not self.block_manager.allocate(seq, seq.num_computed_tokens + n):
+                if not n:
                     break  # no overtaking: later sequences wait too
+                if not self.block_manager.allocate(seq, seq.num_computed_tokens + n):
+                    self._batch = []  # a static batch is what fits
+                    break
                 self.waiting.remove(seq)
+                if seq in self._batch:
+                    self._batch.remove(seq)
                 self.running.append(seq)
                 seq.status = SeqStatus.RUNNING
                 if seq.scheduled_time is None:
@@ -189,6 +209,15 @@ class Scheduler:
 
         out.scheduled = [ScheduledSeq(s, n) for s, n in scheduled.items()]
         return out
+
+    def _admission_order(self, was_running: bool) -> list[Sequence]:
+        """Waiting sequences this step may admit, in order (see `static` in the module doc)."""
+        waiting = sorted(self.waiting, key=self._waiting_key)
+        if self.policy.admits_while_running:
+            return waiting
+        if not was_running:
+            self._batch = waiting[: self.config.max_num_seqs]
+        return list(self._batch)
 
     def _waiting_key(self, seq: Sequence) -> tuple:
         return (seq.status is not SeqStatus.PREEMPTED, *self.policy.key(seq))
@@ -249,7 +278,7 @@ class Scheduler:
         self, seq: Sequence, status: SeqStatus, reason: str, now: float, error: str | None
     ) -> None:
         self.block_manager.free(seq)
-        for queue in (self.running, self.waiting):
+        for queue in (self.running, self.waiting, self._batch):
             if seq in queue:
                 queue.remove(seq)
         seq.status, seq.finish_reason, seq.finish_time, seq.error = status, reason, now, error
