@@ -2,27 +2,46 @@
 same offline workload, measured side by side in one process.
 
     python experiments/vs_transformers/run.py --out experiments/results/cpu/vs_transformers.json
+    python experiments/vs_transformers/run.py --config experiments/vs_transformers/h200.yaml \
+        --num-requests 128 --prompt-lo 64 --prompt-hi 512 --output-lo 16 --output-hi 192 \
+        --hf-batch-sizes 128 64 --out experiments/results/h200/vs_transformers.json
 
 jaxinfer serves every request at once through its engine; transformers runs `generate` over the
-requests in fixed batches (left padding, greedy, exactly `output_len` new tokens) at each batch size
-in --hf-batch-sizes, and its best batch size is the baseline. Both generate the same number of
-tokens per request (EOS ignored). Times exclude model loading and jaxinfer's warm-up compile, and
-include one untimed warm-up `generate` call for transformers.
+requests in fixed batches (left padding, greedy) at each batch size in --hf-batch-sizes, and its
+best batch size is the baseline. EOS is ignored on both sides. With mixed output lengths
+(--output-lo/--output-hi) each request wants its own number of tokens: jaxinfer stops each one
+there; a `generate` batch runs until its longest request is done, and only each request's own
+tokens count (a real request would have stopped at its EOS, and `generate` keeps computing a
+finished row until the whole batch is done). Times exclude model loading, jaxinfer's warm-up
+compile and one short untimed `generate` call.
+
+The model: the shipped reference models (same weights on both sides; greedy outputs are
+compared), or with --config a run config whose `engine` section names e.g. `preset:llama3-8b`:
+random weights of that shape on each side (throughput only; outputs are not compared).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
-from jaxinfer.assets import reference_model_dir
+from jaxinfer.assets import REFERENCE_MODELS, reference_model_dir
 from jaxinfer.engine.llm import LLM
 from jaxinfer.engine.request import SamplingParams
 from jaxinfer.provenance import provenance
+
+# The engine of the CPU result (experiments/results/cpu/vs_transformers.json).
+CPU_ENGINE = dict(
+    max_num_seqs=64, max_num_batched_tokens=1024, num_pages=1024, page_size=16, max_model_len=256,
+    decode_steps=8,
+)  # fmt: skip
 
 
 def workload(n: int, vocab: int, seed: int, prompt_lo: int, prompt_hi: int):
@@ -31,13 +50,18 @@ def workload(n: int, vocab: int, seed: int, prompt_lo: int, prompt_hi: int):
     return [rng.integers(1, vocab, int(k)).tolist() for k in lens]
 
 
-def run_jaxinfer(model: str, prompts, output_len: int, engine_kwargs: dict) -> dict:
-    llm = LLM(model, **engine_kwargs)
-    sampling = SamplingParams(max_tokens=output_len, ignore_eos=True)
+def output_lengths(n: int, seed: int, lo: int, hi: int) -> list[int]:
+    """Uniform in [lo, hi]; its own generator, so the prompts do not depend on it."""
+    return np.random.default_rng([seed, 1]).integers(lo, hi + 1, n).tolist()
+
+
+def run_jaxinfer(llm: LLM, prompts, output_lens: list[int]) -> dict:
+    sampling = [SamplingParams(max_tokens=n, ignore_eos=True) for n in output_lens]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sampling)
     elapsed = time.perf_counter() - t0
-    assert all(o.error is None and len(o.token_ids) == output_len for o in outs)
+    assert all(o.error is None for o in outs)
+    assert [len(o.token_ids) for o in outs] == output_lens
     tokens = sum(len(o.token_ids) for o in outs)
     return {
         "impl": "jaxinfer",
@@ -45,20 +69,41 @@ def run_jaxinfer(model: str, prompts, output_len: int, engine_kwargs: dict) -> d
         "output_tok_s": round(tokens / elapsed, 1),
         "warmup_s": round(llm.engine.warmup_s, 2),
         "compiles_after_warmup": llm.engine.compiles_after_warmup,
-        "engine": engine_kwargs,
+        "engine": {k: v for k, v in asdict(llm.config).items() if k != "model"},
         "first_outputs": [o.token_ids for o in outs[:2]],
     }
 
 
-def run_transformers(model_dir: Path, prompts, output_len: int, batch_size: int) -> dict:
+def load_transformers_model(model: str, dtype: str):
+    """(model, device): the reference model's weights, or random weights of a preset's shape."""
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()
-    model.generation_config.pad_token_id = 0
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch_dtype = getattr(torch, dtype)
+    if model.startswith("preset:"):
+        from jaxinfer.checkpoint.hf_saver import config_to_hf
+        from jaxinfer.models.presets import preset
 
-    def generate(batch):
+        hf_config = transformers.AutoConfig.for_model(
+            **config_to_hf(preset(model.removeprefix("preset:")), dtype=dtype)
+        )
+        with device:  # initialise on the device: an 8B model initialised on the host takes minutes
+            net = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch_dtype)
+    else:
+        path = reference_model_dir(model) if model in REFERENCE_MODELS else Path(model)
+        net = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    net.to(device=device, dtype=torch_dtype).eval()  # a no-op unless a loader ignored either
+    if device.type == "cpu":  # random tiny weights give denormal activations, ~100x slower on x86
+        torch.set_flush_denormal(True)
+    net.generation_config.pad_token_id = 0
+    return net, device
+
+
+def run_transformers(net, device, prompts, output_lens: list[int], batch_size: int) -> dict:
+    import torch
+
+    def generate(batch, new_tokens: int):
         width = max(len(p) for p in batch)
         ids = torch.zeros((len(batch), width), dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -66,17 +111,20 @@ def run_transformers(model_dir: Path, prompts, output_len: int, batch_size: int)
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
         with torch.no_grad():
-            out = model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
-                min_new_tokens=output_len, do_sample=False,
+            out = net.generate(
+                input_ids=ids.to(device), attention_mask=mask.to(device),
+                max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
             )  # fmt: skip
         return [row[width:].tolist() for row in out]
 
-    generate(prompts[:batch_size])  # warm-up
+    generate(prompts[:batch_size], 4)  # warm-up: kernels and allocator, not a measurement
     t0 = time.perf_counter()
-    outs = []
+    outs, generated = [], 0
     for i in range(0, len(prompts), batch_size):
-        outs += generate(prompts[i : i + batch_size])
+        want = output_lens[i : i + batch_size]
+        rows = generate(prompts[i : i + batch_size], max(want))
+        generated += sum(len(r) for r in rows)
+        outs += [r[:n] for r, n in zip(rows, want, strict=True)]
     elapsed = time.perf_counter() - t0
     tokens = sum(len(o) for o in outs)
     return {
@@ -84,54 +132,96 @@ def run_transformers(model_dir: Path, prompts, output_len: int, batch_size: int)
         "batch_size": batch_size,
         "elapsed_s": round(elapsed, 3),
         "output_tok_s": round(tokens / elapsed, 1),
+        "generated_tok_s": round(generated / elapsed, 1),  # also the tokens past a request's end
+        "device": str(device),
         "torch_threads": torch.get_num_threads(),
         "first_outputs": outs[:2],
     }
 
 
-def main() -> None:
+def engine_options(args: argparse.Namespace) -> dict:
+    """LLM keyword arguments: the CPU result's engine, or the `engine` section of --config."""
+    if args.config is None:
+        return {"model": args.model, "dtype": "float32", **CPU_ENGINE}
+    from jaxinfer.experiment.run import load_run_config
+
+    return asdict(load_run_config(args.config, args.set).engine)
+
+
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--model", default="tiny", help="a shipped reference model (without --config)")
+    ap.add_argument("--config", type=Path, default=None, help="run config: its engine section")
+    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="dotted overrides of --config, e.g. engine.model=preset:tiny")  # fmt: skip
     ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=64, help="every request's output length")
+    ap.add_argument("--output-lo", type=int, default=None, help="mixed: uniform in [lo, hi]")
+    ap.add_argument("--output-hi", type=int, default=None)
     ap.add_argument("--prompt-lo", type=int, default=32)
     ap.add_argument("--prompt-hi", type=int, default=128)
     ap.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if (args.output_lo is None) != (args.output_hi is None):
+        ap.error("--output-lo and --output-hi go together")
+    command = None if argv is None else [sys.executable, __file__, *argv]
 
-    model_dir = reference_model_dir(args.model)
-    prompts = workload(args.num_requests, 4096, args.seed, args.prompt_lo, args.prompt_hi)
-    engine_kwargs = dict(
-        max_num_seqs=64, max_num_batched_tokens=1024, num_pages=1024, page_size=16,
-        max_model_len=256, decode_steps=8,
-    )  # fmt: skip
-    rows = [run_jaxinfer(args.model, prompts, args.output_len, engine_kwargs)]
-    for b in args.hf_batch_sizes:
-        rows.append(run_transformers(model_dir, prompts, args.output_len, b))
-        print(json.dumps({k: v for k, v in rows[-1].items() if k != "first_outputs"}), flush=True)
-    best_hf = max((r for r in rows if r["impl"] == "transformers"), key=lambda r: r["output_tok_s"])
-    # Greedy outputs should agree (same weights, fp32); report rather than assert: near-ties may flip.
-    same = rows[0]["first_outputs"] == best_hf["first_outputs"]
-    result = {
-        **provenance(),
-        "model": args.model,
-        "workload": {
-            "num_requests": args.num_requests,
-            "output_len": args.output_len,
-            "prompt_len_uniform": [args.prompt_lo, args.prompt_hi],
-            "arrival": "all at once",
-        },
-        "rows": rows,
-        "speedup_vs_best_transformers": round(rows[0]["output_tok_s"] / best_hf["output_tok_s"], 2),
-        "best_transformers_batch_size": best_hf["batch_size"],
-        "greedy_outputs_agree_on_first_two_requests": same,
+    # Before JAX touches the GPU: leave torch, in this same process, room for its model.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+    options = engine_options(args)
+    model = options.pop("model")
+    llm = LLM(model, **options)
+    vocab = min(4096, llm.engine.cfg.vocab_size)
+    prompts = workload(args.num_requests, vocab, args.seed, args.prompt_lo, args.prompt_hi)
+    if args.output_lo is None:
+        output_lens = [args.output_len] * args.num_requests
+        output_spec = {"output_len": args.output_len}
+    else:
+        output_lens = output_lengths(args.num_requests, args.seed, args.output_lo, args.output_hi)
+        output_spec = {"output_len_uniform": [args.output_lo, args.output_hi]}
+    workload_spec = {
+        "num_requests": args.num_requests,
+        **output_spec,
+        "prompt_len_uniform": [args.prompt_lo, args.prompt_hi],
+        "arrival": "all at once",
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    head = {**provenance(command), "model": model, "dtype": options["dtype"],
+            "same_weights": not model.startswith("preset:"), "workload": workload_spec}  # fmt: skip
+    rows = [run_jaxinfer(llm, prompts, output_lens)]
+    del llm  # its params and KV cache go back to JAX's pool before torch allocates
+    write(args.out, head, rows)  # after every row: a run cut short keeps what it measured
+    print(json.dumps({k: v for k, v in rows[0].items() if k not in ("first_outputs", "engine")}),
+          flush=True)  # fmt: skip
+
+    net, device = load_transformers_model(model, options["dtype"])
+    for b in args.hf_batch_sizes:
+        rows.append(run_transformers(net, device, prompts, output_lens, b))
+        result = write(args.out, head, rows)
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "first_outputs"}), flush=True)
     print(json.dumps({k: result[k] for k in ("speedup_vs_best_transformers",
                                              "best_transformers_batch_size")}))  # fmt: skip
+    return result
+
+
+def write(out: Path, head: dict, rows: list[dict]) -> dict:
+    """The results file: `head`, the rows, and the comparison once transformers has a row."""
+    result = {**head, "rows": rows}
+    hf = [r for r in rows if r["impl"] == "transformers"]
+    if hf:
+        best = max(hf, key=lambda r: r["output_tok_s"])
+        result["speedup_vs_best_transformers"] = round(
+            rows[0]["output_tok_s"] / best["output_tok_s"], 2
+        )
+        result["best_transformers_batch_size"] = best["batch_size"]
+        # Same weights: greedy outputs should agree; reported, not asserted (near-ties may flip).
+        result["greedy_outputs_agree_on_first_two_requests"] = (
+            rows[0]["first_outputs"] == best["first_outputs"] if head["same_weights"] else None
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    return result
 
 
 if __name__ == "__main__":
