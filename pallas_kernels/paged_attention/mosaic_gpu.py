@@ -27,6 +27,21 @@ How the work is cut
   bytes), converted to bf16 in shared memory, and the scales are applied to the columns of the
   scores (K) and of the probabilities (V), so dequantization is one multiply per score.
 
+Pipelines (defaults chosen on the H200 probe runs, `experiments/scratch/probe_pa.py`):
+- bf16 decode: one warpgroup that both issues the TMA copies and computes, 2 stages: 80 KB of
+  shared memory, so two programs share an SM and one computes while the other waits (3.48 TB/s at
+  B64 L2048 against 2.69 with 3 stages, one program per SM; a warp-specialised producer gave 3.30).
+- fp8 decode: a producer warpgroup issues the copies *and* converts each landed tile to f16 (Hopper
+  has no e4m3 -> bf16 conversion; q and P are f16 on this path), handing f16 tiles to the consumer.
+- prefill: two consumer warpgroups (128 query rows) and a producer, 128-key tiles.
+Tiles every row of a consumer sees whole skip the masking.
+
+Measured (`experiments/results/h200/paged_attention.json`, H200, bf16, GQA 32/8, d128, page 16;
+TB/s of K/V read, ours / cuDNN paged in the same run): B64 L2048 3.45 / 3.15; B1 L32768 2.24 /
+1.74; B8 L8192 2.35 / 2.28; B256 L2048 3.97 / 3.70; fp8 B64 L2048 1.08 TB/s (0.248 ms, slower than
+bf16's 0.156 ms: the shared-memory fp8 -> f16 round trip, not HBM, is the limit); causal prefill
+4 x 4096: 399 TFLOP/s (cuDNN dense 468, jax's `attention_mgpu` 473 on contiguous f16 K/V).
+
 The Pallas Triton backend is not used (deprecated from jax 0.11). On CPU the kernel runs under jax's
 GPU interpreter (`interpret=True`), which is how the tests check it against the reference.
 """
@@ -98,9 +113,10 @@ def ragged_paged_attention_mgpu(
     """Same contract as `reference.ragged_paged_attention`; returns [T, Hq, D] in q.dtype.
 
     `num_splits` (static) cuts each sequence's context into that many parts (default: enough to
-    fill the GPU); `num_stages` is the depth of the shared-memory pipeline (default 3, 2 for
-    128-token tiles of head dim 256); `interpret` runs the kernel under the GPU interpreter
-    (default: when there is no GPU).
+    fill the GPU for decode, 1 for prefill); `num_stages` is the depth of the shared-memory
+    pipeline; `warp_specialized` adds a producer warpgroup; `block_kv` (64 or 128) keys per tile;
+    `num_consumers` consumer warpgroups of 64 query rows each. Defaults: see the module docstring.
+    `interpret` runs the kernel under the GPU interpreter (default: when there is no GPU).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
