@@ -4,7 +4,7 @@ same offline workload, measured side by side in one process.
     python experiments/vs_transformers/run.py --out experiments/results/cpu/vs_transformers.json
     python experiments/vs_transformers/run.py --config experiments/vs_transformers/h200.yaml \
         --num-requests 128 --prompt-lo 64 --prompt-hi 512 --output-lo 16 --output-hi 192 \
-        --hf-batch-sizes 128 64 --out experiments/results/h200/vs_transformers.json
+        --hf-batch-sizes 128 --out experiments/results/h200/vs_transformers.json
 
 jaxinfer serves every request at once through its engine; transformers runs `generate` over the
 requests in fixed batches (left padding, greedy) at each batch size in --hf-batch-sizes, and its
