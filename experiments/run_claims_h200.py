@@ -1,11 +1,13 @@
 """The four claims on one H200 with the Llama-3-8B shape, in one go, within a time budget.
 
-    python3 experiments/run_claims_h200.py --out $OUT/h200      # on the device machine
-    python experiments/run_claims_h200.py --smoke --out /tmp/claims-smoke   # CPU, tiny, minutes
+    python3 experiments/run_claims_h200.py --out /tmp/claims/h200 --archive $OUT/h200.tar.gz
+    python experiments/run_claims_h200.py --smoke --out /tmp/claims-smoke/h200   # CPU, tiny preset
 
 Writes `OUT/<claim>/` sweep folders (points, results.parquet, report/) and `OUT/vs_transformers.json`
 in the layout of `experiments/results/cpu/`, plus `OUT/claims_run.json` (what ran, how long, how
-many compiles), so recording the run is `cp -r $OUT/h200 experiments/results/h200` and then
+many compiles), and with --archive packs OUT into one .tar.gz whose top folder is OUT's name (the
+device tool returns a few files from at most two folders down, not a results tree). Recording the
+run: `tar -xzf h200.tar.gz -C experiments/results/`, then
 `python experiments/claims_table.py experiments/results/h200 --column H200`.
 
 This process never touches an accelerator. It starts one worker process that runs the claims in
@@ -269,6 +271,16 @@ def collect_log(out: Path, stopped: str, args: argparse.Namespace, started: floa
     return run
 
 
+def pack(out: Path, archive: Path) -> None:
+    """`archive` (.tar.gz) holding `out` under its own name: `tar -xzf` in results/ records it."""
+    import tarfile
+
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(out, arcname=out.name)
+    print(f"[claims] packed {out} into {archive} ({archive.stat().st_size / 2**20:.1f} MiB)")
+
+
 def point_rows(out: Path) -> list[dict]:
     """One row per finished point of every sweep claim: the numbers to judge the run by."""
     from jaxinfer.experiment.report import load_points
@@ -344,7 +356,8 @@ def _fmt(v) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True, help="results folder, e.g. $OUT/h200")
+    ap.add_argument("--out", type=Path, required=True, help="results folder, e.g. /tmp/claims/h200")
+    ap.add_argument("--archive", type=Path, default=None, help="also pack it into this .tar.gz")
     ap.add_argument("--budget-s", type=float, default=540.0, help="for the whole run")
     ap.add_argument("--report-reserve-s", type=float, default=30.0,
                     help="kept back from the worker for reports and the summary")  # fmt: skip
@@ -372,6 +385,8 @@ def main() -> int:
     except Exception:
         traceback.print_exc()
     run = collect_log(args.out, stopped, args, started)
+    if args.archive is not None:
+        pack(args.out, args.archive)
     print_summary(args.out, run)
     return 0 if all(r["status"] == "ok" for r in run["claims"]) else 1
 
