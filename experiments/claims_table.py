@@ -67,6 +67,8 @@ def vs_transformers(results: Path) -> str | None:
     if not path.is_file():
         return None
     r = json.loads(path.read_text())
+    if "speedup_vs_best_transformers" not in r:  # transformers did not finish
+        return None
     ours = r["rows"][0]["output_tok_s"]
     hf = max((x for x in r["rows"] if x["impl"] == "transformers"), key=lambda x: x["output_tok_s"])
     return (

@@ -206,7 +206,7 @@ def worker_env() -> dict[str, str]:
     env.setdefault("JAX_COMPILATION_CACHE_DIR", "/tmp/jaxinfer_jax_cache")  # bench_e2e's too
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # claim 3 puts torch beside JAX
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # claim 3: torch gets the rest
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
 

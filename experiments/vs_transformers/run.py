@@ -13,7 +13,9 @@ best batch size is the baseline. EOS is ignored on both sides. With mixed output
 there; a `generate` batch runs until its longest request is done, and only each request's own
 tokens count (a real request would have stopped at its EOS, and `generate` keeps computing a
 finished row until the whole batch is done). Times exclude model loading, jaxinfer's warm-up
-compile and one short untimed `generate` call.
+compile and one short untimed `generate` call. transformers runs in a child process, after
+jaxinfer's run, so the two never share a process's CUDA libraries; JAX keeps half the GPU's memory
+(XLA_PYTHON_CLIENT_MEM_FRACTION, unless set) and the child gets the rest.
 
 The model: the shipped reference models (same weights on both sides; greedy outputs are
 compared), or with --config a run config whose `engine` section names e.g. `preset:llama3-8b`:
@@ -25,7 +27,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -139,6 +143,29 @@ def run_transformers(net, device, prompts, output_lens: list[int], batch_size: i
     }
 
 
+def transformers_child(job_file: Path, rows_file: Path) -> None:
+    """The child process: the transformers side of `job_file`, a row per batch size in `rows_file`
+    as soon as it is measured."""
+    job = json.loads(job_file.read_text())
+    net, device = load_transformers_model(job["model"], job["dtype"])
+    rows = []
+    for b in job["batch_sizes"]:
+        rows.append(run_transformers(net, device, job["prompts"], job["output_lens"], b))
+        rows_file.write_text(json.dumps(rows))
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "first_outputs"}), flush=True)
+
+
+def run_transformers_child(job: dict) -> tuple[list[dict], str | None]:
+    """(rows, error): `transformers_child` in a process of its own, which never touches JAX."""
+    with tempfile.TemporaryDirectory() as tmp:
+        job_file, rows_file = Path(tmp, "job.json"), Path(tmp, "rows.json")
+        job_file.write_text(json.dumps(job))
+        cmd = [sys.executable, __file__, "--transformers-child", str(job_file), str(rows_file)]
+        rc = subprocess.run(cmd, env={**os.environ, "JAX_PLATFORMS": "cpu"}).returncode
+        rows = json.loads(rows_file.read_text()) if rows_file.is_file() else []
+    return rows, None if rc == 0 else f"the transformers process exited with code {rc}"
+
+
 def engine_options(args: argparse.Namespace) -> dict:
     """LLM keyword arguments: the CPU result's engine, or the `engine` section of --config."""
     if args.config is None:
@@ -168,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("--output-lo and --output-hi go together")
     command = None if argv is None else [sys.executable, __file__, *argv]
 
-    # Before JAX touches the GPU: leave torch, in this same process, room for its model.
+    # Before JAX touches the GPU: leave the transformers process room for its model.
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
     options = engine_options(args)
     model = options.pop("model")
@@ -190,18 +217,22 @@ def main(argv: list[str] | None = None) -> dict:
     head = {**provenance(command), "model": model, "dtype": options["dtype"],
             "same_weights": not model.startswith("preset:"), "workload": workload_spec}  # fmt: skip
     rows = [run_jaxinfer(llm, prompts, output_lens)]
-    del llm  # its params and KV cache go back to JAX's pool before torch allocates
-    write(args.out, head, rows)  # after every row: a run cut short keeps what it measured
+    del llm
+    write(args.out, head, rows)  # a run cut short keeps what it measured
     print(json.dumps({k: v for k, v in rows[0].items() if k not in ("first_outputs", "engine")}),
           flush=True)  # fmt: skip
 
-    net, device = load_transformers_model(model, options["dtype"])
-    for b in args.hf_batch_sizes:
-        rows.append(run_transformers(net, device, prompts, output_lens, b))
-        result = write(args.out, head, rows)
-        print(json.dumps({k: v for k, v in rows[-1].items() if k != "first_outputs"}), flush=True)
-    print(json.dumps({k: result[k] for k in ("speedup_vs_best_transformers",
-                                             "best_transformers_batch_size")}))  # fmt: skip
+    hf_rows, error = run_transformers_child(dict(
+        model=model, dtype=options["dtype"], prompts=prompts, output_lens=output_lens,
+        batch_sizes=args.hf_batch_sizes,
+    ))  # fmt: skip
+    if error is not None:
+        head["transformers_error"] = error
+    result = write(args.out, head, rows + hf_rows)
+    print(json.dumps({k: result.get(k) for k in ("speedup_vs_best_transformers",
+                                                 "best_transformers_batch_size")}))  # fmt: skip
+    if error is not None:
+        raise RuntimeError(error)
     return result
 
 
@@ -225,4 +256,7 @@ def write(out: Path, head: dict, rows: list[dict]) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--transformers-child"]:
+        transformers_child(Path(sys.argv[2]), Path(sys.argv[3]))
+    else:
+        main()
