@@ -199,3 +199,15 @@ def test_eos_after_ends_requests_early_without_telling_the_allocator(model, prom
         assert len(s.output_token_ids) == 9 and s.finish_reason == "stop"
     (base,) = run(make_engine(model), [prompts[0]], [greedy(9)])
     assert base.output_token_ids == seqs[0].output_token_ids
+
+
+def test_parallel_warmup_compiles_every_bucket_and_nothing_after(model, prompts):
+    engine = make_engine(model, compile_workers=0)  # one compile thread per core
+    runner = engine.runner
+    assert {k[0] for k in runner._executables} == {"mixed", "decode"}
+    assert len(runner._executables) == len(runner._warmup_calls())
+    seqs = run(engine, prompts[:3], [greedy(6)] * 3)
+    assert all(len(s.output_token_ids) == 6 for s in seqs)
+    assert engine.compiles_after_warmup == 0
+    with pytest.raises(ValueError, match="compile_workers"):
+        EngineConfig(model="preset:tiny", compile_workers=-1)

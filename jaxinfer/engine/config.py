@@ -31,6 +31,9 @@ class EngineConfig:
     async_decode: bool = True  # dispatch the next decode scan before reading the previous one
     attention_backend: str = "auto"
     num_logprobs: int = 0  # top-k logprobs computed on device (static; requests may ask <= this)
+    # Threads compiling warm-up buckets at once (0: one per core). 1 until measured on the GPU:
+    # XLA's GEMM autotuning runs during compiles, and concurrent compiles may disturb it.
+    compile_workers: int = 1
 
     def __post_init__(self) -> None:
         def bad(key: str, allowed: str) -> ValueError:
@@ -57,3 +60,5 @@ class EngineConfig:
             raise bad("max_num_batched_tokens", f">= max_num_seqs ({self.max_num_seqs})")
         if self.num_logprobs < 0:
             raise bad("num_logprobs", "an int >= 0")
+        if self.compile_workers < 0:
+            raise bad("compile_workers", "an int >= 0 (0: one per core)")

@@ -165,7 +165,7 @@ class Engine:
     def warmup(self) -> float:
         t0 = time.perf_counter()
         compile_count()  # install the listener before compiling
-        self.runner.warmup()
+        self.runner.warmup(max_workers=self.config.compile_workers or None)
         self.warmup_s = time.perf_counter() - t0
         self._compiles_at_warmup = compile_count()
         return self.warmup_s

@@ -8,11 +8,17 @@ Two jitted functions, each compiled for a finite set of shapes at warm-up:
   `num_steps` tokens. A sequence that hits a stop token or its token limit stops advancing (it
   re-writes its last slot), so it never writes past the pages the host reserved.
 The cache is donated to both and updated in place.
+
+Warm-up lowers every bucket first, then compiles them all at once on a thread pool (XLA releases
+the GIL while it compiles, so the buckets' compiles overlap on a many-core host) and keeps the
+executables; the step calls use them directly, so serving never goes back to jit's tracing.
 """
 
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 
@@ -134,6 +140,7 @@ class ModelRunner:
                  kv_dtype: str = "auto"):  # fmt: skip
         self.cfg, self.params, self.shapes, self.backend = cfg, params, shapes, backend
         self.kv = init_kv_cache(cfg, shapes.num_pages, shapes.page_size, kv_dtype)
+        self._executables: dict[tuple, object] = {}  # warm-up's compiled steps, by bucket
         self.token_buckets = _pow2_buckets(min(16, shapes.max_step_tokens), shapes.max_step_tokens)
         self.seq_buckets = _pow2_buckets(min(8, shapes.max_num_seqs), shapes.max_num_seqs)
 
@@ -164,11 +171,21 @@ class ModelRunner:
         )  # fmt: skip
 
     # -- device calls --------------------------------------------------------------------------
+    def _mixed_static(self):
+        return dict(cfg=self.cfg, num_logprobs=self.shapes.num_logprobs, backend=self.backend)
+
+    def _decode_static(self, num_steps: int):
+        return dict(cfg=self.cfg, num_steps=num_steps, num_logprobs=self.shapes.num_logprobs,
+                    backend=self.backend)  # fmt: skip
+
     def run_mixed(self, batch: RaggedBatch, sb: SamplingBatch):
-        (tok, lp, top_lp, top_ids), self.kv = mixed_step(
-            self.params, self.kv, batch, sb, cfg=self.cfg,
-            num_logprobs=self.shapes.num_logprobs, backend=self.backend,
-        )  # fmt: skip
+        exe = self._executables.get(("mixed", batch.tokens.shape[0], batch.max_q_len))
+        if exe is not None:
+            (tok, lp, top_lp, top_ids), self.kv = exe(self.params, self.kv, batch, sb)
+        else:  # a shape warm-up did not compile: jit compiles it (and the engine counts it)
+            (tok, lp, top_lp, top_ids), self.kv = mixed_step(
+                self.params, self.kv, batch, sb, **self._mixed_static()
+            )
         return tok, lp, top_lp, top_ids
 
     def decode_table(self, pages: list[list[int]], rows: int) -> jax.Array:
@@ -200,16 +217,44 @@ class ModelRunner:
         return self.decode_table(pages, rows), state, rows
 
     def run_decode(self, table, state: DecodeState, sb: SamplingBatch, num_steps: int):
-        outs, final, self.kv = decode_loop(
-            self.params, self.kv, table, state, sb, cfg=self.cfg, num_steps=num_steps,
-            num_logprobs=self.shapes.num_logprobs, backend=self.backend,
-        )  # fmt: skip
+        exe = self._executables.get(("decode", table.shape[0], num_steps))
+        if exe is not None:
+            outs, final, self.kv = exe(self.params, self.kv, table, state, sb)
+        else:
+            outs, final, self.kv = decode_loop(
+                self.params, self.kv, table, state, sb, **self._decode_static(num_steps)
+            )
         return outs, final
 
     # -- warm-up -------------------------------------------------------------------------------
-    def warmup(self) -> None:
-        """Compile every bucket on all-padding batches (they only touch the scratch page)."""
+    def warmup(self, max_workers: int | None = None) -> None:
+        """Compile every bucket (in parallel), then run each once on an all-padding batch.
+
+        Padding batches only touch the scratch page. `max_workers` bounds the compile threads
+        (default: the host's cores, at most one per bucket; 1 compiles one after another).
+        """
+        calls = self._warmup_calls()
+        lowered = []
+        for key, fn, args, static in calls:
+            lowered.append((key, fn.lower(*args, **static)))
+        workers = max_workers or min(len(lowered), os.cpu_count() or 1)
+        if workers > 1:
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                compiled = list(pool.map(lambda kl: kl[1].compile(), lowered))
+        else:
+            compiled = [low.compile() for _, low in lowered]
+        for (key, _), exe in zip(lowered, compiled, strict=True):
+            self._executables[key] = exe
+        for key, _, args, _ in calls:  # run each once: first-call work stays out of serving
+            if key[0] == "mixed":
+                jax.block_until_ready(self.run_mixed(*args[2:]))
+            else:
+                jax.block_until_ready(self.run_decode(*args[2:], key[2]))
+
+    def _warmup_calls(self):
+        """(key, jitted fn, example args, static args) for every bucket the engine can use."""
         s = self.shapes
+        calls = []
         # A decode-only mixed batch (max_q 1) has one token per sequence, so its token bucket is at
         # most the one holding max_num_seqs; larger buckets only ever see prefill chunks.
         decode_cap = pick_bucket(self.token_buckets, min(s.max_num_seqs, s.max_step_tokens))
@@ -222,7 +267,8 @@ class ModelRunner:
                     PageTable(table, jnp.zeros(s.max_num_seqs, jnp.int32)), max_q,
                 )  # fmt: skip
                 sb = SamplingBatch.build([], [], [], s.max_num_seqs)
-                jax.block_until_ready(self.run_mixed(batch, sb))
+                calls.append((("mixed", t, max_q), mixed_step,
+                              (self.params, self.kv, batch, sb), self._mixed_static()))  # fmt: skip
         if s.decode_steps > 1:
             for rows in self.seq_buckets:
                 zeros = jnp.zeros(rows, jnp.int32)
@@ -232,4 +278,7 @@ class ModelRunner:
                 )  # fmt: skip
                 table = jnp.zeros((rows, s.pages_per_seq), jnp.int32)
                 sb = SamplingBatch.build([], [], [], rows)
-                jax.block_until_ready(self.run_decode(table, state, sb, s.decode_steps))
+                calls.append((("decode", rows, s.decode_steps), decode_loop,
+                              (self.params, self.kv, table, state, sb),
+                              self._decode_static(s.decode_steps)))  # fmt: skip
+        return calls
