@@ -190,6 +190,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--hf-workloads", default="fixed", help="workloads run through transformers")
     ap.add_argument("--hf-timeout-s", type=float, default=1200.0)
     ap.add_argument("--profile-decode-scans", type=int, default=2)
+    ap.add_argument(
+        "--compile-workers",
+        type=int,
+        default=1,
+        help="engine.compile_workers: warm-up compile threads (0: one per core)",
+    )
     ap.add_argument("--compile-cache", default="/tmp/jaxinfer_jax_cache",
                     help="JAX persistent compilation cache directory ('' disables)")  # fmt: skip
     args = ap.parse_args(argv)
@@ -593,7 +599,7 @@ def engine_options(args, workloads: dict[str, list[WorkloadRequest]]) -> dict:
         num_pages=max_num_seqs * (max_model_len // page_size) + 1,
         max_num_batched_tokens=max(args.max_num_batched_tokens, max_num_seqs),
         max_model_len=max_model_len, decode_steps=k, chunked_prefill=True, async_decode=True,
-        attention_backend=args.attention_backend,
+        attention_backend=args.attention_backend, compile_workers=args.compile_workers,
     )  # fmt: skip
     if args.kv_dtype != "auto":
         options["kv_dtype"] = args.kv_dtype
