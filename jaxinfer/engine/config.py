@@ -34,6 +34,7 @@ class EngineConfig:
     # Threads compiling warm-up buckets at once (0: one per core). 1 until measured on the GPU:
     # XLA's GEMM autotuning runs during compiles, and concurrent compiles may disturb it.
     compile_workers: int = 1
+    data_parallel: int = 1  # engine replicas, one per device, behind one request queue
 
     def __post_init__(self) -> None:
         def bad(key: str, allowed: str) -> ValueError:
@@ -60,5 +61,7 @@ class EngineConfig:
             raise bad("max_num_batched_tokens", f">= max_num_seqs ({self.max_num_seqs})")
         if self.num_logprobs < 0:
             raise bad("num_logprobs", "an int >= 0")
+        if self.data_parallel < 1:
+            raise bad("data_parallel", "an int >= 1 (replicas, one per device)")
         if self.compile_workers < 0:
             raise bad("compile_workers", "an int >= 0 (0: one per core)")

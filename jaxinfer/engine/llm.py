@@ -6,7 +6,10 @@ from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, fields
 
+import jax
+
 from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.data_parallel import DataParallelEngine
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.loading import load_model
 from jaxinfer.engine.request import SamplingParams, Sequence
@@ -55,7 +58,15 @@ class LLM:
             raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
         self.config = EngineConfig(model=model, **engine_kwargs)
         cfg, params, self.tokenizer = load_model(model, self.config.dtype, self.config.seed)
-        self.engine = Engine(self.config, cfg, params, self.tokenizer)
+        if self.config.data_parallel > 1:
+            devices = jax.devices()
+            if len(devices) < self.config.data_parallel:
+                raise ValueError(f"engine.data_parallel={self.config.data_parallel} needs that many "
+                                 f"devices; this process sees {len(devices)}")  # fmt: skip
+            self.engine = DataParallelEngine(self.config, cfg, params, self.tokenizer,
+                                             devices[: self.config.data_parallel])  # fmt: skip
+        else:
+            self.engine = Engine(self.config, cfg, params, self.tokenizer)
         if warmup:
             self.engine.warmup()
 
@@ -65,6 +76,7 @@ class LLM:
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        self._n = len(prompts)
         return [
             self.engine.add_request(p, s or SamplingParams())
             for p, s in zip(prompts, params, strict=True)
@@ -76,6 +88,9 @@ class LLM:
         sampling: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in prompt order; a bad request has `error` set and the others still finish."""
+        if isinstance(self.engine, DataParallelEngine):
+            self._submit(prompts, sampling)
+            return [RequestOutput.of(s, self.tokenizer) for s in self.engine.run()[-self._n :]]
         seqs = self._submit(prompts, sampling)
         while self.engine.has_unfinished():
             self.engine.step()
@@ -87,6 +102,8 @@ class LLM:
         sampling: SamplingParams | list[SamplingParams] | None = None,
     ) -> Iterator[StreamEvent]:
         """Yield tokens as the engine produces them (several per event after a decode scan)."""
+        if isinstance(self.engine, DataParallelEngine):
+            raise NotImplementedError("streaming with engine.data_parallel > 1 is not supported")
         for seq in self._submit(prompts, sampling):
             if seq.error is not None:
                 yield StreamEvent(seq.seq_id, [], True, seq.finish_reason, seq.error)

@@ -1,0 +1,106 @@
+"""Data-parallel replicas behind one request queue: output tok/s with 1 replica against N.
+
+    python experiments/bench_data_parallel.py --replicas 2 --out results.json           # N GPUs
+    python experiments/bench_data_parallel.py --cpu-devices 2 --replicas 2 --model tiny  # CPU
+
+Offline (all requests at t=0), fixed prompt/output lengths (default 128/128, the issue's
+throughput workload), greedy with ignore_eos. One engine configuration for every replica count;
+each count gets its own engine(s), warmed up before timing. Also checks that the replicas return
+the same tokens as one engine (greedy decoding is batch-independent here up to float noise: the
+count of identical outputs is recorded, not asserted). On a CPU the "devices" share the same cores,
+so no speed-up is expected there: the CPU run checks the plumbing only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="preset:llama3-8b")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--replicas", type=int, nargs="+", default=[2])
+    ap.add_argument("--num-requests", type=int, default=1000)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--cpu-devices", type=int, default=0, help="force this many CPU devices")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    if args.cpu_devices:  # before jax initialises its backends
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "")
+            + f" --xla_force_host_platform_device_count={args.cpu_devices}"
+        )
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+    import jax
+    import numpy as np
+
+    from jaxinfer.engine.llm import LLM
+    from jaxinfer.engine.request import SamplingParams
+    from jaxinfer.provenance import provenance
+
+    max_len = -(-(args.input_len + args.output_len) // args.page_size) * args.page_size
+    engine_kw = dict(
+        dtype=args.dtype, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
+        num_pages=args.max_num_seqs * (max_len // args.page_size) + 1,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_len,
+        decode_steps=8, attention_backend=args.attention_backend,
+    )  # fmt: skip
+    rng = np.random.default_rng(0)
+    result = {**provenance(sys.argv), "device_count": len(jax.devices()),
+              "devices": [str(d) for d in jax.devices()], "engine": engine_kw,
+              "workload": {"num_requests": args.num_requests, "input_len": args.input_len,
+                           "output_len": args.output_len, "arrivals": "all at t=0"},
+              "rows": []}  # fmt: skip
+    sp = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+    tokens = {}
+    for n in sorted({1, *args.replicas}):
+        if n > len(jax.devices()):
+            result["rows"].append({"replicas": n, "error": f"only {len(jax.devices())} devices"})
+            continue
+        t0 = time.perf_counter()
+        llm = LLM(args.model, data_parallel=n, **engine_kw)
+        warmup_s = time.perf_counter() - t0
+        vocab = llm.engine.replicas[0].cfg.vocab_size if n > 1 else llm.engine.cfg.vocab_size
+        prompts = [rng.integers(1, vocab, args.input_len).tolist()
+                   for _ in range(args.num_requests)]  # fmt: skip
+        rng = np.random.default_rng(0)  # the same prompts for every replica count
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp)
+        wall = time.perf_counter() - t0
+        out_tokens = sum(len(o.token_ids) for o in outs)
+        row = {"replicas": n, "warmup_s": round(warmup_s, 2), "wall_s": round(wall, 3),
+               "output_tokens": out_tokens, "output_tok_s": round(out_tokens / wall, 1),
+               "compiles_after_warmup": llm.engine.compiles_after_warmup}  # fmt: skip
+        if n > 1:
+            row["requests_per_replica"] = np.bincount(
+                list(llm.engine.assignments.values()), minlength=n).tolist()  # fmt: skip
+        tokens[n] = [o.token_ids for o in outs]
+        if n > 1 and 1 in tokens:
+            row["identical_to_one_replica"] = sum(
+                a == b for a, b in zip(tokens[1], tokens[n], strict=True))  # fmt: skip
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        del llm
+    base = next((r["output_tok_s"] for r in result["rows"] if r.get("replicas") == 1), None)
+    for r in result["rows"]:
+        if base and "output_tok_s" in r:
+            r["speedup_vs_one"] = round(r["output_tok_s"] / base, 3)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
