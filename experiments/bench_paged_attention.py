@@ -632,12 +632,12 @@ def bench_case(case: Case, impls, args, on_gpu: bool, record, done) -> None:
             del out
             t = time_op(prep, min_loop_s=args.min_loop_ms / 1e3, repeats=args.repeats)
             row.update(
-                time_ms=round(t["time_s"] * 1e3, 5),
-                kv_TBps=round(case.kv_bytes / t["time_s"] / 1e12, 4),
+                time_ms=float(f"{t['time_s'] * 1e3:.5g}"),  # significant digits: tiny smoke
+                kv_TBps=float(f"{case.kv_bytes / t['time_s'] / 1e12:.4g}"),  # cases stay > 0
                 n_iters=t["n_iters"], loop_ms=t["loop_ms"], first_call_s=t["first_call_s"],
             )  # fmt: skip
             if case.kind == "prefill":
-                row["tflops"] = round(case.causal_flops / t["time_s"] / 1e12, 2)
+                row["tflops"] = float(f"{case.causal_flops / t['time_s'] / 1e12:.4g}")
         except Exception as e:  # one failing impl must not lose the rest
             row["error"] = f"{type(e).__name__}: {e}"[:2000]
         record(row)

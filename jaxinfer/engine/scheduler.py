@@ -160,8 +160,12 @@ class Scheduler:
 
     @property
     def can_admit_waiting(self) -> bool:
-        """Whether the next step may admit a waiting sequence (the engine keeps steps short then)."""
-        if not self.waiting:
+        """Whether the next step may admit a waiting sequence (the engine keeps steps short then).
+
+        Not while every batch slot is taken: a full batch runs decode scans even with a queue (a
+        slot freed inside a scan is filled at the scan's end, at most decode_steps - 1 steps late).
+        """
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return False
         return self.policy.admits_while_running or not self.running or bool(self._batch)
 
