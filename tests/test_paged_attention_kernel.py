@@ -30,7 +30,8 @@ def quantize_e4m3(pages: np.ndarray):
     return q8, jnp.asarray(scales), deq
 
 
-def run_case(*, q_lens, ctx_lens, page_size, num_kv_heads, group, head_dim, fp8=False, **kw):
+def run_case(*, q_lens, ctx_lens, page_size, num_kv_heads, group, head_dim, fp8=False,
+             interpret=True, **kw):  # fmt: skip
     seed = secrets.randbelow(2**31)
     rng = np.random.default_rng(seed)
     q, k_pages, v_pages, table, lens, qsl, _, _ = make_case(
@@ -50,7 +51,7 @@ def run_case(*, q_lens, ctx_lens, page_size, num_kv_heads, group, head_dim, fp8=
     common = dict(max_q_len=max_q, soft_cap=kw.get("soft_cap"),
                   sliding_window=kw.get("sliding_window"))  # fmt: skip
     tab, sl, loc = jnp.asarray(table), jnp.asarray(lens), jnp.asarray(qsl)
-    out = ragged_paged_attention_mgpu(qb, k_in, v_in, tab, sl, loc, interpret=True, **kw,
+    out = ragged_paged_attention_mgpu(qb, k_in, v_in, tab, sl, loc, interpret=interpret, **kw,
                                       **extra, max_q_len=max_q)  # fmt: skip
     ref = ragged_paged_attention(qb.astype(jnp.float32), jnp.asarray(k_ref), jnp.asarray(v_ref),
                                  tab, sl, loc, **common)  # fmt: skip
@@ -139,3 +140,14 @@ def test_dispatcher_routes_to_the_kernel_and_validates():
     with pytest.raises(ValueError, match="k_scales"):
         k8 = args[1].astype(jnp.float8_e4m3fn)
         ragged_paged_attention_mgpu(args[0], k8, k8, *args[3:], max_q_len=1, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_compiled_kernel_on_gpu(head_dim, fp8):
+    """The same checks, compiled for the GPU (run on the device machine: `pytest -m gpu`)."""
+    run_case(q_lens=[1, 1, 37, 130], ctx_lens=[2000, 15, 100, 0], page_size=16, num_kv_heads=8,
+             group=4, head_dim=head_dim, fp8=fp8, interpret=False)  # fmt: skip
+    run_case(q_lens=[1] * 3, ctx_lens=[5000, 64, 300], page_size=64, num_kv_heads=2, group=8,
+             head_dim=head_dim, fp8=fp8, interpret=False)  # fmt: skip
