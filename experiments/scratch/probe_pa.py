@@ -181,6 +181,8 @@ for ws, st in [(True, 4), (False, 2)]:
     )
 bench("B1_L32768_ws1_st4_sp66", 1, 32768, 16, num_splits=66)
 bench("B1_L32768_ws1_st4_sp16", 1, 32768, 16, num_splits=16)
+bench("B64_L2048_fp8_wgmma8", 64, 2048, 16, fp8=True, fp8_load="wgmma8")
+check("fp8_wgmma8", [1] * 4, [100, 1000, 33, 2048], 16, 8, 4, 128, fp8=True, fp8_load="wgmma8")
 
 
 def bench_prefill(name, ps=16, **kw):

@@ -108,6 +108,7 @@ def ragged_paged_attention_mgpu(
     warp_specialized: bool | None = None,
     block_kv: int | None = None,
     num_consumers: int | None = None,
+    fp8_load: str = "default",
     interpret: bool | None = None,
 ) -> jax.Array:
     """Same contract as `reference.ragged_paged_attention`; returns [T, Hq, D] in q.dtype.
@@ -136,6 +137,8 @@ def ragged_paged_attention_mgpu(
         num_consumers = 1 if one else 2
     if block_kv is None:  # 128-key tiles of head dim 256 would not fit shared memory twice over
         block_kv = 64 if decode or quantized or head_dim > 128 else 128
+    if fp8_load not in ("default", "wgmma8"):
+        raise ValueError(f"fp8_load must be 'default' or 'wgmma8', got {fp8_load!r}")
     if block_kv not in (64, 128):
         raise ValueError(f"block_kv must be 64 or 128, got {block_kv}")
     bq = 1 if decode else max(1, num_consumers * ROWS // group)
@@ -199,6 +202,7 @@ def ragged_paged_attention_mgpu(
         warp_specialized=warp_specialized,
         block_kv=block_kv,
         consumers=num_consumers,
+        fp8_load=fp8_load,
         interpret=interpret,
     )
     args = [meta, page_table.astype(jnp.int32)]
@@ -299,6 +303,7 @@ def _build_kernel(
     warp_specialized,
     block_kv,
     consumers,
+    fp8_load,
     interpret,
 ):
     bk = block_kv
@@ -335,9 +340,18 @@ def _build_kernel(
     def iota(shape, dim):
         return cast(lax.broadcasted_iota(jnp.int32, shape, dim), wgmma_layout)
 
+    def load_fp8(ref):
+        """An fp8 tile into registers. `fp8_load="wgmma8"` loads in the 8-bit wgmma layout (4-byte
+        shared-memory accesses) and shuffles once to the wgmma layout; the default lets Mosaic load
+        straight into the wgmma layout (2-byte accesses). Not yet compared on the GPU."""
+        if interpret or fp8_load == "default":
+            return ref[...]
+        x = plgpu.load(ref, (), layout=plgpu.Layout.WGMMA_8BIT)
+        return plgpu.layout_cast(x, wgmma_layout)
+
     def convert_v(v8_ref, base, kv_len):
         """An fp8 V tile as f16, rows past the sequence zeroed (they may hold NaN)."""
-        v = v8_ref[...].astype(cdt)
+        v = load_fp8(v8_ref).astype(cdt)
         row = iota((bk, head_dim), 0)
         return jnp.where(base + row < kv_len, v, jnp.zeros_like(v))
 
@@ -441,7 +455,7 @@ def _build_kernel(
                     plgpu.barrier_arrive(k_free.at[cslot])
                 elif quantized:
                     plgpu.barrier_wait(k_bar.at[slot])
-                    kc_smem[...] = k_smem[slot].astype(cdt)
+                    kc_smem[...] = load_fp8(k_smem.at[slot]).astype(cdt)
                     plgpu.commit_smem()
                     s = mma(q_w, kc_smem, transpose_b=True)
                 else:
@@ -527,7 +541,7 @@ def _build_kernel(
                 def _():
                     plgpu.barrier_wait(k_free.at[cslot])
 
-                kc_smem[cslot] = k_smem[slot].astype(cdt)
+                kc_smem[cslot] = load_fp8(k_smem.at[slot]).astype(cdt)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(kc_full.at[cslot])
                 plgpu.barrier_wait(v_bar.at[slot])
