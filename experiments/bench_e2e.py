@@ -55,6 +55,7 @@ from jaxinfer.engine.request import SamplingParams
 from jaxinfer.engine.sampler import SamplingBatch
 from jaxinfer.metrics import request_rows, summarize
 from jaxinfer.metrics.device_trace import summarize_trace
+from jaxinfer.metrics.hf_baseline import left_padded_generate
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.presets import preset
 from jaxinfer.models.spec import num_params
@@ -382,18 +383,8 @@ def hf_worker(job_path: str, out_path: str) -> None:
     init_s = time.perf_counter() - t0
 
     def generate(prompts: list[list[int]], new_tokens: int) -> int:
-        width = max(len(p) for p in prompts)
-        ids = torch.zeros((len(prompts), width), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):  # left padding
-            ids[i, width - len(p) :] = torch.tensor(p)
-            mask[i, width - len(p) :] = 1
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
-                max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-            )  # fmt: skip
-        generated = out.shape[1] - width
+        rows = left_padded_generate(model, prompts, new_tokens, device)
+        generated = len(rows[0])
         assert generated == new_tokens, (generated, new_tokens)
         return generated * len(prompts)
 

@@ -39,6 +39,7 @@ import numpy as np
 from jaxinfer.assets import REFERENCE_MODELS, reference_model_dir
 from jaxinfer.engine.llm import LLM
 from jaxinfer.engine.request import SamplingParams
+from jaxinfer.metrics.hf_baseline import left_padded_generate
 from jaxinfer.provenance import provenance
 
 # The engine of the CPU result (experiments/results/cpu/vs_transformers.json).
@@ -108,18 +109,7 @@ def run_transformers(net, device, prompts, output_lens: list[int], batch_size: i
     import torch
 
     def generate(batch, new_tokens: int):
-        width = max(len(p) for p in batch)
-        ids = torch.zeros((len(batch), width), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(batch):  # left padding
-            ids[i, width - len(p) :] = torch.tensor(p)
-            mask[i, width - len(p) :] = 1
-        with torch.no_grad():
-            out = net.generate(
-                input_ids=ids.to(device), attention_mask=mask.to(device),
-                max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-            )  # fmt: skip
-        return [row[width:].tolist() for row in out]
+        return left_padded_generate(net, batch, new_tokens, device)
 
     generate(prompts[:batch_size], 4)  # warm-up: kernels and allocator, not a measurement
     t0 = time.perf_counter()

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.parallel.sharding import DEFAULT_RULES, named_sharding
 from pallas_kernels.paged_attention.fp8 import FP8_DTYPE, quantize_pages_write
+from pallas_kernels.paged_attention.reference import token_sequences
 
 SCRATCH_PAGE = 0
 KV_AXES = ("layers", "pages", None, "kv_heads", "head_dim")
@@ -131,13 +132,8 @@ def token_slots(
 ) -> tuple[jax.Array, jax.Array]:
     """(page id, offset in page) where each token's K/V is written; padding tokens -> scratch."""
     num_tokens = positions.shape[0]
-    num_seqs = page_table.page_ids.shape[0]
     t = jnp.arange(num_tokens)
-    seq = jnp.searchsorted(
-        query_start_loc[1:], t, side="right", method="compare_all"
-    )  # S for padding tokens
-    valid = seq < num_seqs
-    seq = jnp.minimum(seq, num_seqs - 1)
+    seq, valid = token_sequences(query_start_loc, num_tokens)
     block = jnp.clip(positions // page_size, 0, page_table.page_ids.shape[1] - 1)
     page = jnp.where(valid, page_table.page_ids[seq, block], SCRATCH_PAGE)
     offset = jnp.where(valid, positions % page_size, t % page_size)

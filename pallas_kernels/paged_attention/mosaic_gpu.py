@@ -58,6 +58,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _compat
+from pallas_kernels.paged_attention.reference import token_sequences
 
 ROWS = 64  # wgmma M: query rows per program
 LOG2E = math.log2(math.e)
@@ -225,8 +226,7 @@ def ragged_paged_attention_mgpu(
     # src[t], or nowhere (padding) -> zeros.
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     if decode:
-        seq = jnp.searchsorted(query_start_loc[1:], t, side="right", method="compare_all")
-        seq = jnp.minimum(seq, num_seqs - 1)
+        seq, _ = token_sequences(query_start_loc, num_tokens)
         ok = (t == query_start_loc[seq]) & (q_lens[seq] > 0)
         src = seq
     else:

@@ -46,7 +46,7 @@ def ragged_paged_attention(
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
-    num_seqs, pages_per_seq = page_table.shape
+    _, pages_per_seq = page_table.shape
     if num_q_heads % num_kv_heads:
         raise ValueError(f"q heads ({num_q_heads}) not a multiple of kv heads ({num_kv_heads})")
     group = num_q_heads // num_kv_heads
@@ -64,11 +64,7 @@ def ragged_paged_attention(
     # mix of prefill chunks and decodes (padding queries per sequence to max_q_len would cost
     # S x max_q_len x L, which explodes for mixed batches).
     t = jnp.arange(num_tokens)
-    seq = jnp.searchsorted(
-        query_start_loc[1:], t, side="right", method="compare_all"
-    )  # S for padding rows
-    valid = seq < num_seqs
-    seq = jnp.minimum(seq, num_seqs - 1)
+    seq, valid = token_sequences(query_start_loc, num_tokens)
     q_pos = seq_lens[seq] - q_lens[seq] + (t - query_start_loc[seq])  # [T]
     kv_valid = (kv_pos[None, :] < seq_lens[seq][:, None]) & valid[:, None]  # [T, L]
     k = jnp.where(kv_valid[:, :, None, None], _gather(k_pages, k_scales, page_table[seq]), 0.0)
@@ -89,6 +85,17 @@ def _gather(pages, scales, ids):
     if scales is not None:
         x = x * scales[ids][:, :, None, :, None]
     return x.reshape(ids.shape[0], -1, *pages.shape[2:])
+
+
+def token_sequences(query_start_loc: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:
+    """Each query row's sequence (clamped to a real index) and whether the row is a real token.
+
+    A comparison search: jnp's default binary search is a device while loop on GPU (~100 us).
+    """
+    num_seqs = query_start_loc.shape[0] - 1
+    t = jnp.arange(num_tokens)
+    seq = jnp.searchsorted(query_start_loc[1:], t, side="right", method="compare_all")
+    return jnp.minimum(seq, num_seqs - 1), seq < num_seqs
 
 
 def _masked_softmax(scores, mask, soft_cap):
