@@ -261,14 +261,8 @@ def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, k_
                          f"{k_pages.shape} {k_pages.dtype}")  # fmt: skip
     if d_k != head_dim:
         raise ValueError(f"head dim of q ({head_dim}) and k_pages ({d_k}) differ")
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise NotImplementedError(f"head_dim {head_dim} not in {SUPPORTED_HEAD_DIMS}")
-    if page_size not in SUPPORTED_PAGE_SIZES:
-        raise NotImplementedError(f"page_size {page_size} not in {SUPPORTED_PAGE_SIZES}")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"q heads ({num_q_heads}) not a multiple of kv heads ({num_kv_heads})")
-    if num_q_heads // num_kv_heads > ROWS:
-        raise NotImplementedError(f"at most {ROWS} query heads per KV head")
     if page_table.ndim != 2 or seq_lens.shape != (page_table.shape[0],):
         raise ValueError(f"page_table {page_table.shape} / seq_lens {seq_lens.shape} mismatch")
     if query_start_loc.shape != (page_table.shape[0] + 1,):
@@ -277,12 +271,13 @@ def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, k_
     if quantized != (k_scales is not None) or (k_scales is None) != (v_scales is None):
         raise ValueError("k_scales and v_scales are required exactly when the pages are fp8 "
                          f"(pages are {k_pages.dtype})")  # fmt: skip
-    if quantized and (k_scales.shape != (num_pages, num_kv_heads) != v_scales.shape):
-        raise ValueError(
-            f"k_scales/v_scales must be [num_pages, Hkv] = {(num_pages, num_kv_heads)}"
-        )
-    if not quantized and jnp.dtype(k_pages.dtype) != jnp.dtype(jnp.bfloat16):
-        raise NotImplementedError(f"kv dtype {k_pages.dtype}: the kernel reads bf16 or fp8 pages")
+    want = (num_pages, num_kv_heads)
+    if quantized and (k_scales.shape != want or v_scales.shape != want):
+        raise ValueError(f"k_scales {k_scales.shape} / v_scales {v_scales.shape} must be "
+                         f"[num_pages, Hkv] = {want}")  # fmt: skip
+    reason = unsupported_reason(num_q_heads, num_kv_heads, head_dim, page_size, k_pages.dtype)
+    if reason is not None:
+        raise NotImplementedError(reason)
 
 
 @functools.cache
