@@ -191,6 +191,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--hf-workloads", default="fixed", help="workloads run through transformers")
     ap.add_argument("--hf-timeout-s", type=float, default=1200.0)
     ap.add_argument("--profile-decode-scans", type=int, default=2)
+    ap.add_argument("--profile-decode", type=int, nargs="*", default=[], metavar="BATCH",
+                    help="also trace decode scans alone at these batch sizes (first --contexts "
+                         "value) into DIR/decode_b<BATCH>; needs --profile")  # fmt: skip
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="engine max_num_seqs (default: the largest --batches)")  # fmt: skip
+    ap.add_argument("--num-pages", type=int, default=None,
+                    help="KV pool pages (default: every slot at the longest length)")  # fmt: skip
     ap.add_argument(
         "--compile-workers",
         type=int,
@@ -518,6 +525,35 @@ def profile_engine(llm: LLM, reqs: list[WorkloadRequest], log_dir: Path, decode_
     }
 
 
+def profile_decode(llm: LLM, batch: int, context: int, pages: np.ndarray, log_dir: Path,
+                   args) -> dict:  # fmt: skip
+    """Trace `--profile-decode-scans` back-to-back decode scans of one decode row (as timed)."""
+    runner, cfg = llm.engine.runner, llm.engine.cfg
+    need = math.ceil((context + args.decode_steps) / runner.shapes.page_size)
+    rng = np.random.default_rng(batch)
+    table, state, rows = runner.build_decode(
+        rng.integers(0, cfg.vocab_size, batch).tolist(), [context] * batch, [2**30] * batch,
+        [[]] * batch, pages[: batch * need].reshape(batch, need).tolist(),
+    )  # fmt: skip
+    sb = SamplingBatch.build([SamplingParams()] * batch, list(range(batch)), [context + 1] * batch,
+                             rows)  # fmt: skip
+    jax.block_until_ready(runner.run_decode(table, state, sb, args.decode_steps))
+    n = max(1, args.profile_decode_scans)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    jax.profiler.start_trace(str(log_dir))
+    try:
+        for _ in range(n):
+            outs, _ = runner.run_decode(table, state, sb, args.decode_steps)
+        jax.block_until_ready(outs)
+    finally:
+        jax.profiler.stop_trace()
+    summary = summarize_trace(log_dir, top=25)
+    if "device_ms" in summary:
+        summary["device_ms_per_step"] = round(summary["device_ms"] / (n * args.decode_steps), 4)
+        summary["span_ms_per_step"] = round(summary["span_ms"] / (n * args.decode_steps), 4)
+    return {"batch": batch, "context": context, "rows": rows, "scans": n, **summary}
+
+
 # ---------------------------------------------------------------------------------------------
 # Orchestration
 
@@ -584,10 +620,10 @@ def engine_options(args, workloads: dict[str, list[WorkloadRequest]]) -> dict:
     longest = max([c + k for c in args.contexts] +
                   [r.prompt_len + r.output_len for reqs in workloads.values() for r in reqs])  # fmt: skip
     max_model_len = math.ceil(longest / page_size) * page_size
-    max_num_seqs = max(args.batches)
+    max_num_seqs = args.max_num_seqs or max(args.batches)
     options = dict(
         dtype=args.dtype, page_size=page_size, max_num_seqs=max_num_seqs,
-        num_pages=max_num_seqs * (max_model_len // page_size) + 1,
+        num_pages=args.num_pages or max_num_seqs * (max_model_len // page_size) + 1,
         max_num_batched_tokens=max(args.max_num_batched_tokens, max_num_seqs),
         max_model_len=max_model_len, decode_steps=k, chunked_prefill=True, async_decode=True,
         attention_backend=args.attention_backend, compile_workers=args.compile_workers,
@@ -759,6 +795,16 @@ def main(argv=None) -> dict:
         )
         result["profile"] = profile_engine(llm, reqs[: options["max_num_seqs"]], args.profile,
                                            args.profile_decode_scans)  # fmt: skip
+        usable = np.random.default_rng(1).permutation(np.arange(1, options["num_pages"]))
+        result["profile_decode"] = []
+        for b in args.profile_decode:
+            try:
+                row = profile_decode(llm, b, args.contexts[0], usable, args.profile / f"decode_b{b}",
+                                     args)  # fmt: skip
+            except Exception as e:
+                row = error_row(e, batch=b)
+            result["profile_decode"].append(row)
+            write()
 
     part("engine", engine)
     if llm is not None:
