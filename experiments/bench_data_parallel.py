@@ -34,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--cpu-devices", type=int, default=0, help="force this many CPU devices")
+    ap.add_argument("--compile-workers", type=int, default=0,
+                    help="engine.compile_workers per replica (0: one per core)")  # fmt: skip
+    ap.add_argument("--compile-cache", default="",
+                    help="JAX persistent compilation cache directory ('' : none)")  # fmt: skip
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     if args.cpu_devices:  # before jax initialises its backends
@@ -50,12 +54,16 @@ def main(argv: list[str] | None = None) -> int:
     from jaxinfer.engine.request import SamplingParams
     from jaxinfer.provenance import provenance
 
+    if args.compile_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+
     max_len = -(-(args.input_len + args.output_len) // args.page_size) * args.page_size
     engine_kw = dict(
         dtype=args.dtype, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
         num_pages=args.max_num_seqs * (max_len // args.page_size) + 1,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_len,
         decode_steps=8, attention_backend=args.attention_backend,
+        compile_workers=args.compile_workers,
     )  # fmt: skip
     rng = np.random.default_rng(0)
     result = {**provenance(sys.argv), "device_count": len(jax.devices()),

@@ -201,7 +201,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument(
         "--compile-workers",
         type=int,
-        default=1,
+        default=0,
         help="engine.compile_workers: warm-up compile threads (0: one per core)",
     )
     ap.add_argument("--compile-cache", default="/tmp/jaxinfer_jax_cache",

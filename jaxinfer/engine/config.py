@@ -31,9 +31,10 @@ class EngineConfig:
     async_decode: bool = True  # dispatch the next decode scan before reading the previous one
     attention_backend: str = "auto"
     num_logprobs: int = 0  # top-k logprobs computed on device (static; requests may ask <= this)
-    # Threads compiling warm-up buckets at once (0: one per core). 1 until measured on the GPU:
-    # XLA's GEMM autotuning runs during compiles, and concurrent compiles may disturb it.
-    compile_workers: int = 1
+    # Threads compiling warm-up buckets at once (0: one per core, at most one per bucket). On the
+    # H200 the 8B engine's 10 buckets took 169 s one after another and 65 s with 0
+    # (experiments/results/h200/e2e_llama3_8b.json).
+    compile_workers: int = 0
     data_parallel: int = 1  # engine replicas, one per device, behind one request queue
 
     def __post_init__(self) -> None:
