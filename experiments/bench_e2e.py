@@ -194,6 +194,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--profile-decode", type=int, nargs="*", default=[], metavar="BATCH",
                     help="also trace decode scans alone at these batch sizes (first --contexts "
                          "value) into DIR/decode_b<BATCH>; needs --profile")  # fmt: skip
+    ap.add_argument("--async-schedule", type=int, choices=[0, 1], default=1,
+                    help="engine.async_schedule (1: dispatch each mixed step before reading the "
+                         "previous one's tokens)")  # fmt: skip
     ap.add_argument("--max-num-seqs", type=int, default=None,
                     help="engine max_num_seqs (default: the largest --batches)")  # fmt: skip
     ap.add_argument("--num-pages", type=int, default=None,
@@ -627,6 +630,7 @@ def engine_options(args, workloads: dict[str, list[WorkloadRequest]]) -> dict:
         max_num_batched_tokens=max(args.max_num_batched_tokens, max_num_seqs),
         max_model_len=max_model_len, decode_steps=k, chunked_prefill=True, async_decode=True,
         attention_backend=args.attention_backend, compile_workers=args.compile_workers,
+        async_schedule=bool(args.async_schedule),
     )  # fmt: skip
     if args.kv_dtype != "auto":
         options["kv_dtype"] = args.kv_dtype

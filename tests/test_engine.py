@@ -60,6 +60,7 @@ def test_batched_greedy_equals_each_request_alone_and_the_reference(model, promp
     assert engine.compiles_after_warmup == 0  # (the counter is process-wide: check before below)
     assert any(r.decode_steps == 4 for r in engine.step_records), "decode fast path never ran"
     assert engine.chained_scans > 0, "async decode never overlapped a scan with host work"
+    assert engine.overlapped_steps > 0, "async scheduling never fed a step from the device"
     assert any(not r.is_decode_only for r in engine.step_records)
     for p, n, seq in zip(prompts, lens, batched, strict=True):
         (ref,) = greedy_generate(model[1], model[0], [p], n)
@@ -75,6 +76,8 @@ def test_batched_greedy_equals_each_request_alone_and_the_reference(model, promp
         dict(allocation="reserve_max"),
         dict(decode_steps=1),
         dict(async_decode=False),
+        dict(async_schedule=False),  # every mixed step read before the next is built
+        dict(async_schedule=False, async_decode=False, decode_steps=1),  # fully synchronous
         dict(scheduler="shortest_first"),
         dict(scheduler="priority"),
     ],
@@ -211,3 +214,22 @@ def test_parallel_warmup_compiles_every_bucket_and_nothing_after(model, prompts)
     assert engine.compiles_after_warmup == 0
     with pytest.raises(ValueError, match="compile_workers"):
         EngineConfig(model="preset:tiny", compile_workers=-1)
+
+
+def test_async_schedule_off_never_feeds_placeholders_and_matches(model, prompts):
+    """Placeholders (device-fed tokens) exist only with async_schedule; both give the same
+    tokens, including sequences that stop at a stop id while the next step is in flight."""
+    stop = SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=[7, 11, 13, 17, 19])
+    sampling = [greedy(20), stop] * (len(prompts) // 2)
+    got = {}
+    for flag in (True, False):
+        engine = make_engine(model, async_schedule=flag, decode_steps=1)
+        seqs = run(engine, prompts, sampling)
+        got[flag] = [s.output_token_ids for s in seqs]
+        assert (engine.overlapped_steps > 0) is flag
+        assert all(t >= 0 for ids in got[flag] for t in ids), "a placeholder leaked"
+        assert all(not s.final_pending or s.is_finished for s in seqs)
+        assert engine.block_manager.num_free_pages == engine.block_manager.capacity
+        stopped = [s for s in seqs if s.finish_reason == "stop"]
+        assert stopped and all(len(s.output_token_ids) < 30 for s in stopped)
+    assert got[True] == got[False]

@@ -29,6 +29,9 @@ class EngineConfig:
     chunked_prefill: bool = True
     decode_steps: int = 8  # decode steps per jitted call when the batch is decode-only
     async_decode: bool = True  # dispatch the next decode scan before reading the previous one
+    # dispatch each mixed step before reading the previous one's sampled tokens (they are fed
+    # from the device), so host scheduling and post-processing overlap device work
+    async_schedule: bool = True
     attention_backend: str = "auto"
     num_logprobs: int = 0  # top-k logprobs computed on device (static; requests may ask <= this)
     # Threads compiling warm-up buckets at once (0: one per core, at most one per bucket). On the

@@ -9,6 +9,9 @@ final device state *before* the host reads and post-processes the previous scan'
 work overlaps device work. Pages for both scans are reserved up front; a sequence that finishes in
 scan N idles through scan N+1 (its row is masked on device or its tokens dropped on the host), and
 pages it frees are only rewritten by later device work, which the stream orders after N+1.
+With `async_schedule`, a mixed step is likewise dispatched before the previous mixed step's
+tokens are read: tokens it feeds that the host has not seen yet are placeholders -(row + 1) that
+the step reads from the previous step's device output (see docs/architecture.md).
 Bad requests fail on their own with an error naming the field; they never reach the device.
 """
 
@@ -43,6 +46,17 @@ class _Inflight:
     sb: SamplingBatch
     rows: int
     k: int
+
+
+@dataclass
+class _PendingMixed:
+    """A dispatched mixed step whose sampled tokens the host has not read yet (async scheduling).
+
+    Each sampling sequence already holds a placeholder -(row + 1) at `output_token_ids[index]`;
+    reading the step replaces it with the token (or voids it if the sequence ended meanwhile)."""
+
+    samplers: list[tuple[Sequence, int, int]]  # (seq, row in outs, index in output_token_ids)
+    outs: tuple  # device arrays: tokens, logprobs, top logprobs, top ids ([max_num_seqs, ...])
 
 
 @dataclass
@@ -98,7 +112,9 @@ class Engine:
         self._rng = np.random.default_rng(config.seed)
         self._seeds: dict[int, int] = {}
         self._inflight: _Inflight | None = None
+        self._pending: _PendingMixed | None = None
         self.chained_scans = 0  # decode scans dispatched before the previous one was read
+        self.overlapped_steps = 0  # mixed steps dispatched before the previous one was read
         self.warmup_s: float | None = None
         self._compiles_at_warmup: int | None = None
 
@@ -159,7 +175,7 @@ class Engine:
             raise ValueError("SamplingParams.stop (stop strings) needs a tokenizer")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._pending is not None
 
     # -- warm-up and compile accounting ------------------------------------------------------
     def warmup(self) -> float:
@@ -182,25 +198,42 @@ class Engine:
         t_start = self.clock()
         if self._inflight is None:
             out = self.scheduler.schedule(t_start)
-            if not out.scheduled:
-                return [StepOutput(seq, [], True) for seq in out.failed]
+            failed = [StepOutput(seq, [], True) for seq in out.failed]
+            if not out.scheduled:  # nothing to run: the step in flight (if any) ends this one
+                outputs, _ = self._read_pending()
+                return outputs + failed
             seqs = [s.seq for s in out.scheduled]
-            k = self._lookahead(seqs) if out.is_decode_only else 1
+            decode_only = out.is_decode_only
+            k = self._lookahead(seqs) if decode_only else 1
             if k == 1:
-                results, device_s = self._run_mixed(out.scheduled)
-                outputs = self._append_all(results)
+                # Dispatch this step before reading the previous one's tokens (async schedule):
+                # the device runs it while the host post-processes the previous step.
+                pending = self._dispatch_mixed(out.scheduled, self._pending)
+                outputs, device_s = self._read_pending()
+                self._pending = pending
+                if not self.config.async_schedule:
+                    more, waited = self._read_pending()
+                    outputs, device_s = outputs + more, device_s + waited
                 num_batched, preempted = out.num_batched_tokens, len(out.preempted)
-                self._record(t_start, len(seqs), num_batched, out.is_decode_only, 1, preempted,
+                self._record(t_start, len(seqs), num_batched, decode_only, 1, preempted,
                              device_s)  # fmt: skip
-                return outputs + [StepOutput(seq, [], True) for seq in out.failed]
+                return outputs + failed
+            # A decode scan starts from tokens on the host: read the step in flight first.
+            outputs, _ = self._read_pending()
+            seqs = [q for q in seqs if q.status is SeqStatus.RUNNING]
+            if not seqs:
+                return outputs + failed
             self._inflight = self._dispatch_decode(seqs, k)
+            early = outputs + failed
+        else:
+            early = []
         prev = self._inflight
         self._inflight = self._chain(prev) if self.config.async_decode else None
         results, device_s = self._collect(prev)
         outputs = self._append_all(results)
         fed = sum(len(new) for _, new in results)
         self._record(t_start, len(prev.seqs), fed, True, prev.k, 0, device_s)
-        return outputs
+        return early + outputs
 
     def _append_all(self, results) -> list[StepOutput]:
         now = self.clock()
@@ -242,7 +275,14 @@ class Engine:
             [s.sampling for s in seqs], [self._seeds[s.seq_id] for s in seqs], positions, rows
         )
 
-    def _run_mixed(self, scheduled):
+    def _dispatch_mixed(self, scheduled, prev: _PendingMixed | None) -> _PendingMixed:
+        """Build and dispatch one mixed step; the host does not wait for it.
+
+        Fed tokens may be placeholders of `prev` (its sampled tokens, still on the device). Each
+        sequence that samples this step gets a placeholder of its own, so the next schedule
+        already sees the token it will feed; one that thereby reaches its token limit is marked
+        `final_pending` and is not scheduled again.
+        """
         seqs = [s.seq for s in scheduled]
         batch = self.runner.build_mixed(
             [
@@ -254,17 +294,40 @@ class Engine:
         )
         positions = [s.seq.num_computed_tokens + s.num_new_tokens for s in scheduled]
         sb = self._sampling(seqs, positions, self.config.max_num_seqs)
-        t0 = self.clock()
-        tok, lp, top_lp, top_ids = jax.device_get(self.runner.run_mixed(batch, sb))
-        device_s = self.clock() - t0
-        results = []
+        outs = self.runner.run_mixed(batch, sb, None if prev is None else prev.outs[0])
+        self.overlapped_steps += prev is not None
+        samplers = []
         for i, s in enumerate(scheduled):
-            s.seq.num_computed_tokens += s.num_new_tokens
-            if s.seq.num_computed_tokens == s.seq.num_tokens:  # prefill done, or a decode
-                results.append((s.seq, [(int(tok[i]), float(lp[i]), top_lp[i], top_ids[i])]))
-            else:
-                results.append((s.seq, []))
-        return results, device_s
+            seq = s.seq
+            seq.num_computed_tokens += s.num_new_tokens
+            if seq.num_computed_tokens == seq.num_tokens:  # prefill done, or a decode: samples
+                seq.output_token_ids.append(-(i + 1))
+                samplers.append((seq, i, len(seq.output_token_ids) - 1))
+                if len(seq.output_token_ids) >= seq.output_budget:
+                    seq.final_pending = True
+        return _PendingMixed(samplers, outs)
+
+    def _read_pending(self) -> tuple[list[StepOutput], float]:
+        """Read the mixed step in flight (if any): fill its placeholders, stamp times, check
+        stops. Returns (outputs, seconds the host waited for the device)."""
+        p, self._pending = self._pending, None
+        if p is None:
+            return [], 0.0
+        t0 = self.clock()
+        tok, lp, top_lp, top_ids = jax.device_get(p.outs)
+        device_s = self.clock() - t0
+        now = self.clock()
+        outputs = []
+        for seq, i, index in p.samplers:
+            ids = seq.output_token_ids
+            if seq.is_finished or index >= len(ids) or ids[index] != -(i + 1):
+                outputs.append(StepOutput(seq, [], False))  # ended meanwhile: the token is void
+                continue
+            token = int(tok[i])
+            ids[index] = token
+            self._accept(seq, index, token, float(lp[i]), top_lp[i], top_ids[i], now)
+            outputs.append(StepOutput(seq, [token], seq.is_finished))
+        return outputs, device_s
 
     def _dispatch_decode(self, seqs: list[Sequence], k: int) -> _Inflight:
         table, state, rows = self.runner.build_decode(
@@ -318,38 +381,46 @@ class Engine:
         return ids
 
     def _append(self, seq: Sequence, new, now: float) -> StepOutput:
-        """Append sampled tokens, stamping times; stop at EOS/stop ids/stop strings/max_tokens."""
+        """Append a decode scan's sampled tokens, stamping times, until one ends the sequence."""
         if seq.is_finished:  # finished while a decode scan was in flight: nothing new
             return StepOutput(seq, [], False)
         appended = []
-        stop_ids = set(self._stop_ids(seq))
         for token, logprob, top_lp, top_ids in new:
             seq.output_token_ids.append(token)
             appended.append(token)
-            if seq.sampling.logprobs is not None:
-                top = {int(t): float(v) for t, v in zip(top_ids, top_lp, strict=True)}
-                seq.output_logprobs.append({"token": token, "logprob": logprob, "top": top})
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            seq.token_times.append(now)
-            reason = None
-            if token in stop_ids or self._hit_stop_string(seq):
-                reason = "stop"
-            elif len(seq.output_token_ids) >= seq.sampling.max_tokens:
-                reason = "length"
-            elif len(seq.output_token_ids) >= seq.output_budget:
-                reason = "stop"  # eos_after: the simulated EOS
-            if reason is not None:
-                if self.tokenizer is not None and not seq.sampling.stop:
-                    seq.output_text = self.tokenizer.decode(seq.output_token_ids)
-                self.scheduler.finish(seq, reason, now)
+            self._accept(seq, len(seq.output_token_ids) - 1, token, logprob, top_lp, top_ids, now)
+            if seq.is_finished:
                 break
         return StepOutput(seq, appended, seq.is_finished)
 
-    def _hit_stop_string(self, seq: Sequence) -> bool:
+    def _accept(self, seq: Sequence, index: int, token: int, logprob, top_lp, top_ids, now):
+        """Output token `index` (already in place) is `token`: record it; finish the sequence at
+        EOS / a stop id / a stop string / max_tokens, dropping any placeholder after it."""
+        if seq.sampling.logprobs is not None:
+            top = {int(t): float(v) for t, v in zip(top_ids, top_lp, strict=True)}
+            seq.output_logprobs.append({"token": token, "logprob": logprob, "top": top})
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.token_times.append(now)
+        n = index + 1
+        reason = None
+        if token in self._stop_ids(seq) or self._hit_stop_string(seq, n):
+            reason = "stop"
+        elif n >= seq.sampling.max_tokens:
+            reason = "length"
+        elif n >= seq.output_budget:
+            reason = "stop"  # eos_after: the simulated EOS
+        if reason is not None:
+            del seq.output_token_ids[n:]
+            if self.tokenizer is not None and not seq.sampling.stop:
+                seq.output_text = self.tokenizer.decode(seq.output_token_ids)
+            self.scheduler.finish(seq, reason, now)
+
+    def _hit_stop_string(self, seq: Sequence, n: int) -> bool:
+        """Whether the first `n` output tokens' text holds a stop string (sets output_text)."""
         if not seq.sampling.stop:
             return False
-        text = self.tokenizer.decode(seq.output_token_ids)
+        text = self.tokenizer.decode(seq.output_token_ids[:n])
         hits = [text.find(s) for s in seq.sampling.stop if s in text]
         if hits:
             seq.output_text = text[: min(hits)]

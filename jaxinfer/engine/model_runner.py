@@ -16,6 +16,7 @@ executables; the step calls use them directly, so serving never goes back to jit
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -74,8 +75,14 @@ def pick_bucket(buckets: tuple[int, ...], n: int) -> int:
 
 
 @partial(jax.jit, static_argnames=("cfg", "num_logprobs", "backend"), donate_argnames=("kv",))
-def mixed_step(params, kv: KVCache, batch: RaggedBatch, sb: SamplingBatch, *, cfg: ModelConfig,
-               num_logprobs: int, backend: str):  # fmt: skip
+def mixed_step(params, kv: KVCache, batch: RaggedBatch, sb: SamplingBatch, prev_tokens: jax.Array,
+               *, cfg: ModelConfig, num_logprobs: int, backend: str):  # fmt: skip
+    """`prev_tokens` [max_num_seqs]: the previous step's sampled tokens, still on the device. A
+    negative token -(i + 1) in the batch stands for prev_tokens[i] (async scheduling: the host
+    builds this step before it has read the previous one's tokens)."""
+    src = jnp.clip(-batch.tokens - 1, 0, prev_tokens.shape[0] - 1)
+    tokens = jnp.where(batch.tokens < 0, prev_tokens[src], batch.tokens)
+    batch = dataclasses.replace(batch, tokens=tokens)
     hidden, kv = forward_paged(params, cfg, batch, kv, attention_backend=backend)
     logits = compute_logits(params, cfg, hidden[last_token_rows(batch)])
     return sample(logits, sb, num_logprobs), kv
@@ -141,6 +148,7 @@ class ModelRunner:
         self.cfg, self.params, self.shapes, self.backend = cfg, params, shapes, backend
         self.kv = init_kv_cache(cfg, shapes.num_pages, shapes.page_size, kv_dtype)
         self._executables: dict[tuple, object] = {}  # warm-up's compiled steps, by bucket
+        self._no_prev: jax.Array | None = None
         self.token_buckets = _pow2_buckets(min(16, shapes.max_step_tokens), shapes.max_step_tokens)
         self.seq_buckets = _pow2_buckets(min(8, shapes.max_num_seqs), shapes.max_num_seqs)
 
@@ -178,13 +186,22 @@ class ModelRunner:
         return dict(cfg=self.cfg, num_steps=num_steps, num_logprobs=self.shapes.num_logprobs,
                     backend=self.backend)  # fmt: skip
 
-    def run_mixed(self, batch: RaggedBatch, sb: SamplingBatch):
+    def no_prev_tokens(self) -> jax.Array:
+        """The `prev_tokens` of a step that refers to no earlier step's tokens."""
+        if self._no_prev is None:
+            self._no_prev = jax.device_put(np.zeros(self.shapes.max_num_seqs, np.int32))
+        return self._no_prev
+
+    def run_mixed(self, batch: RaggedBatch, sb: SamplingBatch, prev_tokens=None):
+        """Dispatch one mixed step; returns its device arrays (tokens, logprobs, top logprobs,
+        top ids), each [max_num_seqs, ...] by the batch's sequence order."""
+        prev = self.no_prev_tokens() if prev_tokens is None else prev_tokens
         exe = self._executables.get(("mixed", batch.tokens.shape[0], batch.max_q_len))
         if exe is not None:
-            (tok, lp, top_lp, top_ids), self.kv = exe(self.params, self.kv, batch, sb)
+            (tok, lp, top_lp, top_ids), self.kv = exe(self.params, self.kv, batch, sb, prev)
         else:  # a shape warm-up did not compile: jit compiles it (and the engine counts it)
             (tok, lp, top_lp, top_ids), self.kv = mixed_step(
-                self.params, self.kv, batch, sb, **self._mixed_static()
+                self.params, self.kv, batch, sb, prev, **self._mixed_static()
             )
         return tok, lp, top_lp, top_ids
 
@@ -267,8 +284,9 @@ class ModelRunner:
                     PageTable(table, jnp.zeros(s.max_num_seqs, jnp.int32)), max_q,
                 )  # fmt: skip
                 sb = SamplingBatch.build([], [], [], s.max_num_seqs)
+                prev = jnp.zeros(s.max_num_seqs, jnp.int32)
                 calls.append((("mixed", t, max_q), mixed_step,
-                              (self.params, self.kv, batch, sb), self._mixed_static()))  # fmt: skip
+                              (self.params, self.kv, batch, sb, prev), self._mixed_static()))  # fmt: skip
         if s.decode_steps > 1:
             for rows in self.seq_buckets:
                 zeros = jnp.zeros(rows, jnp.int32)

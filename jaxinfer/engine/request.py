@@ -101,6 +101,9 @@ class Sequence:
     finish_reason: str | None = None  # "stop", "length", or "error"
     error: str | None = None
     num_preemptions: int = 0
+    # Async scheduling: its last output token is a placeholder that will end it (max_tokens),
+    # so it is not scheduled again; it finishes when the step in flight is read.
+    final_pending: bool = False
     prompt: str | None = None
     output_text: str = ""
 

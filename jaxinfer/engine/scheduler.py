@@ -177,7 +177,7 @@ class Scheduler:
         out = SchedulerOutput()
         scheduled = _Scheduled()  # insertion-ordered: decodes, running prefills, new
         was_running = bool(self.running)
-        order = self.running_seqs()
+        order = [s for s in self.running_seqs() if not s.final_pending]
         for seq in order:
             if seq.num_uncomputed_tokens < 1:
                 raise RuntimeError(f"running sequence {seq.seq_id} has no token to feed")
