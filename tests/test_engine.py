@@ -207,10 +207,14 @@ def test_eos_after_ends_requests_early_without_telling_the_allocator(model, prom
 def test_parallel_warmup_compiles_every_bucket_and_nothing_after(model, prompts):
     engine = make_engine(model, compile_workers=0)  # one compile thread per core
     runner = engine.runner
-    assert {k[0] for k in runner._executables} == {"mixed", "decode"}
+    assert {k[0] for k in runner._executables} == {"mixed", "decode", "sample"}
     assert len(runner._executables) == len(runner._warmup_calls())
     seqs = run(engine, prompts[:3], [greedy(6)] * 3)
     assert all(len(s.output_token_ids) == 6 for s in seqs)
+    # sampled rows use the filtered variants (mixed sampler and decode scans), compiled too
+    hot = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
+    seqs = run(engine, prompts[:3], [hot, greedy(12), hot])
+    assert all(len(s.output_token_ids) == 12 for s in seqs)
     assert engine.compiles_after_warmup == 0
     with pytest.raises(ValueError, match="compile_workers"):
         EngineConfig(model="preset:tiny", compile_workers=-1)

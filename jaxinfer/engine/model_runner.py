@@ -2,7 +2,8 @@
 
 Two jitted functions, each compiled for a finite set of shapes at warm-up:
 - `mixed_step`: one ragged batch (prefill chunks and decode tokens together), bucketed on the token
-  count; samples at each sequence's last row.
+  count; returns logits at each sequence's last row, which `sample_rows` (a small executable,
+  greedy-only or filtered by `SamplingBatch.filtered`) turns into tokens.
 - `decode_loop`: `num_steps` decode steps in one `lax.scan` (the decode-only fast path), bucketed on
   the sequence count; sampling and stop masks on the device, so the host is consulted once per
   `num_steps` tokens. A sequence that hits a stop token or its token limit stops advancing (it
@@ -74,18 +75,26 @@ def pick_bucket(buckets: tuple[int, ...], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-@partial(jax.jit, static_argnames=("cfg", "num_logprobs", "backend"), donate_argnames=("kv",))
-def mixed_step(params, kv: KVCache, batch: RaggedBatch, sb: SamplingBatch, prev_tokens: jax.Array,
-               *, cfg: ModelConfig, num_logprobs: int, backend: str):  # fmt: skip
-    """`prev_tokens` [max_num_seqs]: the previous step's sampled tokens, still on the device. A
+@partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnames=("kv",))
+def mixed_step(params, kv: KVCache, batch: RaggedBatch, prev_tokens: jax.Array, *,
+               cfg: ModelConfig, backend: str):  # fmt: skip
+    """fp32 logits [max_num_seqs, V] at each sequence's last row, and the cache.
+
+    `prev_tokens` [max_num_seqs]: the previous step's sampled tokens, still on the device. A
     negative token -(i + 1) in the batch stands for prev_tokens[i] (async scheduling: the host
-    builds this step before it has read the previous one's tokens)."""
+    builds this step before it has read the previous one's tokens). Sampling is a separate small
+    executable (`sample_rows`), so the greedy/sampling choice costs no second compile of the model.
+    """
     src = jnp.clip(-batch.tokens - 1, 0, prev_tokens.shape[0] - 1)
     tokens = jnp.where(batch.tokens < 0, prev_tokens[src], batch.tokens)
     batch = dataclasses.replace(batch, tokens=tokens)
     hidden, kv = forward_paged(params, cfg, batch, kv, attention_backend=backend)
-    logits = compute_logits(params, cfg, hidden[last_token_rows(batch)])
-    return sample(logits, sb, num_logprobs), kv
+    return compute_logits(params, cfg, hidden[last_token_rows(batch)]), kv
+
+
+@partial(jax.jit, static_argnames=("num_logprobs",))
+def sample_rows(logits: jax.Array, sb: SamplingBatch, *, num_logprobs: int):
+    return sample(logits, sb, num_logprobs)
 
 
 @jax.tree_util.register_dataclass
@@ -121,7 +130,7 @@ def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingB
         hidden, kv = forward_paged(params, cfg, batch, kv, attention_backend=backend)
         logits = compute_logits(params, cfg, hidden)
         step_sb = SamplingBatch(sb.temperature, sb.top_k, sb.top_p, sb.min_p, sb.seed,
-                                st.positions + 1)  # fmt: skip
+                                st.positions + 1, sb.filtered)  # fmt: skip
         tok, lp, top_lp, top_ids = sample(logits, step_sb, num_logprobs)
         live = st.active & (st.remaining > 0)
         hit_stop = jnp.any(tok[:, None] == st.stop_ids, axis=-1)
@@ -180,7 +189,7 @@ class ModelRunner:
 
     # -- device calls --------------------------------------------------------------------------
     def _mixed_static(self):
-        return dict(cfg=self.cfg, num_logprobs=self.shapes.num_logprobs, backend=self.backend)
+        return dict(cfg=self.cfg, backend=self.backend)
 
     def _decode_static(self, num_steps: int):
         return dict(cfg=self.cfg, num_steps=num_steps, num_logprobs=self.shapes.num_logprobs,
@@ -198,12 +207,13 @@ class ModelRunner:
         prev = self.no_prev_tokens() if prev_tokens is None else prev_tokens
         exe = self._executables.get(("mixed", batch.tokens.shape[0], batch.max_q_len))
         if exe is not None:
-            (tok, lp, top_lp, top_ids), self.kv = exe(self.params, self.kv, batch, sb, prev)
+            logits, self.kv = exe(self.params, self.kv, batch, prev)
         else:  # a shape warm-up did not compile: jit compiles it (and the engine counts it)
-            (tok, lp, top_lp, top_ids), self.kv = mixed_step(
-                self.params, self.kv, batch, sb, prev, **self._mixed_static()
-            )
-        return tok, lp, top_lp, top_ids
+            logits, self.kv = mixed_step(self.params, self.kv, batch, prev, **self._mixed_static())
+        exe = self._executables.get(("sample", sb.filtered))
+        if exe is not None:
+            return exe(logits, sb)
+        return sample_rows(logits, sb, num_logprobs=self.shapes.num_logprobs)
 
     def decode_table(self, pages: list[list[int]], rows: int) -> jax.Array:
         table = np.full((rows, self.shapes.pages_per_seq), SCRATCH_PAGE, np.int32)
@@ -234,7 +244,7 @@ class ModelRunner:
         return self.decode_table(pages, rows), state, rows
 
     def run_decode(self, table, state: DecodeState, sb: SamplingBatch, num_steps: int):
-        exe = self._executables.get(("decode", table.shape[0], num_steps))
+        exe = self._executables.get(("decode", table.shape[0], num_steps, sb.filtered))
         if exe is not None:
             outs, final, self.kv = exe(self.params, self.kv, table, state, sb)
         else:
@@ -264,9 +274,13 @@ class ModelRunner:
             self._executables[key] = exe
         for key, _, args, _ in calls:  # run each once: first-call work stays out of serving
             if key[0] == "mixed":
-                jax.block_until_ready(self.run_mixed(*args[2:]))
-            else:
+                batch, prev = args[2:]
+                sb = SamplingBatch.build([], [], [], self.shapes.max_num_seqs)
+                jax.block_until_ready(self.run_mixed(batch, sb, prev))
+            elif key[0] == "decode":
                 jax.block_until_ready(self.run_decode(*args[2:], key[2]))
+            else:
+                jax.block_until_ready(self._executables[key](*args))
 
     def _warmup_calls(self):
         """(key, jitted fn, example args, static args) for every bucket the engine can use."""
@@ -283,10 +297,15 @@ class ModelRunner:
                     jnp.zeros(s.max_num_seqs + 1, jnp.int32),
                     PageTable(table, jnp.zeros(s.max_num_seqs, jnp.int32)), max_q,
                 )  # fmt: skip
-                sb = SamplingBatch.build([], [], [], s.max_num_seqs)
                 prev = jnp.zeros(s.max_num_seqs, jnp.int32)
                 calls.append((("mixed", t, max_q), mixed_step,
-                              (self.params, self.kv, batch, sb, prev), self._mixed_static()))  # fmt: skip
+                              (self.params, self.kv, batch, prev), self._mixed_static()))  # fmt: skip
+        logits = jnp.zeros((s.max_num_seqs, self.cfg.vocab_size), jnp.float32)
+        for filtered in (False, True):  # all-greedy batches, and batches where some row samples
+            sb = dataclasses.replace(SamplingBatch.build([], [], [], s.max_num_seqs),
+                                     filtered=filtered)  # fmt: skip
+            calls.append((("sample", filtered), sample_rows, (logits, sb),
+                          dict(num_logprobs=s.num_logprobs)))  # fmt: skip
         if s.decode_steps > 1:
             for rows in self.seq_buckets:
                 zeros = jnp.zeros(rows, jnp.int32)
@@ -295,8 +314,10 @@ class ModelRunner:
                     jnp.zeros(rows, bool),
                 )  # fmt: skip
                 table = jnp.zeros((rows, s.pages_per_seq), jnp.int32)
-                sb = SamplingBatch.build([], [], [], rows)
-                calls.append((("decode", rows, s.decode_steps), decode_loop,
-                              (self.params, self.kv, table, state, sb),
-                              self._decode_static(s.decode_steps)))  # fmt: skip
+                for filtered in (False, True):
+                    sb = dataclasses.replace(SamplingBatch.build([], [], [], rows),
+                                             filtered=filtered)  # fmt: skip
+                    calls.append((("decode", rows, s.decode_steps, filtered), decode_loop,
+                                  (self.params, self.kv, table, state, sb),
+                                  self._decode_static(s.decode_steps)))  # fmt: skip
         return calls

@@ -12,7 +12,7 @@ the raw model distribution (before temperature and filters).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,10 @@ class SamplingBatch:
     min_p: jax.Array  # f32; 0 = off
     seed: jax.Array  # u32
     position: jax.Array  # i32: position of the token being sampled
+    # Static (part of the compiled shape): whether any row samples. False compiles greedy only.
+    # A host-side flag rather than `lax.cond` on the device: on a GPU a conditional copies its
+    # predicate to the host, which blocked every step's dispatch until the step had run.
+    filtered: bool = field(default=True, metadata=dict(static=True))
 
     @staticmethod
     def build(
@@ -50,7 +54,7 @@ class SamplingBatch:
         seed[:n] = np.asarray(seeds, np.uint64) & 0xFFFFFFFF
         position[:n] = positions
         return SamplingBatch(*(jax.device_put(a) for a in (temperature, top_k, top_p, min_p, seed)),
-                             jax.device_put(position))  # fmt: skip
+                             jax.device_put(position), bool((temperature > 0).any()))  # fmt: skip
 
 
 def sample(
@@ -62,12 +66,10 @@ def sample(
     greedy = jnp.argmax(logits, axis=-1)
 
     # The sort over the vocabulary dominates a decode step's sampling cost (48 ms for 64 x 4096 on
-    # a CPU): skip it when every row is greedy.
-    tokens = jax.lax.cond(
-        jnp.any(sb.temperature > 0),
-        lambda: jnp.where(sb.temperature > 0, _sample_filtered(logits, sb), greedy),
-        lambda: greedy,
-    ).astype(jnp.int32)
+    # a CPU): a batch whose rows are all greedy (sb.filtered False) skips it.
+    if sb.filtered:
+        greedy = jnp.where(sb.temperature > 0, _sample_filtered(logits, sb), greedy)
+    tokens = greedy.astype(jnp.int32)
     token_logprob = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     if num_logprobs == 0:
         rows = logits.shape[0]
