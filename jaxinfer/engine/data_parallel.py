@@ -71,7 +71,7 @@ class DataParallelEngine:
 
         (Pulling only while nothing waited handed a replica one request per step: on 2 H200s the
         8B engine then admitted one prompt per step and ran at 0.70x one GPU,
-        experiments/results/h200x2/multi_gpu_first_run.json.)
+        experiments/results/h200x2/multi_gpu.json.)
         """
         took = False
         sched = engine.scheduler
