@@ -281,7 +281,7 @@ class Engine:
         Fed tokens may be placeholders of `prev` (its sampled tokens, still on the device). Each
         sequence that samples this step gets a placeholder of its own, so the next schedule
         already sees the token it will feed; one that thereby reaches its token limit is marked
-        `final_pending` and is not scheduled again.
+        `final_pending` (derived) and is not scheduled again.
         """
         seqs = [s.seq for s in scheduled]
         batch = self.runner.build_mixed(
@@ -303,8 +303,6 @@ class Engine:
             if seq.num_computed_tokens == seq.num_tokens:  # prefill done, or a decode: samples
                 seq.output_token_ids.append(-(i + 1))
                 samplers.append((seq, i, len(seq.output_token_ids) - 1))
-                if len(seq.output_token_ids) >= seq.output_budget:
-                    seq.final_pending = True
         return _PendingMixed(samplers, outs)
 
     def _read_pending(self) -> tuple[list[StepOutput], float]:
@@ -384,16 +382,18 @@ class Engine:
         """Append a decode scan's sampled tokens, stamping times, until one ends the sequence."""
         if seq.is_finished:  # finished while a decode scan was in flight: nothing new
             return StepOutput(seq, [], False)
-        appended = []
+        appended, stop_ids = [], set(self._stop_ids(seq))
         for token, logprob, top_lp, top_ids in new:
             seq.output_token_ids.append(token)
             appended.append(token)
-            self._accept(seq, len(seq.output_token_ids) - 1, token, logprob, top_lp, top_ids, now)
+            self._accept(seq, len(seq.output_token_ids) - 1, token, logprob, top_lp, top_ids, now,
+                         stop_ids)  # fmt: skip
             if seq.is_finished:
                 break
         return StepOutput(seq, appended, seq.is_finished)
 
-    def _accept(self, seq: Sequence, index: int, token: int, logprob, top_lp, top_ids, now):
+    def _accept(self, seq: Sequence, index: int, token: int, logprob, top_lp, top_ids, now,
+                stop_ids=None):  # fmt: skip
         """Output token `index` (already in place) is `token`: record it; finish the sequence at
         EOS / a stop id / a stop string / max_tokens, dropping any placeholder after it."""
         if seq.sampling.logprobs is not None:
@@ -404,7 +404,8 @@ class Engine:
         seq.token_times.append(now)
         n = index + 1
         reason = None
-        if token in self._stop_ids(seq) or self._hit_stop_string(seq, n):
+        stop_ids = self._stop_ids(seq) if stop_ids is None else stop_ids
+        if token in stop_ids or self._hit_stop_string(seq, n):
             reason = "stop"
         elif n >= seq.sampling.max_tokens:
             reason = "length"

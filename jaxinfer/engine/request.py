@@ -101,9 +101,6 @@ class Sequence:
     finish_reason: str | None = None  # "stop", "length", or "error"
     error: str | None = None
     num_preemptions: int = 0
-    # Async scheduling: its last output token is a placeholder that will end it (max_tokens),
-    # so it is not scheduled again; it finishes when the step in flight is read.
-    final_pending: bool = False
     prompt: str | None = None
     output_text: str = ""
 
@@ -136,6 +133,12 @@ class Sequence:
         if self.sampling.eos_after is not None:
             limit = min(limit, self.sampling.eos_after)
         return limit
+
+    @property
+    def final_pending(self) -> bool:
+        """Unfinished with all its output tokens: the last is a placeholder of the step in flight
+        (async scheduling) that will end it, so it is not scheduled again."""
+        return len(self.output_token_ids) >= self.output_budget and not self.is_finished
 
     @property
     def is_finished(self) -> bool:
