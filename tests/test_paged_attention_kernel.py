@@ -88,10 +88,14 @@ def test_head_dims_and_gqa_ratios(head_dim, group, num_kv_heads):
              group=group, head_dim=head_dim, warp_specialized=False)  # fmt: skip
 
 
-def test_ragged_prefill_chunks_mixed_with_decodes():
-    # a chunk longer than a query block, one starting mid-context, fresh prompts, single tokens
+@pytest.mark.parametrize("split_decode_rows", [True, False])
+@pytest.mark.parametrize("group", [4, 3])
+def test_ragged_prefill_chunks_mixed_with_decodes(split_decode_rows, group):
+    # a chunk longer than a query block, one starting mid-context, fresh prompts, single tokens;
+    # the single tokens go through the decode launch (split) or take a prefill block each
     run_case(q_lens=[1, 37, 5, 20, 1], ctx_lens=[100, 0, 50, 33, 0], page_size=16,
-             num_kv_heads=2, group=4, head_dim=64, warp_specialized=False)  # fmt: skip
+             num_kv_heads=2, group=group, head_dim=64, warp_specialized=False,
+             split_decode_rows=split_decode_rows)  # fmt: skip
 
 
 def test_sliding_window_and_soft_cap():

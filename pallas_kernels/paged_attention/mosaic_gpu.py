@@ -5,12 +5,21 @@ mixed step): the same layout as `reference.ragged_paged_attention`, whose docstr
 
 How the work is cut
 -------------------
-- The query tokens of each sequence are cut into *query blocks* of `bq` tokens (`bq = 1` for a
-  decode-only batch; `64 // group` otherwise). For one KV head, a block's queries of all the
-  `group` query heads sharing that KV head form the 64-row A operand of `wgmma` (rows are
-  (token, head-in-group) pairs, padded to 64). A decode block so fills `group` of 64 rows: the
-  tensor cores do 16x the useful FLOPs for GQA 32/8, which costs nothing because decode is bound
-  by reading K/V (the FLOPs per K/V byte stay far under the H200's ~200 FLOP/B balance point).
+- The query tokens of each sequence are cut into *query blocks* of `bq` tokens (`bq = 1` for
+  decode; `128 // group` for prefill). For one KV head, a block's queries of all the `group` query
+  heads sharing that KV head form the A operand of `wgmma` (rows are (token, head-in-group) pairs,
+  64 per consumer warpgroup). A decode block so fills `group` of 64 rows: the tensor cores do 16x
+  the useful FLOPs for GQA 32/8, which costs nothing because decode is bound by reading K/V (the
+  FLOPs per K/V byte stay far under the H200's ~200 FLOP/B balance point).
+- Queries are laid out token-major per KV head ([Hkv, T * group, D], pre-scaled), so a block is a
+  contiguous run of rows that one TMA copy loads from the block's first row; rows past the block's
+  tokens are loaded too (later tokens or zero padding) and their outputs are never read. Outputs
+  are written per block and gathered back to token order (only real tokens' rows are read). Blocks
+  past the real ones (the grid is a static bound) skip all work.
+- Mixed batches (prefill chunks and decodes in one step, the engine's mixed step) take two
+  launches: sequences with one new token get decode blocks, the others prefill blocks. One launch
+  of prefill-shaped blocks for all of them would give every decode token a 128-row block, two
+  consumer warpgroups and 128-key tiles (`split_decode_rows=False` keeps that for comparison).
 - Grid: (query block, KV head, context split). Each program streams its share of the sequence's
   K/V in tiles of `block_kv = max(64, page_size)` tokens, each tile one TMA copy per page
   (`block_kv // page_size` copies for small pages) straight from the page pool, through
@@ -50,6 +59,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -110,6 +120,7 @@ def ragged_paged_attention_mgpu(
     block_kv: int | None = None,
     num_consumers: int | None = None,
     fp8_load: str = "default",
+    split_decode_rows: bool = True,
     interpret: bool | None = None,
 ) -> jax.Array:
     """Same contract as `reference.ragged_paged_attention`; returns [T, Hq, D] in q.dtype.
@@ -118,19 +129,84 @@ def ragged_paged_attention_mgpu(
     fill the GPU for decode, 1 for prefill); `num_stages` is the depth of the shared-memory
     pipeline; `warp_specialized` adds a producer warpgroup; `block_kv` (64 or 128) keys per tile;
     `num_consumers` consumer warpgroups of 64 query rows each. Defaults: see the module docstring.
-    `interpret` runs the kernel under the GPU interpreter (default: when there is no GPU).
+    In a batch with `max_q_len > 1`, `split_decode_rows` sends the sequences with exactly one new
+    token through the decode configuration (a second launch; the tuning options above then apply
+    to the prefill part only). `interpret` runs the kernel under the GPU interpreter (default:
+    when there is no GPU).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
     num_seqs, pages_per_seq = page_table.shape
     _check_inputs(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, k_scales, v_scales)
+    if fp8_load not in ("default", "wgmma8"):
+        raise ValueError(f"fp8_load must be 'default' or 'wgmma8', got {fp8_load!r}")
     group = num_q_heads // num_kv_heads
     quantized = k_scales is not None
     scale = head_dim**-0.5 if sm_scale is None else float(sm_scale)
     interpret = _compat.default_interpret() if interpret is None else interpret
     compute_dtype = jnp.float16 if quantized else jnp.bfloat16  # e4m3 converts only to f16
+    geometry = dict(group=group, head_dim=head_dim, quantized=quantized, page_size=page_size,
+                    pages_per_seq=pages_per_seq)  # fmt: skip
+    tuning = dict(num_splits=num_splits, num_stages=num_stages, warp_specialized=warp_specialized,
+                  block_kv=block_kv, num_consumers=num_consumers)  # fmt: skip
 
-    decode = max_q_len == 1
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    if max_q_len == 1:
+        parts = [(_plan(decode=True, **geometry, **tuning), q_lens > 0)]
+    elif split_decode_rows:
+        parts = [(_plan(decode=True, **geometry), q_lens == 1),
+                 (_plan(decode=False, **geometry, **tuning), q_lens > 1)]  # fmt: skip
+    else:
+        parts = [(_plan(decode=False, **geometry, **tuning), q_lens > 0)]
+
+    # ---- queries, token-major per KV head: row (t * group + g) of head h is query head
+    # h * group + g of token t, pre-scaled. A query block is then a contiguous run of rows, which
+    # the kernel loads with one TMA copy from the block's first row (rows past the block belong
+    # to later tokens or to the zero padding; their outputs are never read).
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    tok_seq, tok_ok = token_sequences(query_start_loc, num_tokens)
+    tok_off = t - query_start_loc[tok_seq]
+    qt = jnp.where(tok_ok[:, None, None], q.astype(jnp.float32) * scale, 0.0).astype(compute_dtype)
+    qt = qt.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+    pad = max(plan.q_rows for plan, _ in parts)
+    qt = jnp.pad(qt.reshape(num_kv_heads, num_tokens * group, head_dim), ((0, 0), (0, pad), (0, 0)))
+
+    out = jnp.zeros((num_tokens, num_kv_heads, group, head_dim), q.dtype)
+    heads = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :, None]
+    in_group = jnp.arange(group, dtype=jnp.int32)[None, None, :]
+    for plan, take in parts:
+        meta, first_blk = _query_blocks(plan, take, q_lens, seq_lens, query_start_loc, num_tokens,
+                                        group)  # fmt: skip
+        ob = _launch(plan, meta, qt, page_table, k_pages, v_pages, k_scales, v_scales,
+                     num_kv_heads=num_kv_heads, group=group, kv_dtype=jnp.dtype(k_pages.dtype),
+                     soft_cap=soft_cap, sliding_window=sliding_window, fp8_load=fp8_load,
+                     interpret=interpret).astype(q.dtype)  # [nb, Hkv, q_rows, D] fmt: skip
+        # Back to token order with a gather of rows (only the rows of real tokens are read).
+        blk = first_blk[tok_seq] + tok_off // plan.bq
+        row = (tok_off % plan.bq) * group
+        idx = (blk[:, None, None] * num_kv_heads + heads) * plan.q_rows + row[:, None, None]
+        vals = ob.reshape(-1, head_dim)[idx + in_group]  # [T, Hkv, group, D]
+        mine = tok_ok & take[tok_seq]
+        out = jnp.where(mine[:, None, None, None], vals, out)
+    return out.reshape(num_tokens, num_q_heads, head_dim)
+
+
+class _Plan(NamedTuple):
+    """Static shape of one launch: query-block size, warpgroups, tiles, pipeline."""
+
+    decode: bool
+    bq: int  # query tokens per block
+    q_rows: int  # query rows of a block actually loaded and stored (bq * group, padded to 8)
+    consumers: int
+    block_kv: int
+    num_stages: int
+    warp_specialized: bool
+    num_splits: int | None  # None: chosen from the grid size
+    max_tiles: int
+
+
+def _plan(*, decode, group, head_dim, quantized, page_size, pages_per_seq, num_splits=None,
+          num_stages=None, warp_specialized=None, block_kv=None, num_consumers=None) -> _Plan:  # fmt: skip
     # Decode: one consumer warpgroup, 64-key tiles. Prefill: two consumers (128 query rows)
     # share each K/V tile, 128 keys per tile (64 for fp8, whose f16 copies also need room).
     if num_consumers is None:  # (fp8 at head dim 256 needs the room for its f16 copies)
@@ -138,106 +214,91 @@ def ragged_paged_attention_mgpu(
         num_consumers = 1 if one else 2
     if block_kv is None:  # 128-key tiles of head dim 256 would not fit shared memory twice over
         block_kv = 64 if decode or quantized or head_dim > 128 else 128
-    if fp8_load not in ("default", "wgmma8"):
-        raise ValueError(f"fp8_load must be 'default' or 'wgmma8', got {fp8_load!r}")
     if block_kv not in (64, 128):
         raise ValueError(f"block_kv must be 64 or 128, got {block_kv}")
     bq = 1 if decode else max(1, num_consumers * ROWS // group)
-    q_rows = -(-bq * group // 8) * 8  # rows of a block actually loaded and stored
+    q_rows = -(-bq * group // 8) * 8
     num_consumers = -(-q_rows // ROWS)
-    max_tiles = -(-pages_per_seq * page_size // block_kv)
-
-    # ---- query blocks (XLA): which sequence, which tokens, where each block's queries sit.
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    if decode:
-        num_blocks = num_seqs
-        blk_seq = jnp.arange(num_seqs, dtype=jnp.int32)
-        blk_off = jnp.zeros((num_seqs,), jnp.int32)
-        blk_ok = jnp.ones((num_seqs,), bool)
-    else:
-        num_blocks = -(-num_tokens // bq) + num_seqs  # static bound on sum(ceil(q_len / bq))
-        per_seq = (q_lens + bq - 1) // bq
-        ends = jnp.cumsum(per_seq)
-        b = jnp.arange(num_blocks, dtype=jnp.int32)
-        blk_seq = jnp.searchsorted(ends, b, side="right", method="compare_all").astype(jnp.int32)
-        blk_ok = blk_seq < num_seqs
-        blk_seq = jnp.minimum(blk_seq, num_seqs - 1)
-        blk_off = (b - (ends[blk_seq] - per_seq[blk_seq])) * bq
-    n_valid = jnp.where(blk_ok, jnp.clip(q_lens[blk_seq] - blk_off, 0, bq), 0)
-    kv_len = jnp.where(n_valid > 0, seq_lens[blk_seq], 0)
-    q_pos0 = kv_len - q_lens[blk_seq] + blk_off
-    meta = jnp.stack([blk_seq, q_pos0, n_valid, kv_len], axis=1).astype(jnp.int32)
-
-    j = jnp.arange(bq, dtype=jnp.int32)
-    tok = query_start_loc[blk_seq][:, None] + blk_off[:, None] + j[None, :]  # [nb, bq]
-    tok_ok = j[None, :] < n_valid[:, None]
-    tok = jnp.where(tok_ok, tok, num_tokens)  # out of range: dropped when scattering back
-    qb = q[jnp.minimum(tok, num_tokens - 1)].astype(jnp.float32) * scale  # [nb, bq, Hq, D]
-    qb = jnp.where(tok_ok[:, :, None, None], qb, 0.0)
-    qb = qb.reshape(num_blocks, bq, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
-    qb = qb.reshape(num_blocks, num_kv_heads, bq * group, head_dim)
-    qb = jnp.pad(qb, ((0, 0), (0, 0), (0, q_rows - bq * group), (0, 0))).astype(compute_dtype)
-
-    sms = _compat.num_sms()
-    if num_splits is None:
-        num_splits = default_num_splits(num_blocks * num_kv_heads, max_tiles, sms) if decode else 1
-    num_splits = max(1, min(int(num_splits), max_tiles))
     if warp_specialized is None:  # measured on the H200: see the module docstring
         warp_specialized = quantized or num_consumers > 1
     if num_stages is None:
         num_stages = 4 if warp_specialized and block_kv == 64 and head_dim <= 128 else 2
+    if not decode and num_splits is None:
+        num_splits = 1
+    max_tiles = -(-pages_per_seq * page_size // block_kv)
+    return _Plan(decode, bq, q_rows, num_consumers, block_kv, num_stages, warp_specialized,
+                 num_splits, max_tiles)  # fmt: skip
 
+
+def _query_blocks(plan, take, q_lens, seq_lens, query_start_loc, num_tokens, group):
+    """Per-block metadata [nb, 5] (sequence, first query position, valid queries, kv length,
+    first q row) for the sequences in `take`, and each sequence's first block [S]."""
+    num_seqs = q_lens.shape[0]
+    bq = plan.bq
+    if plan.decode:  # block i is sequence i's one query
+        num_blocks = num_seqs
+        blk_seq = jnp.arange(num_seqs, dtype=jnp.int32)
+        blk_off = jnp.zeros((num_seqs,), jnp.int32)
+        blk_ok = take
+        first_blk = blk_seq
+    else:
+        num_blocks = -(-num_tokens // bq) + num_seqs  # static bound on sum(ceil(q_len / bq))
+        per_seq = jnp.where(take, (q_lens + bq - 1) // bq, 0)
+        ends = jnp.cumsum(per_seq)
+        first_blk = (ends - per_seq).astype(jnp.int32)
+        b = jnp.arange(num_blocks, dtype=jnp.int32)
+        blk_seq = jnp.searchsorted(ends, b, side="right", method="compare_all").astype(jnp.int32)
+        blk_ok = blk_seq < num_seqs
+        blk_seq = jnp.minimum(blk_seq, num_seqs - 1)
+        blk_off = (b - first_blk[blk_seq]) * bq
+    n_valid = jnp.where(blk_ok, jnp.clip(q_lens[blk_seq] - blk_off, 0, bq), 0)
+    kv_len = jnp.where(n_valid > 0, seq_lens[blk_seq], 0)
+    q_pos0 = kv_len - q_lens[blk_seq] + blk_off
+    q_row0 = jnp.where(n_valid > 0, (query_start_loc[blk_seq] + blk_off) * group, 0)
+    meta = jnp.stack([blk_seq, q_pos0, n_valid, kv_len, q_row0], axis=1).astype(jnp.int32)
+    return meta, first_blk
+
+
+def _launch(plan, meta, qt, page_table, k_pages, v_pages, k_scales, v_scales, *, num_kv_heads,
+            group, kv_dtype, soft_cap, sliding_window, fp8_load, interpret):  # fmt: skip
+    """One kernel launch over `meta`'s blocks; returns [nb, Hkv, q_rows, D] (splits combined)."""
+    num_blocks = meta.shape[0]
+    head_dim = qt.shape[-1]
+    quantized = k_scales is not None
+    num_splits = plan.num_splits
+    if num_splits is None:
+        num_splits = default_num_splits(num_blocks * num_kv_heads, plan.max_tiles,
+                                        _compat.num_sms())  # fmt: skip
+    num_splits = max(1, min(int(num_splits), plan.max_tiles))
     kernel = _build_kernel(
         num_blocks=num_blocks,
         num_kv_heads=num_kv_heads,
         num_splits=num_splits,
-        q_rows=q_rows,
+        q_rows=plan.q_rows,
         group=group,
         head_dim=head_dim,
-        page_size=page_size,
-        num_stages=num_stages,
-        kv_dtype=jnp.dtype(k_pages.dtype),
+        page_size=k_pages.shape[1],
+        num_stages=plan.num_stages,
+        kv_dtype=kv_dtype,
         quantized=quantized,
         soft_cap=None if soft_cap is None else float(soft_cap),
         sliding_window=None if sliding_window is None else int(sliding_window),
-        warp_specialized=warp_specialized,
-        block_kv=block_kv,
-        consumers=num_consumers,
+        warp_specialized=plan.warp_specialized,
+        block_kv=plan.block_kv,
+        consumers=plan.consumers,
         fp8_load=fp8_load,
         interpret=interpret,
     )
     args = [meta, page_table.astype(jnp.int32)]
     if quantized:
         args += [k_scales.astype(jnp.float32), v_scales.astype(jnp.float32)]
-    out, lse = kernel(
-        *args, qb, k_pages, v_pages
-    )  # [splits, nb, Hkv, 64, D], [splits, nb, Hkv, 64]
-
+    out, lse = kernel(*args, qt, k_pages, v_pages)  # [splits, nb, Hkv, rows, D], [.., rows]
     if num_splits == 1:
-        ob = out[0]
-    else:  # combine the splits' partial softmaxes (log2 domain)
-        lmax = jnp.max(lse, axis=0)
-        w = jnp.exp2(lse - lmax[None])
-        ob = jnp.sum(w[..., None] * out.astype(jnp.float32), axis=0) / jnp.sum(w, axis=0)[..., None]
-
-    ob = ob[:, :, : bq * group].reshape(num_blocks, num_kv_heads, bq, group, head_dim)
-    ob = ob.transpose(0, 2, 1, 3, 4).reshape(num_blocks * bq, num_q_heads, head_dim)
-    # Back to token order with a gather (cheaper than a scatter): token t sits in block row
-    # src[t], or nowhere (padding) -> zeros.
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    if decode:
-        seq, _ = token_sequences(query_start_loc, num_tokens)
-        ok = (t == query_start_loc[seq]) & (q_lens[seq] > 0)
-        src = seq
-    else:
-        src = (
-            jnp.zeros((num_tokens,), jnp.int32)
-            .at[tok.reshape(-1)]
-            .set(jnp.arange(num_blocks * bq, dtype=jnp.int32), mode="drop")
-        )
-        ok = jnp.zeros((num_tokens,), bool).at[tok.reshape(-1)].set(True, mode="drop")
-    out = jnp.where(ok[:, None, None], ob[src].astype(q.dtype), jnp.zeros((), q.dtype))
-    return out
+        return out[0]
+    # combine the splits' partial softmaxes (log2 domain)
+    lmax = jnp.max(lse, axis=0)
+    w = jnp.exp2(lse - lmax[None])
+    return jnp.sum(w[..., None] * out.astype(jnp.float32), axis=0) / jnp.sum(w, axis=0)[..., None]
 
 
 def unsupported_reason(num_q_heads, num_kv_heads, head_dim, page_size, kv_dtype) -> str | None:
@@ -374,6 +435,7 @@ def _build_kernel(
         q_pos0 = meta_ref[blk, 1]
         n_valid = meta_ref[blk, 2]
         kv_len = meta_ref[blk, 3]
+        q_row0 = meta_ref[blk, 4]  # the block's first row in the token-major queries
 
         kv_end = jnp.minimum(kv_len, q_pos0 + n_valid)  # causal bound of the block's last query
         if sliding_window is None:
@@ -570,7 +632,7 @@ def _build_kernel(
             if consumers > 1:
                 plgpu.set_max_registers(232, action="increase")
             plgpu.copy_gmem_to_smem(
-                q_ref.at[blk, head, pl.ds(w * ROWS, rows)], q_w.at[pl.ds(0, rows)], q_bar.at[w]
+                q_ref.at[head, pl.ds(q_row0 + w * ROWS, rows)], q_w.at[pl.ds(0, rows)], q_bar.at[w]
             )
             if not warp_specialized:
                 producer_prologue()
@@ -596,18 +658,21 @@ def _build_kernel(
             plgpu.commit_smem()
             dst = pl.ds(w * ROWS, rows)
             plgpu.copy_smem_to_gmem(q_w.at[pl.ds(0, rows)], o_ref.at[split, blk, head, dst])
-            plgpu.copy_smem_to_gmem(lse_w.at[pl.ds(0, rows)], lse_ref.at[split, blk, head, dst])
+            if num_splits > 1:  # the log-sum-exp only serves to combine the splits
+                plgpu.copy_smem_to_gmem(lse_w.at[pl.ds(0, rows)], lse_ref.at[split, blk, head, dst])
             plgpu.wait_smem_to_gmem(0)
 
+        # Blocks without queries (the static grid's bound exceeds the real blocks) do nothing:
+        # their outputs are never read.
         if not warp_specialized:
-            consumer(0)
+            pl.when(n_valid > 0)(functools.partial(consumer, 0))
             return
 
         wg = lax.axis_index("wg")
         for w in range(consumers):
-            pl.when(wg == w)(functools.partial(consumer, w))
+            pl.when((wg == w) & (n_valid > 0))(functools.partial(consumer, w))
 
-        @pl.when(wg == consumers)
+        @pl.when((wg == consumers) & (n_valid > 0))
         def _producer():  # keeps num_stages tiles in flight, refilling a slot once it is consumed
             if consumers > 1:
                 plgpu.set_max_registers(40, action="decrease")
