@@ -96,7 +96,9 @@ def make_step(args, seed: int = 0):
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path("experiments/results/h200/mixed_attention.json"))
+    ap.add_argument(
+        "--out", type=Path, default=Path("experiments/results/h200/mixed_attention.json")
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU, interpret mode)")
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--rows", type=int, default=512)

@@ -155,3 +155,6 @@ def test_compiled_kernel_on_gpu(head_dim, fp8):
              group=4, head_dim=head_dim, fp8=fp8, interpret=False)  # fmt: skip
     run_case(q_lens=[1] * 3, ctx_lens=[5000, 64, 300], page_size=64, num_kv_heads=2, group=8,
              head_dim=head_dim, fp8=fp8, interpret=False)  # fmt: skip
+    # pages longer than a K/V tile (a tile is a slice of a page), group 3 (rows shifted by 1-7)
+    run_case(q_lens=[1, 45, 1], ctx_lens=[700, 31, 129], page_size=128, num_kv_heads=2, group=3,
+             head_dim=head_dim, fp8=fp8, interpret=False)  # fmt: skip

@@ -136,7 +136,7 @@ def ragged_paged_attention_mgpu(
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
-    num_seqs, pages_per_seq = page_table.shape
+    pages_per_seq = page_table.shape[1]
     _check_inputs(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, k_scales, v_scales)
     if fp8_load not in ("default", "wgmma8"):
         raise ValueError(f"fp8_load must be 'default' or 'wgmma8', got {fp8_load!r}")
@@ -177,13 +177,26 @@ def ragged_paged_attention_mgpu(
     for plan, take in parts:
         meta, first_blk = _query_blocks(plan, take, q_lens, seq_lens, query_start_loc, num_tokens,
                                         group)  # fmt: skip
-        ob = _launch(plan, meta, qt, page_table, k_pages, v_pages, k_scales, v_scales,
-                     num_kv_heads=num_kv_heads, group=group, kv_dtype=jnp.dtype(k_pages.dtype),
-                     soft_cap=soft_cap, sliding_window=sliding_window, fp8_load=fp8_load,
-                     interpret=interpret).astype(q.dtype)  # [nb, Hkv, q_rows, D] fmt: skip
+        ob = _launch(
+            plan,
+            meta,
+            qt,
+            page_table,
+            k_pages,
+            v_pages,
+            k_scales,
+            v_scales,
+            num_kv_heads=num_kv_heads,
+            group=group,
+            kv_dtype=jnp.dtype(k_pages.dtype),
+            soft_cap=soft_cap,
+            sliding_window=sliding_window,
+            fp8_load=fp8_load,
+            interpret=interpret,
+        ).astype(q.dtype)  # [nb, Hkv, q_rows, D]
         # Back to token order with a gather of rows (only the rows of real tokens are read).
         blk = first_blk[tok_seq] + tok_off // plan.bq
-        row = (tok_off % plan.bq) * group
+        row = meta[blk, 5] + (tok_off % plan.bq) * group
         idx = (blk[:, None, None] * num_kv_heads + heads) * plan.q_rows + row[:, None, None]
         vals = ob.reshape(-1, head_dim)[idx + in_group]  # [T, Hkv, group, D]
         mine = tok_ok & take[tok_seq]
@@ -196,7 +209,7 @@ class _Plan(NamedTuple):
 
     decode: bool
     bq: int  # query tokens per block
-    q_rows: int  # query rows of a block actually loaded and stored (bq * group, padded to 8)
+    q_rows: int  # rows of a block loaded and stored: bq * group + the alignment shift, to 8s
     consumers: int
     block_kv: int
     num_stages: int
@@ -216,8 +229,11 @@ def _plan(*, decode, group, head_dim, quantized, page_size, pages_per_seq, num_s
         block_kv = 64 if decode or quantized or head_dim > 128 else 128
     if block_kv not in (64, 128):
         raise ValueError(f"block_kv must be 64 or 128, got {block_kv}")
-    bq = 1 if decode else max(1, num_consumers * ROWS // group)
-    q_rows = -(-bq * group // 8) * 8
+    # A block's rows are loaded from an 8-aligned row (TMA into 8-row tiles), up to
+    # `max_shift` rows before its first query row: room for the shift is part of the block.
+    max_shift = 8 - math.gcd(group, 8)
+    bq = 1 if decode else max(1, (num_consumers * ROWS - max_shift) // group)
+    q_rows = -(-(bq * group + max_shift) // 8) * 8
     num_consumers = -(-q_rows // ROWS)
     if warp_specialized is None:  # measured on the H200: see the module docstring
         warp_specialized = quantized or num_consumers > 1
@@ -231,8 +247,9 @@ def _plan(*, decode, group, head_dim, quantized, page_size, pages_per_seq, num_s
 
 
 def _query_blocks(plan, take, q_lens, seq_lens, query_start_loc, num_tokens, group):
-    """Per-block metadata [nb, 5] (sequence, first query position, valid queries, kv length,
-    first q row) for the sequences in `take`, and each sequence's first block [S]."""
+    """Per-block metadata [nb, 6] (sequence, first query position, valid queries, kv length,
+    8-aligned first q row, shift of the first query row past it) for the sequences in `take`, and
+    each sequence's first block [S]."""
     num_seqs = q_lens.shape[0]
     bq = plan.bq
     if plan.decode:  # block i is sequence i's one query
@@ -255,8 +272,9 @@ def _query_blocks(plan, take, q_lens, seq_lens, query_start_loc, num_tokens, gro
     kv_len = jnp.where(n_valid > 0, seq_lens[blk_seq], 0)
     q_pos0 = kv_len - q_lens[blk_seq] + blk_off
     q_row0 = jnp.where(n_valid > 0, (query_start_loc[blk_seq] + blk_off) * group, 0)
-    meta = jnp.stack([blk_seq, q_pos0, n_valid, kv_len, q_row0], axis=1).astype(jnp.int32)
-    return meta, first_blk
+    shift = q_row0 % 8  # the block's first query row sits `shift` rows into its 8-aligned load
+    meta = jnp.stack([blk_seq, q_pos0, n_valid, kv_len, q_row0 - shift, shift], axis=1)
+    return meta.astype(jnp.int32), first_blk
 
 
 def _launch(plan, meta, qt, page_table, k_pages, v_pages, k_scales, v_scales, *, num_kv_heads,
@@ -435,7 +453,8 @@ def _build_kernel(
         q_pos0 = meta_ref[blk, 1]
         n_valid = meta_ref[blk, 2]
         kv_len = meta_ref[blk, 3]
-        q_row0 = meta_ref[blk, 4]  # the block's first row in the token-major queries
+        q_row0 = meta_ref[blk, 4]  # 8-aligned row of the token-major queries the block loads
+        shift = meta_ref[blk, 5]  # block row of its first query (row r is token (r-shift)//group)
 
         kv_end = jnp.minimum(kv_len, q_pos0 + n_valid)  # causal bound of the block's last query
         if sliding_window is None:
@@ -467,7 +486,7 @@ def _build_kernel(
         def _copy(src, dst, bar, tile, c, slot):
             page = page_of(tile, c)
             if page_size > bk:  # a tile is a slice of one page
-                off = lax.rem(tile * bk, jnp.int32(page_size))
+                off = pl.multiple_of(lax.rem(tile * bk, jnp.int32(page_size)), bk)
                 src_ref = src.at[page, pl.ds(off, bk), head]
             else:
                 src_ref = src.at[page, :, head]
@@ -527,10 +546,11 @@ def _build_kernel(
                     s = soft_cap - (2.0 * soft_cap) / (e + 1.0)
 
                 if masked:
-                    row = iota(shape, 0) + r0
+                    row = iota(shape, 0) + (r0 - shift)  # rows before `shift`: not queries
                     col = iota(shape, 1)
                     rel = base + col - q_pos0  # key position relative to the block's first query
-                    # Row r is token r // group: causal means rel <= r // group, i.e. r >= rel*group.
+                    # `row` counts from the first query: its token is row // group; causal means
+                    # rel <= row // group, i.e. row >= rel * group.
                     mask = (row >= rel * group) & (base + col < kv_len)
                     if (
                         sliding_window is not None
@@ -632,7 +652,9 @@ def _build_kernel(
             if consumers > 1:
                 plgpu.set_max_registers(232, action="increase")
             plgpu.copy_gmem_to_smem(
-                q_ref.at[head, pl.ds(q_row0 + w * ROWS, rows)], q_w.at[pl.ds(0, rows)], q_bar.at[w]
+                q_ref.at[head, pl.ds(pl.multiple_of(q_row0 + w * ROWS, 8), rows)],
+                q_w.at[pl.ds(0, rows)],
+                q_bar.at[w],
             )
             if not warp_specialized:
                 producer_prologue()
@@ -642,8 +664,8 @@ def _build_kernel(
             l_i = cast(jnp.zeros((ROWS,), jnp.float32), wgmma_layout.reduce(1))
             # Leading tiles that every row of this consumer sees whole skip the masking.
             if sliding_window is None:
-                seen = jnp.minimum(q_pos0 + lax.div(jnp.int32(w * ROWS), jnp.int32(group)) + 1,
-                                   kv_len)  # fmt: skip
+                first = lax.div(jnp.maximum(w * ROWS - shift, 0), jnp.int32(group))
+                seen = jnp.minimum(q_pos0 + first + 1, kv_len)
                 n_full = jnp.clip(lax.div(seen, jnp.int32(bk)) - my_lo, 0, n_tiles)
             else:
                 n_full = jnp.int32(0)
