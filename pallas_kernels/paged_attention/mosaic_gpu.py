@@ -168,7 +168,8 @@ def ragged_paged_attention_mgpu(
     tok_off = t - query_start_loc[tok_seq]
     qt = jnp.where(tok_ok[:, None, None], q.astype(jnp.float32) * scale, 0.0).astype(compute_dtype)
     qt = qt.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
-    pad = max(plan.q_rows for plan, _ in parts)
+    # padding: room for the last block's rows, and a multiple of 8 rows (TMA's 8-row tiles)
+    pad = max(plan.q_rows for plan, _ in parts) + (-num_tokens * group) % 8
     qt = jnp.pad(qt.reshape(num_kv_heads, num_tokens * group, head_dim), ((0, 0), (0, pad), (0, 0)))
 
     out = jnp.zeros((num_tokens, num_kv_heads, group, head_dim), q.dtype)
