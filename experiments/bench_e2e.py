@@ -146,7 +146,7 @@ def sharegpt_like(in_median: float, out_median: float, in_max: int, out_max: int
 FULL = dict(
     preset="llama3-8b", dtype="bfloat16", batches=[1, 8, 32, 64, 128, 256], contexts=[512, 2048],
     num_requests=1000, hf_batch_sizes=[64, 128, 256], hf_num_requests=256,
-    max_num_batched_tokens=2048, decode_steps=8, repeats=5, min_timed_s=0.2,
+    max_num_batched_tokens=4096, decode_steps=8, repeats=5, min_timed_s=0.2,
     workloads={"fixed": fixed_workload(128, 128), "sharegpt": sharegpt_like(200, 150, 1024, 1024)},
 )  # fmt: skip
 SMOKE = dict(

@@ -46,10 +46,12 @@ Pipelines (defaults chosen on the H200 probe runs, `experiments/scratch/probe_pa
 Tiles every row of a consumer sees whole skip the masking.
 
 Measured (`experiments/results/h200/paged_attention.json`, H200, bf16, GQA 32/8, d128, page 16;
-TB/s of K/V read, ours / cuDNN paged in the same run): B64 L2048 3.45 / 3.15; B1 L32768 2.24 /
-1.74; B8 L8192 2.35 / 2.28; B256 L2048 3.97 / 3.70; fp8 B64 L2048 1.08 TB/s (0.248 ms, slower than
-bf16's 0.156 ms: the shared-memory fp8 -> f16 round trip, not HBM, is the limit); causal prefill
-4 x 4096: 399 TFLOP/s (cuDNN dense 468, jax's `attention_mgpu` 473 on contiguous f16 K/V).
+TB/s of K/V read, ours / cuDNN paged in the same run): B64 L2048 3.46 / 3.26; B1 L32768 2.24 /
+1.79; B8 L8192 2.39 / 2.36; B256 L2048 4.05 / 4.07; fp8 B64 L2048 1.10 TB/s (0.245 ms, slower than
+bf16's 0.155 ms: the shared-memory fp8 -> f16 round trip, not HBM, is the limit); causal prefill
+4 x 4096: 405 TFLOP/s (cuDNN dense 470, jax's `attention_mgpu` 472 on contiguous f16 K/V). A mixed
+step (`mixed_attention.json`: 500 decode rows, 12 prompt chunks): 0.238 ms with the decode launch,
+0.409 ms without it.
 
 The Pallas Triton backend is not used (deprecated from jax 0.11). On CPU the kernel runs under jax's
 GPU interpreter (`interpret=True`), which is how the tests check it against the reference.
