@@ -32,22 +32,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _compat
+from pallas_kernels._mgpu import ROWS, swizzled_smem, wgmma_dot
 
-ROWS = 64  # wgmma M
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-
-def _swizzled(shape, dtype):
-    itemsize = jnp.dtype(dtype).itemsize
-    swizzle = min(128, shape[-1] * itemsize)
-    return plgpu.SMEM(
-        shape,
-        dtype,
-        transforms=(
-            plgpu.TilingTransform((8, swizzle // itemsize)),
-            plgpu.SwizzleTransform(swizzle),
-        ),
-    )
 
 
 def default_k_splits(n_tiles: int, k_steps: int, sms: int) -> int:
@@ -116,15 +103,7 @@ def _build_kernel(*, n_tiles, k_steps, k_splits, block_n, block_k, num_stages, d
                   interpret):  # fmt: skip
     per = -(-k_steps // k_splits)  # K steps per split (the last may have fewer)
 
-    def mma(a_ref, b_ref):
-        if interpret:  # the interpreter's wgmma takes no transforms: a plain dot of the values
-            return jnp.dot(a_ref[...], b_ref[...], preferred_element_type=jnp.float32)
-
-        def scope(acc_ref):
-            plgpu.wgmma(acc_ref, a_ref, b_ref)
-            return acc_ref[...]
-
-        return pl.run_scoped(scope, plgpu.ACC((ROWS, block_n), jnp.float32))
+    mma = functools.partial(wgmma_dot, interpret=interpret)
 
     def body(x_ref, w_ref, o_ref, x_smem, w_smem, o_smem, bar):
         nt = lax.axis_index("n")
@@ -170,9 +149,9 @@ def _build_kernel(*, n_tiles, k_steps, k_splits, block_n, block_k, num_stages, d
     kwargs = dict(
         out_type=jax.ShapeDtypeStruct((k_splits, ROWS, n_tiles * block_n), out_dtype),
         scratch_types=[
-            _swizzled((num_stages, ROWS, block_k), dtype),
-            _swizzled((num_stages, block_k, block_n), dtype),
-            _swizzled((ROWS, block_n), out_dtype),
+            swizzled_smem((num_stages, ROWS, block_k), dtype),
+            swizzled_smem((num_stages, block_k, block_n), dtype),
+            swizzled_smem((ROWS, block_n), out_dtype),
             plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
         ],
         grid=(n_tiles, k_splits),

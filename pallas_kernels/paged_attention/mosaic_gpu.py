@@ -70,29 +70,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _compat
+from pallas_kernels._mgpu import ROWS, swizzled_smem, wgmma_dot
 from pallas_kernels.paged_attention.reference import token_sequences
 
-ROWS = 64  # wgmma M: query rows per program
 LOG2E = math.log2(math.e)
 RCP_LN2 = 1.0 / math.log(2.0)
 NEG = -1e30  # masked score in the log2 domain: finite, so fully masked tiles never give NaN
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn),)
-
-
-def _swizzled(shape, dtype):
-    """A shared-memory buffer in the layout TMA and wgmma want: (8 rows, swizzle bytes) tiles."""
-    itemsize = jnp.dtype(dtype).itemsize
-    swizzle = min(128, shape[-1] * itemsize)
-    return plgpu.SMEM(
-        shape,
-        dtype,
-        transforms=(
-            plgpu.TilingTransform((8, swizzle // itemsize)),
-            plgpu.SwizzleTransform(swizzle),
-        ),
-    )
 
 
 def default_num_splits(num_programs: int, max_tiles: int, sms: int) -> int:
@@ -395,24 +381,7 @@ def _build_kernel(
     def cast(x, layout):  # register layouts mean nothing to the GPU interpreter
         return x if interpret else plgpu.layout_cast(x, layout)
 
-    def mma(a, b_ref, transpose_b=False):
-        """a @ b (or a @ b.T) into a fresh fp32 accumulator with wgmma; `a` a ref or an array.
-
-        The GPU interpreter's wgmma takes neither register operands nor transposed refs, so under
-        it the product is a plain dot of the same values (everything around it is interpreted).
-        """
-        cols = b_ref.shape[0] if transpose_b else b_ref.shape[1]
-        if interpret:
-            av = a[...] if not isinstance(a, jax.Array) else a
-            dims = (((1,), (1 if transpose_b else 0,)), ((), ()))
-            return lax.dot_general(av, b_ref[...], dims, preferred_element_type=jnp.float32)
-        b = plgpu.transpose_ref(b_ref, (1, 0)) if transpose_b else b_ref
-
-        def scope(acc_ref):
-            plgpu.wgmma(acc_ref, a, b)
-            return acc_ref[...]
-
-        return pl.run_scoped(scope, plgpu.ACC((ROWS, cols), jnp.float32))
+    mma = functools.partial(wgmma_dot, interpret=interpret)
 
     def iota(shape, dim):
         return cast(lax.broadcasted_iota(jnp.int32, shape, dim), wgmma_layout)
@@ -721,11 +690,15 @@ def _build_kernel(
                 plgpu.barrier_wait(v_free.at[slot])
 
     scratch = [
-        _swizzled((consumers, ROWS, head_dim), cdt),
-        _swizzled((num_stages, bk, head_dim), kv_dtype),
-        _swizzled((num_stages, bk, head_dim), kv_dtype),
-        *([_swizzled((conv_stages, bk, head_dim), cdt)] * 2 if convert_in_producer else []),
-        *([_swizzled((bk, head_dim), cdt)] * 2 if quantized and not convert_in_producer else []),
+        swizzled_smem((consumers, ROWS, head_dim), cdt),
+        swizzled_smem((num_stages, bk, head_dim), kv_dtype),
+        swizzled_smem((num_stages, bk, head_dim), kv_dtype),
+        *([swizzled_smem((conv_stages, bk, head_dim), cdt)] * 2 if convert_in_producer else []),
+        *(
+            [swizzled_smem((bk, head_dim), cdt)] * 2
+            if quantized and not convert_in_producer
+            else []
+        ),
         plgpu.SMEM((consumers, ROWS), jnp.float32),
         plgpu.Barrier(num_barriers=consumers),
         plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
