@@ -157,6 +157,16 @@ SMOKE = dict(
 )  # fmt: skip
 
 
+def _option(text: str) -> tuple[str, object]:
+    """'key=value' -> (key, value), the value read as YAML (true -> True, 3 -> 3)."""
+    import yaml
+
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r}: want KEY=VALUE")
+    return key, yaml.safe_load(value)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -173,13 +183,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="auto",
         help="engine attention_backend: auto | xla | pallas | cudnn",
     )
+    ap.add_argument("--attention-options", nargs="*", default=[], metavar="KEY=VALUE",
+                    type=_option, help="engine.attention_options: the Pallas kernel's tuning "
+                    "keywords, e.g. split_decode_rows=false num_stages=3")  # fmt: skip
     ap.add_argument("--kv-dtype", default="auto", help="engine kv_dtype (auto = dtype)")
     ap.add_argument("--batches", type=int, nargs="+", default=None)
     ap.add_argument("--contexts", type=int, nargs="+", default=None)
     ap.add_argument("--num-requests", type=int, default=None)
     ap.add_argument("--workloads", default="fixed,sharegpt", help="subset of fixed,sharegpt")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
-                    help="token budget per step (default 2048; the xla backend's prefill path "
+                    help="token budget per step (default 4096; the xla backend's prefill path "
                          "gathers T x max_model_len keys, so use less with it on the GPU)")  # fmt: skip
     ap.add_argument("--decode-steps", type=int, default=None, help="tokens per decode scan")
     ap.add_argument("--page-size", type=int, default=16)
@@ -630,7 +643,7 @@ def engine_options(args, workloads: dict[str, list[WorkloadRequest]]) -> dict:
         max_num_batched_tokens=max(args.max_num_batched_tokens, max_num_seqs),
         max_model_len=max_model_len, decode_steps=k, chunked_prefill=True, async_decode=True,
         attention_backend=args.attention_backend, compile_workers=args.compile_workers,
-        async_schedule=bool(args.async_schedule),
+        async_schedule=bool(args.async_schedule), attention_options=dict(args.attention_options),
     )  # fmt: skip
     if args.kv_dtype != "auto":
         options["kv_dtype"] = args.kv_dtype

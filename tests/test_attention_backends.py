@@ -7,6 +7,7 @@ chunked-prefill step then a decode step of the shipped model over a bf16 page po
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -39,9 +40,38 @@ def test_pallas_backend_matches_xla_through_prefill_and_decode():
         assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
 
 
+def test_mixed_step_and_kernel_options():
+    """A step mixing a decode token and a prompt chunk (the kernel's two launches) against XLA,
+    after an XLA prefill; kernel options reach the kernel (a bad value raises there)."""
+    cfg, params = load_model("tiny")[:2]
+    rng = np.random.default_rng()
+    p1, p2 = [list(rng.integers(1, cfg.vocab_size, n)) for n in (21, 9)]
+    prefill = build_ragged_batch([p1], [0], [[5, 2]], num_tokens=32, num_seqs=4, pages_per_seq=4,
+                                 max_q_len=32)  # fmt: skip
+    mixed = build_ragged_batch([[5], p2], [21, 0], [[5, 2], [7]], num_tokens=16, num_seqs=4,
+                               pages_per_seq=4, max_q_len=16)  # fmt: skip
+    kv = init_kv_cache(cfg, 48, 16, dtype="bfloat16")
+    _, kv = jax.jit(lambda p, b, kv: forward_paged(p, cfg, b, kv))(params, prefill, kv)
+    hidden = {}
+    for backend in ("xla", "pallas"):
+        step = jax.jit(lambda p, b, kv, backend=backend: forward_paged(
+            p, cfg, b, kv, attention_backend=backend))  # fmt: skip
+        h, _ = step(params, mixed, jax.tree.map(jnp.copy, kv))
+        hidden[backend] = np.asarray(h[:10], np.float32)
+    out, ref = hidden["pallas"], hidden["xla"]
+    assert np.isfinite(out).all()
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
+    with pytest.raises(ValueError, match="block_kv"):
+        forward_paged(params, cfg, mixed, kv, attention_backend="pallas",
+                      attention_options=(("block_kv", 96),))  # fmt: skip
+
+
 def test_backend_option_is_validated():
     with pytest.raises(ValueError, match="attention_backend"):
         EngineConfig(model="preset:tiny", attention_backend="flash")
+    with pytest.raises(ValueError, match=r"attention_options\.num_warps"):
+        EngineConfig(model="preset:tiny", attention_options={"num_warps": 4})
+    assert EngineConfig(attention_options={"split_decode_rows": False}).attention_options
     cfg, _ = load_model("tiny")[:2]
     kv = init_kv_cache(cfg, 4, 16, dtype="float32")
     with pytest.raises(ValueError, match="bf16 or fp8"):

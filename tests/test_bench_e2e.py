@@ -137,3 +137,12 @@ def test_trace_summary_reports_a_missing_trace_instead_of_raising(tmp_path):
     assert "error" in summarize_trace(tmp_path / "nothing_here")
     assert hlo_category("loop_add_fusion_3") == "loop_add_fusion"
     assert hlo_category("gemm_fusion_dot.12.1") == "gemm_fusion_dot"
+
+
+def test_attention_options_flag_reaches_the_engine_config(bench):
+    args = bench.parse_args(["--smoke", "--out", "/tmp/x.json", "--attention-options",
+                             "split_decode_rows=false", "num_stages=3"])  # fmt: skip
+    options = bench.engine_options(args, {})
+    assert options["attention_options"] == {"split_decode_rows": False, "num_stages": 3}
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--smoke", "--out", "/tmp/x.json", "--attention-options", "oops"])

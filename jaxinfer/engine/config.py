@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from jaxinfer.kv.cache import KV_DTYPES
-from jaxinfer.models.attention import ATTENTION_BACKENDS
+from jaxinfer.models.attention import ATTENTION_BACKENDS, ATTENTION_OPTIONS
 
 SCHEDULERS = ("fcfs", "priority", "shortest_first", "static")
 ALLOCATIONS = ("on_demand", "reserve_max")
@@ -33,6 +34,9 @@ class EngineConfig:
     # from the device), so host scheduling and post-processing overlap device work
     async_schedule: bool = True
     attention_backend: str = "auto"
+    # Tuning keywords of the Pallas attention kernel, for ablations (used when the kernel runs),
+    # e.g. {split_decode_rows: false, num_stages: 3}; keys: ATTENTION_OPTIONS.
+    attention_options: dict[str, Any] = field(default_factory=dict)
     num_logprobs: int = 0  # top-k logprobs computed on device (static; requests may ask <= this)
     # Threads compiling warm-up buckets at once (0: one per core, at most one per bucket). On the
     # H200 the 8B engine's 10 buckets took 169 s one after another and 65 s with 0
@@ -52,6 +56,10 @@ class EngineConfig:
         ):
             if getattr(self, key) not in allowed:
                 raise bad(key, f"one of {', '.join(allowed)}")
+        for key in self.attention_options:
+            if key not in ATTENTION_OPTIONS:
+                raise ValueError(f"engine.attention_options.{key} is unknown: the Pallas kernel's "
+                                 f"options are {', '.join(ATTENTION_OPTIONS)}")  # fmt: skip
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise bad("dtype", "one of float32, bfloat16, float16")
         for key in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):

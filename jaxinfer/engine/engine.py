@@ -104,6 +104,7 @@ class Engine:
             ),
             backend=config.attention_backend,
             kv_dtype=config.kv_dtype,
+            attention_options=dict(config.attention_options),
         )
         self.eos_ids = tuple(cfg.eos_token_ids)
         self.sequences: list[Sequence] = []

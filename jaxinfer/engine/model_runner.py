@@ -75,9 +75,9 @@ def pick_bucket(buckets: tuple[int, ...], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-@partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnames=("kv",))
+@partial(jax.jit, static_argnames=("cfg", "backend", "options"), donate_argnames=("kv",))
 def mixed_step(params, kv: KVCache, batch: RaggedBatch, prev_tokens: jax.Array, *,
-               cfg: ModelConfig, backend: str):  # fmt: skip
+               cfg: ModelConfig, backend: str, options: tuple = ()):  # fmt: skip
     """fp32 logits [max_num_seqs, V] at each sequence's last row, and the cache.
 
     `prev_tokens` [max_num_seqs]: the previous step's sampled tokens, still on the device. A
@@ -88,7 +88,8 @@ def mixed_step(params, kv: KVCache, batch: RaggedBatch, prev_tokens: jax.Array, 
     src = jnp.clip(-batch.tokens - 1, 0, prev_tokens.shape[0] - 1)
     tokens = jnp.where(batch.tokens < 0, prev_tokens[src], batch.tokens)
     batch = dataclasses.replace(batch, tokens=tokens)
-    hidden, kv = forward_paged(params, cfg, batch, kv, attention_backend=backend)
+    hidden, kv = forward_paged(params, cfg, batch, kv, attention_backend=backend,
+                               attention_options=options)  # fmt: skip
     return compute_logits(params, cfg, hidden[last_token_rows(batch)]), kv
 
 
@@ -109,11 +110,12 @@ class DecodeState:
 
 @partial(
     jax.jit,
-    static_argnames=("cfg", "num_steps", "num_logprobs", "backend"),
+    static_argnames=("cfg", "num_steps", "num_logprobs", "backend", "options"),
     donate_argnames=("kv",),
 )
 def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingBatch, *,
-                cfg: ModelConfig, num_steps: int, num_logprobs: int, backend: str):  # fmt: skip
+                cfg: ModelConfig, num_steps: int, num_logprobs: int, backend: str,
+                options: tuple = ()):  # fmt: skip
     """((tokens [K, S], logprobs [K, S], top_lp [K, S, k], top_ids [K, S, k], live [K, S]),
     final DecodeState, kv). The final state can seed the next call directly (async decode)."""
 
@@ -127,7 +129,8 @@ def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingB
             page_table=PageTable(page_ids, jnp.where(st.active, st.positions + 1, 0)),
             max_q_len=1,
         )
-        hidden, kv = forward_paged(params, cfg, batch, kv, attention_backend=backend)
+        hidden, kv = forward_paged(params, cfg, batch, kv, attention_backend=backend,
+                                   attention_options=options)  # fmt: skip
         logits = compute_logits(params, cfg, hidden)
         step_sb = SamplingBatch(sb.temperature, sb.top_k, sb.top_p, sb.min_p, sb.seed,
                                 st.positions + 1, sb.filtered)  # fmt: skip
@@ -153,8 +156,10 @@ class ModelRunner:
     """Owns the KV cache; turns host-built batches into sampled tokens."""
 
     def __init__(self, cfg: ModelConfig, params, shapes: RunnerShapes, backend: str = "xla",
-                 kv_dtype: str = "auto"):  # fmt: skip
+                 kv_dtype: str = "auto", attention_options: dict | None = None):  # fmt: skip
         self.cfg, self.params, self.shapes, self.backend = cfg, params, shapes, backend
+        # static (hashable) kernel tuning keywords, in a fixed order
+        self.attention_options = tuple(sorted((attention_options or {}).items()))
         self.kv = init_kv_cache(cfg, shapes.num_pages, shapes.page_size, kv_dtype)
         self._executables: dict[tuple, object] = {}  # warm-up's compiled steps, by bucket
         self._no_prev: jax.Array | None = None
@@ -189,11 +194,11 @@ class ModelRunner:
 
     # -- device calls --------------------------------------------------------------------------
     def _mixed_static(self):
-        return dict(cfg=self.cfg, backend=self.backend)
+        return dict(cfg=self.cfg, backend=self.backend, options=self.attention_options)
 
     def _decode_static(self, num_steps: int):
         return dict(cfg=self.cfg, num_steps=num_steps, num_logprobs=self.shapes.num_logprobs,
-                    backend=self.backend)  # fmt: skip
+                    backend=self.backend, options=self.attention_options)  # fmt: skip
 
     def no_prev_tokens(self) -> jax.Array:
         """The `prev_tokens` of a step that refers to no earlier step's tokens."""

@@ -13,9 +13,10 @@ import jax.numpy as jnp
 
 from jaxinfer.kv.cache import KVCache
 from jaxinfer.models.batch import RaggedBatch
-from pallas_kernels.paged_attention import BACKENDS, paged_attention_dispatch
+from pallas_kernels.paged_attention import BACKENDS, KERNEL_OPTIONS, paged_attention_dispatch
 
 ATTENTION_BACKENDS = BACKENDS
+ATTENTION_OPTIONS = KERNEL_OPTIONS
 
 
 def causal_attention(
@@ -44,8 +45,12 @@ def paged_attention(
     *,
     sliding_window: int | None = None,
     backend: str = "xla",
+    options: tuple[tuple[str, object], ...] = (),
 ) -> jax.Array:
     """Attention of q [T, Hq, D] over layer `layer`'s pages (already holding this step's K/V).
+
+    `options`: (name, value) pairs of the Pallas kernel's tuning keywords (`ATTENTION_OPTIONS`),
+    static; used when the kernel runs, ignored by the other backends.
 
     The stacked pools are viewed as one pool of num_layers*num_pages pages (a free reshape) and the
     page ids offset by layer: no per-layer slice of the cache is ever materialised.
@@ -76,4 +81,5 @@ def paged_attention(
         sliding_window=sliding_window,
         backend=backend,
         **scales,
+        **dict(options),
     )

@@ -117,6 +117,7 @@ def forward_paged(
     kv: KVCache,
     *,
     attention_backend: str = "xla",
+    attention_options: tuple[tuple[str, object], ...] = (),
 ) -> tuple[jax.Array, KVCache]:
     """One step over a ragged batch: writes the new tokens' K/V, returns final hidden [T, E].
 
@@ -131,7 +132,13 @@ def forward_paged(
     def attend(q, k, v, kv, layer):
         kv = write_kv(kv, layer, k, v, page, offset)
         out = paged_attention(
-            q, kv, layer, batch, sliding_window=cfg.sliding_window, backend=attention_backend
+            q,
+            kv,
+            layer,
+            batch,
+            sliding_window=cfg.sliding_window,
+            backend=attention_backend,
+            options=attention_options,
         )
         return out, kv
 
