@@ -32,6 +32,7 @@ SHAPES_8B = {  # name: (K, N)
     "qkv": (4096, 6144),
     "o": (4096, 4096),
     "gate": (4096, 14336),
+    "gate_up": (4096, 28672),  # gate and up as one weight, if fusing them pays
     "down": (14336, 4096),
     "lm_head": (4096, 128256),
 }
