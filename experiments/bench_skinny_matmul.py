@@ -85,7 +85,8 @@ def parse_args(argv=None):
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--shapes", nargs="+", default=None, help="subset of " + ",".join(SHAPES_8B))
     ap.add_argument("--configs", nargs="+", default=["128,64,4,auto", "256,64,4,auto",
-                    "128,128,3,auto", "128,64,6,auto"], help="block_n,block_k,stages,k_splits")  # fmt: skip
+                    "128,128,3,auto", "128,64,6,auto", "128,64,4,1"],
+                    help="block_n,block_k,stages,k_splits (1 split: bf16 output, no f32 partials)")  # fmt: skip
     ap.add_argument("--no-xla", action="store_true")
     ap.add_argument("--min-loop-ms", type=float, default=20.0)
     ap.add_argument("--repeats", type=int, default=5)
