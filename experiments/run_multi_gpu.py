@@ -7,8 +7,9 @@
    process per GPU), each into its own folder. Recorded: wall time of each, the speed-up, and per
    point the largest relative difference of every numeric metric between the two runs (token
    counts should match exactly; timings differ by noise: the point runs once in each).
-2. Data parallel: `experiments/bench_data_parallel.py --replicas 1 N` in a child process (8B shape
-   by default): output tok/s of one engine replica per GPU behind one queue against one GPU.
+2. Data parallel: `experiments/bench_data_parallel.py --replicas 1 N --backend B` in a child
+   process (8B shape by default) for each B in `--dp-backends` (worker processes, threads): output
+   tok/s of one engine replica per GPU behind one queue against one GPU.
 
 Each part runs in a child process, so this one never holds GPU memory. The result file records
 device count, jax, commit, date and the exact command (also those of every child).
@@ -107,13 +108,18 @@ def sweep_part(args, work: Path) -> list[dict]:
     return rows
 
 
-def data_parallel_part(args, work: Path) -> dict:
-    out = work / "data_parallel.json"
+def data_parallel_part(args, work: Path, backend: str) -> dict:
+    out = work / f"data_parallel_{backend}.json"
     cmd = [sys.executable, "experiments/bench_data_parallel.py", "--replicas", "1",
-           str(args.gpus), "--out", str(out), *args.dp_args]  # fmt: skip
-    rc, wall = run_child(cmd, work / "data_parallel.log", args.timeout_s)
+           str(args.gpus), "--backend", backend, "--out", str(out), *args.dp_args]  # fmt: skip
+    rc, wall = run_child(cmd, work / f"data_parallel_{backend}.log", args.timeout_s)
     result = json.loads(out.read_text()) if out.exists() else {}
-    return {"command": cmd, "rc": rc, "wall_s": wall, **result}
+    result = {"command": cmd, "rc": rc, "wall_s": wall, **result}
+    rows = {r.get("replicas"): r for r in result.get("rows", [])}
+    one, many = rows.get(1, {}), rows.get(args.gpus, {})
+    if "output_tok_s" in one and "output_tok_s" in many:
+        result["speedup"] = round(many["output_tok_s"] / one["output_tok_s"], 3)
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="one string added to bench_data_parallel.py, e.g. '--max-num-seqs 512'",
     )
+    ap.add_argument("--dp-backends", default="process,thread",
+                    help="engine.data_parallel_backend values to run; the first is recorded as "
+                         "`data_parallel`, the others as `data_parallel_<backend>`")  # fmt: skip
     ap.add_argument("--timeout-s", type=float, default=600.0, help="per child process")
     args = ap.parse_args(argv)
     args.sweep_args, args.dp_args = shlex.split(args.sweep_args), shlex.split(args.dp_args)
@@ -141,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(parts) - {"sweeps", "data_parallel"})
     if unknown:
         ap.error(f"--parts: unknown {unknown}; choose from sweeps, data_parallel")
+    bad_backends = sorted(set(args.dp_backends.split(",")) - {"process", "thread"})
+    if bad_backends or not args.dp_backends:
+        ap.error(f"--dp-backends: unknown {bad_backends}; choose from process, thread")
     if args.gpus < 2:
         ap.error(f"--gpus {args.gpus}: a multi-GPU run needs at least 2")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (device KINDS.md)
@@ -168,21 +180,18 @@ def main(argv: list[str] | None = None) -> int:
     if "sweeps" in parts:
         result["sweeps"] = sweep_part(args, work)
         write()
+    backends = [b for b in args.dp_backends.split(",") if b]
+    dp_keys = ["data_parallel" if i == 0 else f"data_parallel_{b}" for i, b in enumerate(backends)]
     if "data_parallel" in parts:
-        result["data_parallel"] = data_parallel_part(args, work)
-        rows = {r.get("replicas"): r for r in result["data_parallel"].get("rows", [])}
-        one, many = rows.get(1, {}), rows.get(args.gpus, {})
-        if "output_tok_s" in one and "output_tok_s" in many:
-            result["data_parallel"]["speedup"] = round(
-                many["output_tok_s"] / one["output_tok_s"], 3
-            )
-        write()
+        for key, backend in zip(dp_keys, backends, strict=True):
+            result[key] = data_parallel_part(args, work, backend)
+            write()
     write()
     bad = [r["config"] for r in result.get("sweeps", []) if "speedup" not in r]
-    if "data_parallel" in parts and not math.isfinite(result["data_parallel"].get("speedup", 0)):
-        bad.append("data_parallel")
-    if bad or ("data_parallel" in parts and "speedup" not in result["data_parallel"]):
-        print(f"incomplete: {bad or ['data_parallel']}", file=sys.stderr)
+    if "data_parallel" in parts:
+        bad += [k for k in dp_keys if not math.isfinite(result[k].get("speedup", math.nan))]
+    if bad:
+        print(f"incomplete: {bad}", file=sys.stderr)
         return 1
     return 0
 

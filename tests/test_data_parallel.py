@@ -53,3 +53,65 @@ def test_two_replicas_serve_one_queue_with_one_engines_tokens(tmp_path: Path):
 def test_data_parallel_option_is_validated():
     with pytest.raises(ValueError, match="data_parallel"):
         EngineConfig(model="preset:tiny", data_parallel=0)
+
+
+PROCESS_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import numpy as np
+
+
+    def trim(engine):  # runs in every worker before warm-up
+        r = engine.runner
+        r.token_buckets = r.token_buckets[-2:]
+
+
+    if __name__ == "__main__":
+        from jaxinfer.engine.llm import LLM
+        from jaxinfer.engine.request import SamplingParams
+        rng = np.random.default_rng()
+        prompts = [rng.integers(1, 4000, int(n)).tolist() for n in rng.integers(3, 40, 20)]
+        prompts.insert(5, [])  # a bad request fails alone
+        sp = SamplingParams(max_tokens=7, ignore_eos=True)
+        kw = dict(max_num_seqs=4, max_num_batched_tokens=64, num_pages=64, page_size=16,
+                  max_model_len=128, decode_steps=4, attention_backend="xla")
+        one = LLM("tiny", **kw).generate(prompts, sp)
+        llm = LLM("tiny", data_parallel=2, data_parallel_backend="process", setup=trim, **kw)
+        eng = llm.engine
+        two = llm.generate(prompts, sp)
+        again = llm.generate(prompts[:3], sp)  # a second run on the same workers
+        print(json.dumps({
+            "one": [o.token_ids for o in one], "two": [o.token_ids for o in two],
+            "again": [o.token_ids for o in again], "ids": [o.request_id for o in two],
+            "errors": [o.error for o in two], "assign": [eng.assignments[i] for i in range(21)],
+            "stats": eng.replica_stats, "compiles": eng.compiles_after_warmup,
+            "workers": eng.worker_info, "pids": [p.pid for p in eng._procs], "me": os.getpid()}))
+        eng.close()
+""")
+
+
+def test_process_replicas_serve_one_queue_with_one_engines_tokens(tmp_path: Path):
+    """One worker process per replica (on the CPU here): same greedy tokens as one engine, both
+    take work, a bad request fails alone, a second run reuses the workers, 0 compiles."""
+    script = tmp_path / "dp_process.py"
+    script.write_text(PROCESS_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=600, cwd=Path(__file__).parent.parent)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    good = [i for i in range(21) if i != 5]
+    assert [out["two"][i] for i in good] == [out["one"][i] for i in good]
+    assert all(len(out["two"][i]) == 7 for i in good)
+    assert out["errors"][5] and "empty" in out["errors"][5]
+    assert out["ids"] == list(range(21))
+    assert out["again"] == [out["one"][i] for i in range(3)]
+    assert sorted(set(out["assign"])) == [0, 1]  # both workers took work from the one queue
+    assert sum(s["requests"] for s in out["stats"]) == 3  # the last run's requests
+    assert out["compiles"] == 0
+    assert len(set(out["pids"])) == 2 and out["me"] not in out["pids"]
+    assert {w["platform"] for w in out["workers"]} == {"cpu"}
+
+
+def test_process_backend_is_validated():
+    with pytest.raises(ValueError, match="data_parallel_backend"):
+        EngineConfig(model="preset:tiny", data_parallel=2, data_parallel_backend="mpi")

@@ -40,3 +40,5 @@ def test_bad_arguments_are_named(tmp_path):
         main(["--gpus", "1", "--out", str(tmp_path / "x.json")])
     with pytest.raises(SystemExit):
         main(["--gpus", "2", "--parts", "sweeps,bogus", "--out", str(tmp_path / "x.json")])
+    with pytest.raises(SystemExit):
+        main(["--gpus", "2", "--dp-backends", "process,mpi", "--out", str(tmp_path / "x.json")])

@@ -9,6 +9,7 @@ from jaxinfer.kv.cache import KV_DTYPES
 from jaxinfer.models.attention import ATTENTION_BACKENDS, ATTENTION_OPTIONS
 
 SCHEDULERS = ("fcfs", "priority", "shortest_first", "static")
+DATA_PARALLEL_BACKENDS = ("thread", "process")
 ALLOCATIONS = ("on_demand", "reserve_max")
 
 
@@ -43,6 +44,9 @@ class EngineConfig:
     # (experiments/results/h200/e2e_llama3_8b.json).
     compile_workers: int = 0
     data_parallel: int = 1  # engine replicas, one per device, behind one request queue
+    # How replicas run: "thread" (one process, a host thread per replica: host work shares the
+    # GIL) or "process" (a worker process per GPU, each loading the model itself).
+    data_parallel_backend: str = "thread"
 
     def __post_init__(self) -> None:
         def bad(key: str, allowed: str) -> ValueError:
@@ -53,6 +57,7 @@ class EngineConfig:
             ("allocation", ALLOCATIONS),
             ("attention_backend", ATTENTION_BACKENDS),
             ("kv_dtype", KV_DTYPES),
+            ("data_parallel_backend", DATA_PARALLEL_BACKENDS),
         ):
             if getattr(self, key) not in allowed:
                 raise bad(key, f"one of {', '.join(allowed)}")

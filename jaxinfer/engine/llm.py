@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 import jax
 
 from jaxinfer.engine.config import EngineConfig
-from jaxinfer.engine.data_parallel import DataParallelEngine
+from jaxinfer.engine.data_parallel import DataParallelEngine, ProcessDataParallelEngine
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.loading import load_model
 from jaxinfer.engine.request import SamplingParams, Sequence
@@ -51,12 +51,22 @@ class LLM:
     """A model plus an engine. `LLM("tiny")`, `LLM("preset:llama3-8b", dtype="bfloat16")`,
     `LLM("/path/to/hf_dir", max_num_seqs=64)`; keyword arguments are `EngineConfig` fields."""
 
-    def __init__(self, model: str = "tiny", *, warmup: bool = True, **engine_kwargs) -> None:
+    def __init__(self, model: str = "tiny", *, warmup: bool = True, setup=None,
+                 **engine_kwargs) -> None:  # fmt: skip
+        """`setup(engine)` (optional, picklable for the process backend) runs on every engine
+        before warm-up."""
         known = {f.name for f in fields(EngineConfig)}
         unknown = sorted(set(engine_kwargs) - known)
         if unknown:
             raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
         self.config = EngineConfig(model=model, **engine_kwargs)
+        if self.config.data_parallel_backend == "process":
+            # Workers load the model on their own GPUs; this process touches no device.
+            self.tokenizer = None
+            self.engine = ProcessDataParallelEngine(self.config, setup=setup)
+            if warmup:
+                self.engine.warmup()
+            return
         cfg, params, self.tokenizer = load_model(model, self.config.dtype, self.config.seed)
         if self.config.data_parallel > 1:
             devices = jax.devices()
@@ -67,6 +77,9 @@ class LLM:
                                              devices[: self.config.data_parallel])  # fmt: skip
         else:
             self.engine = Engine(self.config, cfg, params, self.tokenizer)
+        for engine in getattr(self.engine, "replicas", [self.engine]):
+            if setup is not None:
+                setup(engine)
         if warmup:
             self.engine.warmup()
 
@@ -88,6 +101,9 @@ class LLM:
         sampling: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in prompt order; a bad request has `error` set and the others still finish."""
+        if isinstance(self.engine, ProcessDataParallelEngine):  # workers made the outputs
+            self._submit(prompts, sampling)
+            return self.engine.run()[-self._n :]
         if isinstance(self.engine, DataParallelEngine):
             self._submit(prompts, sampling)
             return [RequestOutput.of(s, self.tokenizer) for s in self.engine.run()[-self._n :]]
@@ -102,7 +118,7 @@ class LLM:
         sampling: SamplingParams | list[SamplingParams] | None = None,
     ) -> Iterator[StreamEvent]:
         """Yield tokens as the engine produces them (several per event after a decode scan)."""
-        if isinstance(self.engine, DataParallelEngine):
+        if isinstance(self.engine, DataParallelEngine | ProcessDataParallelEngine):
             raise NotImplementedError("streaming with engine.data_parallel > 1 is not supported")
         for seq in self._submit(prompts, sampling):
             if seq.error is not None:

@@ -22,3 +22,22 @@ def load_model(model: str, dtype: str = "float32", seed: int = 0):
     except ValueError:
         tokenizer = None
     return cfg, params, tokenizer
+
+
+def model_vocab_size(model: str) -> int:
+    """The vocabulary size of `EngineConfig.model`, read without loading weights or touching a
+    device (a preset's shape, or the checkpoint's config.json)."""
+    import json
+    from pathlib import Path
+
+    if model.startswith("preset:"):
+        return preset(model.removeprefix("preset:")).vocab_size
+    path = Path(reference_model_dir(model) if model in REFERENCE_MODELS else model) / "config.json"
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model {model!r}: cannot read {path}: {e}") from e
+    hf = hf.get("text_config", hf)
+    if "vocab_size" not in hf:
+        raise ValueError(f"model {model!r}: {path} has no vocab_size")
+    return int(hf["vocab_size"])
