@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--attention-backend", default="auto")
-    ap.add_argument("--backend", default="thread", choices=["thread", "process"],
+    ap.add_argument("--backend", default="process", choices=["thread", "process"],
                     help="engine.data_parallel_backend")  # fmt: skip
     ap.add_argument("--cpu-devices", type=int, default=0, help="force this many CPU devices")
     ap.add_argument("--compile-workers", type=int, default=0,

@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent("""
     kw = dict(max_num_seqs=4, max_num_batched_tokens=64, num_pages=64, page_size=16,
               max_model_len=128, decode_steps=4, attention_backend="xla")
     one = LLM("tiny", **kw).generate(prompts, sp)
-    llm = LLM("tiny", data_parallel=2, **kw)
+    llm = LLM("tiny", data_parallel=2, data_parallel_backend="thread", **kw)
     two = llm.generate(prompts, sp)
     devices = [str(next(iter(e.runner.kv.k_pages.devices()))) for e in llm.engine.replicas]
     print(json.dumps({
@@ -75,8 +75,10 @@ PROCESS_SCRIPT = textwrap.dedent("""
         sp = SamplingParams(max_tokens=7, ignore_eos=True)
         kw = dict(max_num_seqs=4, max_num_batched_tokens=64, num_pages=64, page_size=16,
                   max_model_len=128, decode_steps=4, attention_backend="xla")
-        one = LLM("tiny", **kw).generate(prompts, sp)
-        llm = LLM("tiny", data_parallel=2, data_parallel_backend="process", setup=trim, **kw)
+        single = LLM("tiny", **kw)
+        assert single.engine.__class__.__name__ == "Engine"  # "auto" with 1 replica: in process
+        one = single.generate(prompts, sp)
+        llm = LLM("tiny", data_parallel=2, setup=trim, **kw)  # "auto": processes for 2 replicas
         eng = llm.engine
         two = llm.generate(prompts, sp)
         again = llm.generate(prompts[:3], sp)  # a second run on the same workers
@@ -85,7 +87,8 @@ PROCESS_SCRIPT = textwrap.dedent("""
             "again": [o.token_ids for o in again], "ids": [o.request_id for o in two],
             "errors": [o.error for o in two], "assign": [eng.assignments[i] for i in range(21)],
             "stats": eng.replica_stats, "compiles": eng.compiles_after_warmup,
-            "workers": eng.worker_info, "pids": [p.pid for p in eng._procs], "me": os.getpid()}))
+            "workers": eng.worker_info, "pids": [p.pid for p in eng._procs], "me": os.getpid(),
+            "texts": [o.text for o in two[:2]], "has_tokenizer": llm.tokenizer is not None}))
         eng.close()
 """)
 
@@ -110,8 +113,18 @@ def test_process_replicas_serve_one_queue_with_one_engines_tokens(tmp_path: Path
     assert out["compiles"] == 0
     assert len(set(out["pids"])) == 2 and out["me"] not in out["pids"]
     assert {w["platform"] for w in out["workers"]} == {"cpu"}
+    assert out["has_tokenizer"] and all(isinstance(t, str) and t for t in out["texts"])
 
 
 def test_process_backend_is_validated():
     with pytest.raises(ValueError, match="data_parallel_backend"):
         EngineConfig(model="preset:tiny", data_parallel=2, data_parallel_backend="mpi")
+
+
+def test_experiment_run_refuses_replicas_by_name():
+    """`jaxinfer run` measures one replica; asking it for several names the key, before loading."""
+    from jaxinfer.experiment.run import load_run_config, run_experiment
+
+    rc = load_run_config(None, ["engine.model=tiny", "engine.data_parallel=2"])
+    with pytest.raises(ValueError, match=r"engine\.data_parallel=2.*sweep --workers"):
+        run_experiment(rc, show_progress=False)

@@ -9,7 +9,7 @@ from jaxinfer.kv.cache import KV_DTYPES
 from jaxinfer.models.attention import ATTENTION_BACKENDS, ATTENTION_OPTIONS
 
 SCHEDULERS = ("fcfs", "priority", "shortest_first", "static")
-DATA_PARALLEL_BACKENDS = ("thread", "process")
+DATA_PARALLEL_BACKENDS = ("auto", "process", "thread")
 ALLOCATIONS = ("on_demand", "reserve_max")
 
 
@@ -44,9 +44,12 @@ class EngineConfig:
     # (experiments/results/h200/e2e_llama3_8b.json).
     compile_workers: int = 0
     data_parallel: int = 1  # engine replicas, one per device, behind one request queue
-    # How replicas run: "thread" (one process, a host thread per replica: host work shares the
-    # GIL) or "process" (a worker process per GPU, each loading the model itself).
-    data_parallel_backend: str = "thread"
+    # How replicas run: "process" (a worker process per GPU, each loading the model itself; with
+    # data_parallel=1 that is one worker), "thread" (one process, a host thread per replica; their
+    # host work shares the GIL), or "auto": processes when data_parallel > 1, else this process.
+    # On two H200s (8B, 128/128): 1.96x one GPU with processes, 1.40x with threads
+    # (experiments/results/h200x2/multi_gpu_dp_process.json, data_parallel_threads.json).
+    data_parallel_backend: str = "auto"
 
     def __post_init__(self) -> None:
         def bad(key: str, allowed: str) -> ValueError:

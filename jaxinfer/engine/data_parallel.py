@@ -1,5 +1,9 @@
 """Data parallelism: one engine replica per device, all fed from one request queue.
 
+Two implementations: `DataParallelEngine` (threads of this process, below) and
+`ProcessDataParallelEngine` (a worker process per GPU, at the end of this file; the default for
+`engine.data_parallel > 1`, because replicas' host work then does not share one GIL).
+
 Each replica is a whole `Engine` (its own scheduler, block manager, KV cache and compiled steps)
 whose arrays live on one device; a host thread drives it inside `jax.default_device(device)`
 (thread-local), so its host-built batches land on its device. Replicas *pull* requests from the
@@ -214,6 +218,29 @@ def _worker(rank: int, config: dict, setup, control, requests, results) -> None:
             results.put(("error", rank, traceback.format_exc()))
 
 
+def _warn_if_this_process_holds_a_gpu() -> None:
+    """Workers need their GPU's memory; JAX preallocates 75% of every GPU it initialises."""
+    import os
+    import warnings
+
+    try:
+        from jax._src import xla_bridge
+
+        held = xla_bridge.backends_are_initialized() and any(
+            d.platform == "gpu" for d in jax.devices()
+        )  # fmt: skip
+    except Exception:  # a private API: no warning rather than an error
+        return
+    if held and os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "").lower() != "false":
+        warnings.warn(
+            "engine.data_parallel_backend=process: this process already initialised JAX on the "
+            "GPU (75% of each GPU preallocated), so worker processes may run out of memory. Build "
+            "the data-parallel engine before other JAX work, or set XLA_PYTHON_CLIENT_PREALLOCATE="
+            "false.",
+            stacklevel=3,
+        )
+
+
 class ProcessDataParallelEngine:
     """`engine.data_parallel` replicas, one worker *process* per GPU, behind one request queue.
 
@@ -240,6 +267,7 @@ class ProcessDataParallelEngine:
         if len(gpu_ids) < n:
             raise ValueError(f"engine.data_parallel={n} needs {n} GPUs; CUDA_VISIBLE_DEVICES "
                              f"lists {len(gpu_ids)}")  # fmt: skip
+        _warn_if_this_process_holds_a_gpu()
         ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited JAX or CUDA state
         self._requests, self._results = ctx.Queue(), ctx.Queue()
         self._controls = [ctx.Queue() for _ in range(n)]

@@ -11,7 +11,7 @@ import jax
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.data_parallel import DataParallelEngine, ProcessDataParallelEngine
 from jaxinfer.engine.engine import Engine
-from jaxinfer.engine.loading import load_model
+from jaxinfer.engine.loading import load_model, model_tokenizer
 from jaxinfer.engine.request import SamplingParams, Sequence
 
 
@@ -60,9 +60,10 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
         self.config = EngineConfig(model=model, **engine_kwargs)
-        if self.config.data_parallel_backend == "process":
+        backend = self.config.data_parallel_backend
+        if backend == "process" or (backend == "auto" and self.config.data_parallel > 1):
             # Workers load the model on their own GPUs; this process touches no device.
-            self.tokenizer = None
+            self.tokenizer = model_tokenizer(model)
             self.engine = ProcessDataParallelEngine(self.config, setup=setup)
             if warmup:
                 self.engine.warmup()

@@ -17,11 +17,20 @@ def load_model(model: str, dtype: str = "float32", seed: int = 0):
         cfg = preset(model.removeprefix("preset:"), param_dtype=dtype, dtype=dtype)
         return cfg, init_params(cfg, jax.random.key(seed)), None
     cfg, params = load_hf_model(model, dtype=dtype)
+    return cfg, params, model_tokenizer(model)
+
+
+def model_tokenizer(model: str):
+    """The tokenizer of `EngineConfig.model` (None for presets or a checkpoint without one),
+    loaded without weights or a device."""
+    if model in REFERENCE_MODELS:
+        model = str(reference_model_dir(model))
+    if model.startswith("preset:"):
+        return None
     try:
-        tokenizer = load_tokenizer(model)
+        return load_tokenizer(model)
     except ValueError:
-        tokenizer = None
-    return cfg, params, tokenizer
+        return None
 
 
 def model_vocab_size(model: str) -> int:

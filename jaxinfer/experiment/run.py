@@ -72,6 +72,13 @@ def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunCo
 
 def run_experiment(rc: RunConfig, *, show_progress: bool = True, console: Console | None = None):
     console = console or Console()
+    if rc.engine.data_parallel > 1:
+        raise ValueError(
+            f"engine.data_parallel={rc.engine.data_parallel}: an experiment run measures one "
+            f"engine replica (its timings are per replica); replicas are served through the LLM "
+            f"API (experiments/bench_data_parallel.py). To use N GPUs for a sweep, run `jaxinfer "
+            f"sweep --workers N` (one worker per GPU)."
+        )  # fmt: skip
     cfg, params, tokenizer = load_model(rc.engine.model, rc.engine.dtype, rc.engine.seed)
     engine = Engine(rc.engine, cfg, params, tokenizer)
     warmup_s = engine.warmup()
