@@ -273,7 +273,8 @@ class ProcessDataParallelEngine:
         self._controls = [ctx.Queue() for _ in range(n)]
         self.config, self.n = config, n
         self.clock = time.perf_counter  # CLOCK_MONOTONIC: the same clock in every process
-        self._submitted, self._pending = 0, 0
+        self._submitted = 0
+        self._outputs: dict[int, object] = {}  # RequestOutput by submission index
         self.assignments: dict[int, int] = {}
         self.replica_stats: list[dict] = []
         self.worker_info: list[dict] = [{} for _ in range(n)]
@@ -361,7 +362,6 @@ class ProcessDataParallelEngine:
         now = self.clock() if arrival_time is None else arrival_time
         idx = self._submitted
         self._submitted += 1
-        self._pending += 1
         self._requests.put((idx, prompt, sampling or SamplingParams(), now, priority))
         return idx
 
@@ -378,18 +378,14 @@ class ProcessDataParallelEngine:
         for _ in range(self.n):  # FIFO: each marker comes after every queued request
             self._requests.put(_NO_MORE)
         self._broadcast("run")
-        if not hasattr(self, "_outputs"):
-            self._outputs: dict[int, object] = {}
         self.replica_stats = []
-        compiles = 0
         for rank, (outs, stats) in self._collect("done", timeout_s):
             for idx, out in outs:
                 self._outputs[idx] = out
                 self.assignments[idx] = rank
             self.replica_stats.append({"replica": rank, **stats})
-            compiles += stats["compiles_after_warmup"] or 0
-        self._compiles = compiles
-        self._pending = 0
+        counts = [s["compiles_after_warmup"] for s in self.replica_stats]
+        self._compiles = None if None in counts else sum(counts)  # None: a replica never warmed up
         return [self._outputs[i] for i in range(self._submitted)]
 
     @property

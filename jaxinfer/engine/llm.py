@@ -78,8 +78,8 @@ class LLM:
                                              devices[: self.config.data_parallel])  # fmt: skip
         else:
             self.engine = Engine(self.config, cfg, params, self.tokenizer)
-        for engine in getattr(self.engine, "replicas", [self.engine]):
-            if setup is not None:
+        if setup is not None:
+            for engine in getattr(self.engine, "replicas", [self.engine]):
                 setup(engine)
         if warmup:
             self.engine.warmup()
