@@ -675,6 +675,7 @@ def build_engine(args, options: dict) -> tuple[LLM, dict]:
         "warmup_s": round(time.perf_counter() - t0, 2),
         "init_s": round(init_s, 2),
         "compile_s": round(llm.engine.warmup_s, 2),
+        **runner.warmup_stats,  # lower_s: Python lowering, overlapped with compiles
         "compiles": compile_count() - compiles,
         "token_buckets": list(runner.token_buckets),
         "decode_buckets": list(runner.seq_buckets),

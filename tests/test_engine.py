@@ -209,6 +209,9 @@ def test_parallel_warmup_compiles_every_bucket_and_nothing_after(model, prompts)
     runner = engine.runner
     assert {k[0] for k in runner._executables} == {"mixed", "decode", "sample"}
     assert len(runner._executables) == len(runner._warmup_calls())
+    stats = runner.warmup_stats  # lowering pipelined with compiles: both timed, every bucket
+    assert stats["executables"] == len(runner._executables)
+    assert 0 <= stats["lower_s"] <= stats["lower_and_compile_s"]  # 0: lowerings cached earlier
     seqs = run(engine, prompts[:3], [greedy(6)] * 3)
     assert all(len(s.output_token_ids) == 6 for s in seqs)
     # sampled rows use the filtered variants (mixed sampler and decode scans), compiled too
