@@ -303,21 +303,24 @@ class ModelRunner:
         """(key, jitted fn, example args, static args) for every bucket the engine can use."""
         s = self.shapes
         calls = []
+
+        def zeros(shape, dtype=np.int32, fill=0):  # device_put of host zeros: no tiny compiles
+            return jax.device_put(np.full(shape, fill, dtype))
+
         # A decode-only mixed batch (max_q 1) has one token per sequence, so its token bucket is at
         # most the one holding max_num_seqs; larger buckets only ever see prefill chunks.
         decode_cap = pick_bucket(self.token_buckets, min(s.max_num_seqs, s.max_step_tokens))
         for t in self.token_buckets:
             for max_q in sorted({1, t} if t <= decode_cap else {t}):
-                table = jnp.zeros((s.max_num_seqs, s.pages_per_seq), jnp.int32)
+                table = zeros((s.max_num_seqs, s.pages_per_seq))
                 batch = RaggedBatch(
-                    jnp.zeros(t, jnp.int32), jnp.zeros(t, jnp.int32),
-                    jnp.zeros(s.max_num_seqs + 1, jnp.int32),
-                    PageTable(table, jnp.zeros(s.max_num_seqs, jnp.int32)), max_q,
+                    zeros(t), zeros(t), zeros(s.max_num_seqs + 1),
+                    PageTable(table, zeros(s.max_num_seqs)), max_q,
                 )  # fmt: skip
-                prev = jnp.zeros(s.max_num_seqs, jnp.int32)
+                prev = zeros(s.max_num_seqs)
                 calls.append((("mixed", t, max_q), mixed_step,
                               (self.params, self.kv, batch, prev), self._mixed_static()))  # fmt: skip
-        logits = jnp.zeros((s.max_num_seqs, self.cfg.vocab_size), jnp.float32)
+        logits = zeros((s.max_num_seqs, self.cfg.vocab_size), np.float32)
         for filtered in (False, True):  # all-greedy batches, and batches where some row samples
             sb = dataclasses.replace(SamplingBatch.build([], [], [], s.max_num_seqs),
                                      filtered=filtered)  # fmt: skip
@@ -325,12 +328,10 @@ class ModelRunner:
                           dict(num_logprobs=s.num_logprobs)))  # fmt: skip
         if s.decode_steps > 1:
             for rows in self.seq_buckets:
-                zeros = jnp.zeros(rows, jnp.int32)
-                state = DecodeState(
-                    zeros, zeros, zeros, jnp.full((rows, MAX_STOP_IDS), -1, jnp.int32),
-                    jnp.zeros(rows, bool),
-                )  # fmt: skip
-                table = jnp.zeros((rows, s.pages_per_seq), jnp.int32)
+                z = zeros(rows)
+                state = DecodeState(z, z, z, zeros((rows, MAX_STOP_IDS), fill=-1),
+                                    zeros(rows, bool))  # fmt: skip
+                table = zeros((rows, s.pages_per_seq))
                 for filtered in (False, True):
                     sb = dataclasses.replace(SamplingBatch.build([], [], [], rows),
                                              filtered=filtered)  # fmt: skip
