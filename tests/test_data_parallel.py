@@ -66,6 +66,15 @@ PROCESS_SCRIPT = textwrap.dedent("""
         r.token_buckets = r.token_buckets[-2:]
 
 
+    def closed_error(eng):  # a closed engine refuses work by name
+        eng.close()
+        try:
+            eng.add_request([1, 2, 3])
+        except RuntimeError as e:
+            return str(e)
+        return None
+
+
     if __name__ == "__main__":
         from jaxinfer.engine.llm import LLM
         from jaxinfer.engine.request import SamplingParams
@@ -88,8 +97,8 @@ PROCESS_SCRIPT = textwrap.dedent("""
             "errors": [o.error for o in two], "assign": [eng.assignments[i] for i in range(21)],
             "stats": eng.replica_stats, "compiles": eng.compiles_after_warmup,
             "workers": eng.worker_info, "pids": [p.pid for p in eng._procs], "me": os.getpid(),
-            "texts": [o.text for o in two[:2]], "has_tokenizer": llm.tokenizer is not None}))
-        eng.close()
+            "texts": [o.text for o in two[:2]], "has_tokenizer": llm.tokenizer is not None,
+            "closed_error": closed_error(eng)}))
 """)
 
 
@@ -114,6 +123,7 @@ def test_process_replicas_serve_one_queue_with_one_engines_tokens(tmp_path: Path
     assert len(set(out["pids"])) == 2 and out["me"] not in out["pids"]
     assert {w["platform"] for w in out["workers"]} == {"cpu"}
     assert out["has_tokenizer"] and all(isinstance(t, str) and t for t in out["texts"])
+    assert out["closed_error"] and "closed" in out["closed_error"]
 
 
 def test_process_backend_is_validated():

@@ -336,6 +336,11 @@ class ProcessDataParallelEngine:
             got[rank] = payload
         return sorted(got.items())
 
+    def _check_open(self) -> None:
+        if not self._procs:
+            raise RuntimeError("this data-parallel engine is closed (closed, or a replica failed); "
+                               "build a new one")  # fmt: skip
+
     def _broadcast(self, cmd: str) -> None:
         for q in self._controls:
             q.put(cmd)
@@ -359,6 +364,7 @@ class ProcessDataParallelEngine:
     def add_request(self, prompt, sampling: SamplingParams | None = None, *,
                     arrival_time: float | None = None, priority: int = 0) -> int:  # fmt: skip
         """Queue a request; returns its index (results come back from `run()` by index)."""
+        self._check_open()
         now = self.clock() if arrival_time is None else arrival_time
         idx = self._submitted
         self._submitted += 1
@@ -367,6 +373,7 @@ class ProcessDataParallelEngine:
 
     def warmup(self) -> float:
         """Every replica compiles its buckets (at once, each on its own GPU); returns seconds."""
+        self._check_open()
         t0 = time.perf_counter()
         self._broadcast("warmup")
         self.warmup_s_per_replica = [s for _, s in self._collect("warm", 1e9)]
@@ -375,11 +382,17 @@ class ProcessDataParallelEngine:
     def run(self, timeout_s: float = 1e9) -> list:
         """Serve until the queue is drained and every replica is done. Returns `RequestOutput`s
         of every request submitted so far, by index (`request_id` is the index)."""
+        self._check_open()
         for _ in range(self.n):  # FIFO: each marker comes after every queued request
             self._requests.put(_NO_MORE)
         self._broadcast("run")
         self.replica_stats = []
-        for rank, (outs, stats) in self._collect("done", timeout_s):
+        try:
+            done = self._collect("done", timeout_s)
+        except BaseException:  # a replica failed mid-run: queue state is unknown, stop them all
+            self.close()
+            raise
+        for rank, (outs, stats) in done:
             for idx, out in outs:
                 self._outputs[idx] = out
                 self.assignments[idx] = rank

@@ -274,8 +274,7 @@ class ModelRunner:
         # Largest programs first (decode scans, then mixed steps by token bucket, then sampling),
         # so the longest compiles start earliest and small ones fill in at the end.
         rank = {"decode": 0, "mixed": 1}
-        calls = sorted(self._warmup_calls(),
-                       key=lambda c: (rank.get(c[0][0], 2), -c[0][1] if c[0][0] != "sample" else 0))  # fmt: skip
+        calls = sorted(self._warmup_calls(), key=lambda c: (rank.get(c[0][0], 2), -int(c[0][1])))
         workers = max_workers or min(len(calls), os.cpu_count() or 1)
         lower_s, compiled = 0.0, {}
         with ThreadPoolExecutor(max_workers=workers) as pool:
