@@ -118,6 +118,27 @@ def test_trace_summary_sums_gpu_stream_kernels_and_skips_derived_lines(tmp_path)
         ("fusion", 2), ("custom-call", 1)
     ]  # fmt: skip
     assert [m["name"] for m in s["modules"]] == ["jit_decode_loop", "jit_mixed_step"]
+    # idle: 10 us between fusion.1 and fusion.12 (40 -> 50), 10 us before custom-call.3 (80 -> 90)
+    assert s["idle_ms"] == pytest.approx(0.02)
+    assert sorted((g["name"], g["count"]) for g in s["top_gaps"]) == [
+        ("fusion -> custom-call", 1), ("fusion -> fusion", 1)
+    ]  # fmt: skip
+
+
+def test_idle_gaps_take_the_union_of_overlapping_streams():
+    from jaxinfer.metrics.device_trace import idle_gaps
+
+    def ev(ts, dur, op):
+        return {"ts": ts, "dur": dur, "args": {"hlo_op": op}}
+
+    # a long kernel on one stream hides a short one on another; the gap is after the long one ends
+    events = [ev(0, 100, "gemm.1"), ev(20, 10, "copy.2"), ev(130, 5, "scatter.3"),
+              ev(140, 5, "scatter.4"), ev(150, 5, "gemm.5")]  # fmt: skip
+    g = idle_gaps(events)
+    assert g["idle_ms"] == pytest.approx(0.04)  # 30 + 5 + 5 us
+    top = {x["name"]: (x["time_ms"], x["count"]) for x in g["top_gaps"]}
+    assert top == {"gemm -> scatter": (0.03, 1), "scatter -> scatter": (0.005, 1),
+                   "scatter -> gemm": (0.005, 1)}  # fmt: skip
 
 
 def test_trace_summary_on_cpu_counts_thunks_but_not_enclosing_loops(tmp_path):

@@ -8,7 +8,11 @@ heads split). Logits parity against transformers lives in a separate test.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import jax
@@ -88,33 +92,44 @@ def expected_params(sd: dict[str, np.ndarray], hf: dict) -> dict:
     layers = []
     for i in range(hf["num_hidden_layers"]):
         p = f"model.layers.{i}."
+        g = hq // hkv
+        # Fused q/k/v [E, Hkv, G + 2, D], written head by head: query head h of KV group
+        # h // G sits at slot h % G of its group, then the group's key, then its value.
+        q = sd[p + "self_attn.q_proj.weight"]  # [Hq * D, E]
+        k = sd[p + "self_attn.k_proj.weight"]
+        v = sd[p + "self_attn.v_proj.weight"]
+        w_qkv = np.zeros((e, hkv, g + 2, d), np.float32)
+        for h in range(hq):
+            w_qkv[:, h // g, h % g, :] = q[h * d : (h + 1) * d].T
+        for j in range(hkv):
+            w_qkv[:, j, g, :] = k[j * d : (j + 1) * d].T
+            w_qkv[:, j, g + 1, :] = v[j * d : (j + 1) * d].T
         layer = {
             "attn_norm": sd[p + "input_layernorm.weight"],
             "mlp_norm": sd[p + "post_attention_layernorm.weight"],
-            "wq": sd[p + "self_attn.q_proj.weight"].T.reshape(e, hq, d),
-            "wk": sd[p + "self_attn.k_proj.weight"].T.reshape(e, hkv, d),
-            "wv": sd[p + "self_attn.v_proj.weight"].T.reshape(e, hkv, d),
+            "w_qkv": w_qkv,
             "wo": sd[p + "self_attn.o_proj.weight"].T.reshape(hq, d, e),
-            "w_gate": sd[p + "mlp.gate_proj.weight"].T,
-            "w_up": sd[p + "mlp.up_proj.weight"].T,
+            "w_gate_up": np.stack(
+                [sd[p + "mlp.gate_proj.weight"].T, sd[p + "mlp.up_proj.weight"].T], axis=1
+            ),
             "w_down": sd[p + "mlp.down_proj.weight"].T,
         }
-        for ours, hf_name in (("bq", "q_proj"), ("bk", "k_proj"), ("bv", "v_proj")):
-            if p + f"self_attn.{hf_name}.bias" in sd:
-                heads = hq if ours == "bq" else hkv
-                layer[ours] = sd[p + f"self_attn.{hf_name}.bias"].reshape(heads, d)
+        if p + "self_attn.q_proj.bias" in sd:
+            bq = sd[p + "self_attn.q_proj.bias"].reshape(hkv, g, d)
+            bk = sd[p + "self_attn.k_proj.bias"].reshape(hkv, 1, d)
+            bv = sd[p + "self_attn.v_proj.bias"].reshape(hkv, 1, d)
+            layer["b_qkv"] = np.concatenate([bq, bk, bv], axis=1)
         if p + "self_attn.o_proj.bias" in sd:
             layer["bo"] = sd[p + "self_attn.o_proj.bias"]
         for ours, hf_name in (("q_norm", "q_norm"), ("k_norm", "k_norm")):
             if p + f"self_attn.{hf_name}.weight" in sd:
                 layer[ours] = sd[p + f"self_attn.{hf_name}.weight"]
-        for ours, hf_name in (
-            ("b_gate", "gate_proj"),
-            ("b_up", "up_proj"),
-            ("b_down", "down_proj"),
-        ):
-            if p + f"mlp.{hf_name}.bias" in sd:
-                layer[ours] = sd[p + f"mlp.{hf_name}.bias"]
+        if p + "mlp.gate_proj.bias" in sd:
+            layer["b_gate_up"] = np.stack(
+                [sd[p + "mlp.gate_proj.bias"], sd[p + "mlp.up_proj.bias"]], axis=0
+            )
+        if p + "mlp.down_proj.bias" in sd:
+            layer["b_down"] = sd[p + "mlp.down_proj.bias"]
         layers.append(layer)
     tree = {
         "embed": sd["model.embed_tokens.weight"],
@@ -204,6 +219,40 @@ def test_bf16_cast_and_mesh_placement(hf_models):
         np.testing.assert_array_equal(
             np.asarray(a, np.float32), b.astype(jax.numpy.bfloat16).astype(np.float32)
         )
+
+
+def test_two_way_tensor_parallel_load_of_fused_projections(hf_models):
+    """On a 2-way `model` mesh the fused q/k/v (split by KV head) and gate/up (split on F) params
+    hold the same values as a single-device load, per layer and stacked (scan)."""
+    path, _ = hf_models["llama_bias"]
+    code = textwrap.dedent(
+        f"""
+        import jax, numpy as np
+        from jax.sharding import PartitionSpec as P
+        from jaxinfer.checkpoint import load_hf_model
+        from jaxinfer.parallel.sharding import make_mesh
+        mesh = make_mesh({{"data": 1, "model": 2}})
+        for loop in ("unrolled", "scan"):
+            _, single = load_hf_model({str(path)!r}, layer_loop=loop)
+            _, sharded = load_hf_model({str(path)!r}, layer_loop=loop, mesh=mesh)
+            layer = sharded["layers"] if loop == "scan" else sharded["layers"][0]
+            lead = (None,) if loop == "scan" else ()
+            for name, spec in (("w_qkv", (None, "model", None, None)),
+                               ("b_qkv", ("model", None, None)),
+                               ("w_gate_up", (None, None, "model")),
+                               ("b_gate_up", (None, "model"))):
+                assert layer[name].sharding.spec == P(*lead, *spec), (loop, name)
+            for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(single), strict=True):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        print("ok")
+        """
+    )
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env["JAX_PLATFORMS"] = "cpu"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
 def _copy_single(src: Path, dst: Path, mutate=None, filename: str = "model.safetensors") -> Path:

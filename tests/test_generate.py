@@ -74,9 +74,10 @@ def test_tensor_parallel_sharding_on_fake_cpu_mesh_matches_single_device():
         mesh = make_mesh({"data": 2, "model": 2})
         sharded = init_params(cfg, jax.random.key(0), mesh=mesh)
         single = init_params(cfg, jax.random.key(0))
-        wq = sharded["layers"][0]["wq"]
-        assert wq.sharding.spec == jax.sharding.PartitionSpec(None, "model", None), wq.sharding
-        assert len({str(s.index) for s in wq.addressable_shards}) == 2
+        for name, spec in (("w_qkv", (None, "model", None, None)), ("w_gate_up", (None, None, "model"))):
+            w = sharded["layers"][0][name]
+            assert w.sharding.spec == jax.sharding.PartitionSpec(*spec), (name, w.sharding)
+            assert len({str(s.index) for s in w.addressable_shards}) == 2
         tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9)))
         a = forward(sharded, cfg, tokens)
         b = forward(single, cfg, tokens)

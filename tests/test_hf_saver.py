@@ -339,8 +339,8 @@ def test_params_must_match_config(tmp_path):
     cfg = CONFIGS["llama3.1"]
     params = random_params(cfg, 0)
     no_bias = {**params, "layers": tuple({**layer} for layer in params["layers"])}
-    no_bias["layers"][1]["bq"] = jnp.zeros((cfg.num_heads, cfg.head_dim))
-    with pytest.raises(ValueError, match=r"unexpected \['bq'\]"):
+    no_bias["layers"][1]["b_qkv"] = jnp.zeros((cfg.num_kv_heads, cfg.q_per_kv + 2, cfg.head_dim))
+    with pytest.raises(ValueError, match=r"unexpected \['b_qkv'\]"):
         save_hf_model(tmp_path / "a", cfg, no_bias)
     with pytest.raises(ValueError, match=r"missing \['lm_head'\]"):
         save_hf_model(tmp_path / "b", cfg, {k: v for k, v in params.items() if k != "lm_head"})
@@ -348,8 +348,8 @@ def test_params_must_match_config(tmp_path):
     with pytest.raises(ValueError, match="param embed has shape"):
         save_hf_model(tmp_path / "c", cfg, bad)
     stacked = {**params, "layers": stack_layers(params["layers"])}
-    stacked["layers"]["wq"] = stacked["layers"]["wq"][:1]
-    with pytest.raises(ValueError, match=r"param layers\.wq has shape"):
+    stacked["layers"]["w_qkv"] = stacked["layers"]["w_qkv"][:1]
+    with pytest.raises(ValueError, match=r"param layers\.w_qkv has shape"):
         save_hf_model(tmp_path / "d", cfg, stacked)
     assert list(tmp_path.iterdir()) == []
 

@@ -57,6 +57,21 @@ class _Rule:
     n_in: int = 1
 
 
+@dataclass(frozen=True)
+class _Fused:
+    """A param that joins several HF tensors along `axis` of our layout (e.g. `w_qkv` from
+    q_proj, k_proj and v_proj). The first part takes all of that axis but one slot per later part
+    (q: the G query heads of each KV group; k, v, gate, up: one slot each)."""
+
+    parts: tuple[_Rule, ...]
+    axis: int
+
+    def part_shapes(self, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+        rest = shape[self.axis] - (len(self.parts) - 1)
+        sizes = [rest] + [1] * (len(self.parts) - 1)
+        return [(*shape[: self.axis], n, *shape[self.axis + 1 :]) for n in sizes]
+
+
 _TOP_RULES = {
     "embed": _Rule("model.embed_tokens.weight", "same"),
     "final_norm": _Rule("model.norm.weight", "same"),
@@ -65,23 +80,52 @@ _TOP_RULES = {
 _LAYER_RULES = {
     "attn_norm": _Rule("input_layernorm.weight", "vector"),
     "mlp_norm": _Rule("post_attention_layernorm.weight", "vector"),
-    "wq": _Rule("self_attn.q_proj.weight", "linear"),
-    "wk": _Rule("self_attn.k_proj.weight", "linear"),
-    "wv": _Rule("self_attn.v_proj.weight", "linear"),
+    "w_qkv": _Fused(
+        (
+            _Rule("self_attn.q_proj.weight", "linear"),
+            _Rule("self_attn.k_proj.weight", "linear"),
+            _Rule("self_attn.v_proj.weight", "linear"),
+        ),
+        axis=2,
+    ),
     "wo": _Rule("self_attn.o_proj.weight", "linear", n_in=2),
-    "bq": _Rule("self_attn.q_proj.bias", "vector"),
-    "bk": _Rule("self_attn.k_proj.bias", "vector"),
-    "bv": _Rule("self_attn.v_proj.bias", "vector"),
+    "b_qkv": _Fused(
+        (
+            _Rule("self_attn.q_proj.bias", "vector"),
+            _Rule("self_attn.k_proj.bias", "vector"),
+            _Rule("self_attn.v_proj.bias", "vector"),
+        ),
+        axis=1,
+    ),
     "bo": _Rule("self_attn.o_proj.bias", "vector"),
     "q_norm": _Rule("self_attn.q_norm.weight", "vector"),
     "k_norm": _Rule("self_attn.k_norm.weight", "vector"),
-    "w_gate": _Rule("mlp.gate_proj.weight", "linear"),
-    "w_up": _Rule("mlp.up_proj.weight", "linear"),
+    "w_gate_up": _Fused(
+        (_Rule("mlp.gate_proj.weight", "linear"), _Rule("mlp.up_proj.weight", "linear")), axis=1
+    ),
     "w_down": _Rule("mlp.down_proj.weight", "linear"),
-    "b_gate": _Rule("mlp.gate_proj.bias", "vector"),
-    "b_up": _Rule("mlp.up_proj.bias", "vector"),
+    "b_gate_up": _Fused(
+        (_Rule("mlp.gate_proj.bias", "vector"), _Rule("mlp.up_proj.bias", "vector")), axis=0
+    ),
     "b_down": _Rule("mlp.down_proj.bias", "vector"),
 }
+
+
+def layer_parts(key: str, spec: ParamSpec) -> list[tuple[_Rule, ParamSpec]]:
+    """(HF rule, spec of the piece of our param it fills) for each HF tensor behind layer param
+    `key`, in order along the fused axis; one pair for an unfused param."""
+    rule = _layer_rule(key)
+    if isinstance(rule, _Rule):
+        return [(rule, spec)]
+    return [
+        (part, ParamSpec(shape, spec.dtype, spec.axes, spec.init, spec.scale))
+        for part, shape in zip(rule.parts, rule.part_shapes(spec.shape), strict=True)
+    ]
+
+
+def fused_axis(key: str) -> int | None:
+    rule = _layer_rule(key)
+    return rule.axis if isinstance(rule, _Fused) else None
 
 
 def _hf_layout(rule: _Rule, shape: tuple[int, ...], axes: tuple[str | None, ...]):
@@ -91,7 +135,9 @@ def _hf_layout(rule: _Rule, shape: tuple[int, ...], axes: tuple[str | None, ...]
     if rule.kind == "vector":
         return (int(np.prod(shape)),), axes[:1]
     n = rule.n_in
-    return (int(np.prod(shape[n:])), int(np.prod(shape[:n]))), (axes[n], axes[0])
+    # HF's out dim flattens ours shape[n:]; it shards like the first of those that is not 1 wide
+    out_axis = next((a for a, size in zip(axes[n:], shape[n:], strict=True) if size != 1), axes[n])
+    return (int(np.prod(shape[n:])), int(np.prod(shape[:n]))), (out_axis, axes[0])
 
 
 def _to_ours(rule: _Rule, shape: tuple[int, ...], dtype: Any, raw: jax.Array) -> jax.Array:
@@ -104,12 +150,27 @@ def _converter(rule: _Rule, shape: tuple[int, ...], dtype: Any, sharding: Any):
     return jax.jit(functools.partial(_to_ours, rule, shape, dtype), out_shardings=sharding)
 
 
-@functools.lru_cache(maxsize=256)
-def _stacked_writer(rule: _Rule, shape: tuple[int, ...], dtype: Any, sharding: Any):
-    """buf[i] = converted(raw), updating the donated stacked buffer in place."""
+def _fused_to_ours(rule: _Fused, shape: tuple[int, ...], dtype: Any, raws) -> jax.Array:
+    """HF tensors -> our fused param: each converted to its piece, joined along `rule.axis`."""
+    shapes = rule.part_shapes(shape)
+    parts = [_to_ours(r, sh, dtype, x) for r, sh, x in zip(rule.parts, shapes, raws, strict=True)]
+    return jnp.concatenate(parts, axis=rule.axis)
 
-    def write(buf, raw, i):
-        x = _to_ours(rule, shape, dtype, raw)
+
+@functools.lru_cache(maxsize=256)
+def _fuser(rule: _Fused, shape: tuple[int, ...], dtype: Any, sharding: Any):
+    return jax.jit(lambda *raws: _fused_to_ours(rule, shape, dtype, raws), out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=256)
+def _stacked_writer(rule: _Rule | _Fused, shape: tuple[int, ...], dtype: Any, sharding: Any):
+    """buf[i] = converted(raws), updating the donated stacked buffer in place."""
+
+    def write(buf, i, *raws):
+        if isinstance(rule, _Rule):
+            x = _to_ours(rule, shape, dtype, raws[0])
+        else:
+            x = _fused_to_ours(rule, shape, dtype, raws)
         return jax.lax.dynamic_update_index_in_dim(buf, x, i, axis=0)
 
     return jax.jit(write, donate_argnums=0, out_shardings=sharding)
@@ -244,20 +305,38 @@ class _Loader:
         out = _converter(rule, spec.shape, spec.dtype, out_sh)(raw)
         return out.block_until_ready()
 
-    def load_stacked(self, rule: _Rule, names: list[str], spec: ParamSpec, param: str):
+    def _raws(self, rule: _Rule | _Fused, prefix: str, shape, axes, param: str) -> list[jax.Array]:
+        """The HF tensor(s) behind one layer's param, on device in HF layout."""
+        if isinstance(rule, _Rule):
+            in_sh, _ = self._shardings(rule, shape, axes)
+            return [self._raw(rule, prefix + rule.hf_name, shape, axes, param, in_sh)]
+        raws = []
+        for part, part_shape in zip(rule.parts, rule.part_shapes(shape), strict=True):
+            in_sh, _ = self._shardings(part, part_shape, axes)
+            raws.append(self._raw(part, prefix + part.hf_name, part_shape, axes, param, in_sh))
+        return raws
+
+    def load_layer(self, rule: _Rule | _Fused, prefix: str, spec: ParamSpec, param: str):
+        """One layer's param from the tensors named `prefix + hf_name` (fused ones joined)."""
+        if isinstance(rule, _Rule):
+            return self.load(rule, prefix + rule.hf_name, spec, param)
+        out_sh = named_sharding(self.mesh, spec.axes, spec.shape) if self.mesh is not None else None
+        raws = self._raws(rule, prefix, spec.shape, spec.axes, param)
+        return _fuser(rule, spec.shape, spec.dtype, out_sh)(*raws).block_until_ready()
+
+    def load_stacked(self, rule: _Rule | _Fused, num_layers: int, spec: ParamSpec, param: str):
         """A [layers, ...] array filled layer by layer on device (scan layout)."""
         shape, axes = spec.shape[1:], spec.axes[1:]
-        in_sh, _ = self._shardings(rule, shape, axes)
         out_sh = named_sharding(self.mesh, spec.axes, spec.shape) if self.mesh is not None else None
         buf = _zeros(spec.shape, spec.dtype, out_sh)()
         write = _stacked_writer(rule, shape, spec.dtype, out_sh)
-        for i, name in enumerate(names):
-            raw = self._raw(rule, name, shape, axes, f"{param}[{i}]", in_sh)
-            buf = write(buf, raw, np.int32(i)).block_until_ready()
+        for i in range(num_layers):
+            raws = self._raws(rule, f"model.layers.{i}.", shape, axes, f"{param}[{i}]")
+            buf = write(buf, np.int32(i), *raws).block_until_ready()
         return buf
 
 
-def _layer_rule(key: str) -> _Rule:
+def _layer_rule(key: str) -> _Rule | _Fused:
     if key not in _LAYER_RULES:
         raise NotImplementedError(f"no Hugging Face tensor mapping for layer param {key!r}")
     return _LAYER_RULES[key]
@@ -284,17 +363,14 @@ def load_hf_params(path: PathLike, cfg: ModelConfig, mesh: Any = None) -> Params
         if cfg.layer_loop == "scan":
             params["layers"] = {}
             for key, spec in specs["layers"].items():
-                rule = _layer_rule(key)
-                names = [f"model.layers.{i}.{rule.hf_name}" for i in range(cfg.num_layers)]
-                params["layers"][key] = loader.load_stacked(rule, names, spec, f"layers.{key}")
+                params["layers"][key] = loader.load_stacked(
+                    _layer_rule(key), cfg.num_layers, spec, f"layers.{key}"
+                )
         else:
             params["layers"] = tuple(
                 {
-                    key: loader.load(
-                        _layer_rule(key),
-                        f"model.layers.{i}.{_layer_rule(key).hf_name}",
-                        spec,
-                        f"layers[{i}].{key}",
+                    key: loader.load_layer(
+                        _layer_rule(key), f"model.layers.{i}.", spec, f"layers[{i}].{key}"
                     )
                     for key, spec in layer.items()
                 }

@@ -29,7 +29,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from jaxinfer.checkpoint.hf_config import config_from_hf
-from jaxinfer.checkpoint.hf_loader import _LAYER_RULES, _TOP_RULES, _hf_layout, _Rule
+from jaxinfer.checkpoint.hf_loader import _TOP_RULES, _hf_layout, _Rule, fused_axis, layer_parts
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.spec import ParamSpec, param_specs
 
@@ -278,13 +278,22 @@ def hf_state_dict(cfg: ModelConfig, params: Mapping[str, Any], dtype: str = "bfl
             _check_keys(layer, layer_spec, f"['layers'][{i}]")
     for i in range(cfg.num_layers):
         for key, spec in layer_spec.items():
-            rule = _LAYER_RULES[key]
             if stacked:
                 param, leaf = f"layers.{key}[{i}]", layers[key][i]  # sliced on device
             else:
                 param, leaf = f"layers[{i}].{key}", layers[i][key]
             host = _host(leaf, spec, param, np_dtype)
-            out[f"model.layers.{i}.{rule.hf_name}"] = _to_hf_layout(rule, spec, host, param)
+            parts = layer_parts(key, spec)
+            if len(parts) == 1:
+                pieces = [host]
+            else:  # a fused param (w_qkv, w_gate_up, ...): split back into HF's tensors
+                axis = fused_axis(key)
+                ends = np.cumsum([part.shape[axis] for _, part in parts])[:-1]
+                pieces = np.split(host, ends, axis=axis)
+            for (rule, part_spec), piece in zip(parts, pieces, strict=True):
+                out[f"model.layers.{i}.{rule.hf_name}"] = _to_hf_layout(
+                    rule, part_spec, piece, param
+                )
     return out
 
 

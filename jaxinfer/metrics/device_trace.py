@@ -80,6 +80,32 @@ def _top(totals: dict[str, list[float]], total_us: float, top: int) -> list[dict
     ]
 
 
+def idle_gaps(events: list[dict], top: int = 10) -> dict:
+    """Where the device sat idle: gaps in the union of all streams' busy intervals.
+
+    Each gap is charged to the pair (op that ended before it -> op that started after it), by HLO
+    category, so e.g. a host round trip between decode scans or a launch gap inside a command buffer
+    shows up under the ops that border it. `idle_ms` = span minus busy time.
+    """
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e) for e in events)
+    by_pair: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    idle_us, busy_end, last = 0.0, None, None
+    for start, end, e in spans:
+        if busy_end is not None and start > busy_end:
+            gap = start - busy_end
+            idle_us += gap
+            pair = f"{_category_of(last)} -> {_category_of(e)}"
+            by_pair[pair][0] += gap
+            by_pair[pair][1] += 1
+        if busy_end is None or end >= busy_end:
+            busy_end, last = end, e
+    return {"idle_ms": round(idle_us / 1e3, 3), "top_gaps": _top(by_pair, idle_us, top)}
+
+
+def _category_of(e: dict) -> str:
+    return hlo_category(e.get("args", {}).get("hlo_op", e.get("name", "?")))
+
+
 def summarize_events(source: str, events: list[dict], top: int = 15) -> dict:
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     by_category: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
@@ -105,6 +131,7 @@ def summarize_events(source: str, events: list[dict], top: int = 15) -> dict:
         "top_ops": _top(by_name, total_us, top),
         "top_hlo_categories": _top(by_category, total_us, top),
         "modules": _top(by_module, total_us, top),
+        **idle_gaps(events),
     }
 
 

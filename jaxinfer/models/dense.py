@@ -63,11 +63,7 @@ def decoder_layer(
 ) -> tuple[jax.Array, Any]:
     """Pre-norm attention + FFN block on x [..., E] with positions [...]."""
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-    q = jnp.einsum("...e,ehd->...hd", h, p["wq"])
-    k = jnp.einsum("...e,ehd->...hd", h, p["wk"])
-    v = jnp.einsum("...e,ehd->...hd", h, p["wv"])
-    if cfg.qkv_bias:
-        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    q, k, v = qkv_projection(cfg, p, h)
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
@@ -82,6 +78,17 @@ def decoder_layer(
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     x = x + FFN_BLOCKS[cfg.ffn](cfg, p, h)
     return x, carry
+
+
+def qkv_projection(cfg: ModelConfig, p: dict, h: jax.Array):
+    """h [..., E] -> q [..., Hq, D], k and v [..., Hkv, D]: one matmul with the fused `w_qkv`
+    [E, Hkv, G + 2, D] (per KV head: its G query heads, its key, its value; see `layer_specs`)."""
+    g = cfg.q_per_kv
+    qkv = jnp.einsum("...e,ehgd->...hgd", h, p["w_qkv"])
+    if cfg.qkv_bias:
+        qkv = qkv + p["b_qkv"]
+    q = qkv[..., :g, :].reshape(*qkv.shape[:-3], cfg.num_heads, cfg.head_dim)
+    return q, qkv[..., g, :], qkv[..., g + 1, :]
 
 
 def embed(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:

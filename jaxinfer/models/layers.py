@@ -57,11 +57,12 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 
 
 def dense_ffn(cfg: ModelConfig, p: dict, x: jax.Array) -> jax.Array:
-    """SwiGLU: down(silu(x @ gate) * (x @ up))."""
-    gate = x @ p["w_gate"]
-    up = x @ p["w_up"]
+    """SwiGLU: down(silu(x @ gate) * (x @ up)), gate and up as one matmul with the fused
+    `w_gate_up` [E, 2, F]."""
+    gate_up = jnp.einsum("...e,egf->...gf", x, p["w_gate_up"])
     if cfg.mlp_bias:
-        gate, up = gate + p["b_gate"], up + p["b_up"]
+        gate_up = gate_up + p["b_gate_up"]
+    gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
     out = (jax.nn.silu(gate) * up) @ p["w_down"]
     if cfg.mlp_bias:
         out = out + p["b_down"]

@@ -41,9 +41,21 @@ def is_spec(x: object) -> bool:
 
 
 def layer_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
-    """Specs of one decoder layer. Linear weights are stored (in, out): y = x @ w."""
+    """Specs of one decoder layer. Linear weights are stored (in, out): y = x @ w.
+
+    Projections that read the same input are stored fused, so each is one matmul:
+    - `w_qkv` [E, Hkv, G + 2, D] (G = Hq / Hkv): for each KV head, its G query heads, then its key
+      and its value head. Query head h = kv * G + g is HF's grouping, and sharding the kv_heads axis
+      keeps every group's q, k and v together under tensor parallelism.
+    - `w_gate_up` [E, 2, F]: gate then up; sharding `mlp` splits both alike.
+    Fused, a decode step's gate/up is one matmul of N = 2F (one launch, more tiles per wave) and the
+    mixed step needs no runtime concatenation of q/k/v weights; measured in
+    `experiments/results/h200/fused_projections.json`. The checkpoint loader and saver split and
+    join HF's separate q/k/v and gate/up tensors.
+    """
     e, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     hq, hkv = cfg.num_heads, cfg.num_kv_heads
+    g = cfg.q_per_kv
     w, n = cfg.jnp_param_dtype, cfg.jnp_param_dtype
 
     def dense(shape, axes, fan_in):
@@ -51,27 +63,21 @@ def layer_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
 
     specs = {
         "attn_norm": ParamSpec((e,), n, ("embed",), "ones"),
-        "wq": dense((e, hq, d), ("embed", "heads", "head_dim"), e),
-        "wk": dense((e, hkv, d), ("embed", "kv_heads", "head_dim"), e),
-        "wv": dense((e, hkv, d), ("embed", "kv_heads", "head_dim"), e),
+        "w_qkv": dense((e, hkv, g + 2, d), ("embed", "kv_heads", None, "head_dim"), e),
         "wo": dense((hq, d, e), ("heads", "head_dim", "embed"), hq * d),
         "mlp_norm": ParamSpec((e,), n, ("embed",), "ones"),
-        "w_gate": dense((e, f), ("embed", "mlp"), e),
-        "w_up": dense((e, f), ("embed", "mlp"), e),
+        "w_gate_up": dense((e, 2, f), ("embed", None, "mlp"), e),
         "w_down": dense((f, e), ("mlp", "embed"), f),
     }
     if cfg.qkv_bias:
-        specs["bq"] = ParamSpec((hq, d), w, ("heads", "head_dim"), "zeros")
-        specs["bk"] = ParamSpec((hkv, d), w, ("kv_heads", "head_dim"), "zeros")
-        specs["bv"] = ParamSpec((hkv, d), w, ("kv_heads", "head_dim"), "zeros")
+        specs["b_qkv"] = ParamSpec((hkv, g + 2, d), w, ("kv_heads", None, "head_dim"), "zeros")
     if cfg.o_bias:
         specs["bo"] = ParamSpec((e,), w, ("embed",), "zeros")
     if cfg.qk_norm:
         specs["q_norm"] = ParamSpec((d,), n, ("head_dim",), "ones")
         specs["k_norm"] = ParamSpec((d,), n, ("head_dim",), "ones")
     if cfg.mlp_bias:
-        specs["b_gate"] = ParamSpec((f,), w, ("mlp",), "zeros")
-        specs["b_up"] = ParamSpec((f,), w, ("mlp",), "zeros")
+        specs["b_gate_up"] = ParamSpec((2, f), w, (None, "mlp"), "zeros")
         specs["b_down"] = ParamSpec((e,), w, ("embed",), "zeros")
     return specs
 
