@@ -125,6 +125,24 @@ def test_trace_summary_sums_gpu_stream_kernels_and_skips_derived_lines(tmp_path)
     ]  # fmt: skip
 
 
+def test_kernels_replayed_from_a_command_buffer_are_categorised_by_their_own_name(tmp_path):
+    events = [
+        _meta(2, "/device:GPU:0"), _meta(2, "Stream #7(Compute)", tid=7),
+        _kernel(2, 7, "gemm_fusion_dot_33", 0, 50, "command_buffer.4", "jit_decode_loop"),
+        _kernel(2, 7, "loop_add_fusion_12", 53, 2, "command_buffer.4", "jit_decode_loop"),
+        _kernel(2, 7, "gemm_fusion_dot_130", 57, 30, "command_buffer.4", "jit_decode_loop"),
+    ]  # fmt: skip
+    _write_trace(tmp_path, events)
+    s = summarize_trace(tmp_path)
+    assert [(c["name"], c["count"]) for c in s["top_hlo_categories"]] == [
+        ("gemm_fusion_dot", 2), ("loop_add_fusion", 1)
+    ]  # fmt: skip
+    assert {g["name"] for g in s["top_gaps"]} == {
+        "gemm_fusion_dot -> loop_add_fusion", "loop_add_fusion -> gemm_fusion_dot"
+    }  # fmt: skip
+    assert s["idle_ms"] == pytest.approx(0.005)
+
+
 def test_idle_gaps_take_the_union_of_overlapping_streams():
     from jaxinfer.metrics.device_trace import idle_gaps
 

@@ -12,7 +12,10 @@ events are device work:
 
 Times are summed per event name (the kernel), per HLO op category (`loop_add_fusion.3` ->
 `loop_add_fusion`: the 32 copies of a layer's op add up) and per XLA module (`jit_decode_loop`,
-`jit_mixed_step`). Kernels on concurrent streams overlap, so `device_ms` may exceed `span_ms`.
+`jit_mixed_step`). A kernel replayed from a command buffer (a CUDA graph) carries the `command_buffer`
+thunk as its hlo_op, so there the kernel's own name gives its category. `idle_ms` and `top_gaps`:
+where no stream was busy, charged to the ops on either side. Kernels on concurrent streams
+overlap, so `device_ms` may exceed `span_ms`.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ DERIVED_LINES = frozenset(
 MAX_NAME_CHARS = 120  # CUTLASS / Triton kernel names run to hundreds of characters
 _INSTANCE_SUFFIX = re.compile(r"([._]\d+)+$")
 CONTROL_FLOW = frozenset({"while", "conditional", "call"})
+COMMAND_BUFFERS = frozenset({"command_buffer"})  # thunks that launch a captured CUDA graph
 
 
 def find_trace(log_dir: str | Path) -> Path | None:
@@ -103,7 +107,13 @@ def idle_gaps(events: list[dict], top: int = 10) -> dict:
 
 
 def _category_of(e: dict) -> str:
-    return hlo_category(e.get("args", {}).get("hlo_op", e.get("name", "?")))
+    """The event's HLO op category; for a kernel launched inside a command buffer (a CUDA graph,
+    whose hlo_op is the `command_buffer` thunk) the category of the kernel's own name
+    (`loop_add_fusion_12` -> `loop_add_fusion`)."""
+    op = e.get("args", {}).get("hlo_op")
+    if op is None or hlo_category(op) in COMMAND_BUFFERS:
+        return hlo_category(e.get("name", "?"))
+    return hlo_category(op)
 
 
 def summarize_events(source: str, events: list[dict], top: int = 15) -> dict:
@@ -114,7 +124,7 @@ def summarize_events(source: str, events: list[dict], top: int = 15) -> dict:
         dur, args = float(e["dur"]), e.get("args", {})
         for table, key in (
             (by_name, e.get("name", "?")),
-            (by_category, hlo_category(args.get("hlo_op", "(not an HLO op)"))),
+            (by_category, _category_of(e) if "hlo_op" in args else "(not an HLO op)"),
             (by_module, args.get("hlo_module", "(no module)")),
         ):
             table[key][0] += dur
