@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxinfer.kv.cache import KVCache, token_slots, write_kv
 from jaxinfer.models.attention import causal_attention, paged_attention
@@ -33,7 +34,10 @@ def apply_layers(cfg: ModelConfig, layers: Any, x: jax.Array, carry: Any, layer_
 
     - `unrolled` (default): `layers` is a tuple of per-layer dicts and the loop is unrolled in the
       trace. Each weight is its own buffer that the matmuls read directly: every weight is read
-      once per step. Measured on the H200 in `experiments/results/h200/layer_loop.json`.
+      once per step. Measured on the H200 in `experiments/results/h200/layer_loop.json`. The
+      layer runs as one nested jit called per layer with its index as data, so it is traced and
+      lowered once rather than once per layer (XLA inlines the calls: the compiled program is
+      the same unrolled one). Layers of another param structure trace their own.
     - `scan`: `layers` holds arrays stacked on a leading layer axis and `lax.scan` runs one
       compiled body; compile time is independent of depth, but XLA materialises each layer's weight
       slice before its matmuls (an extra read+write of all weights per step).
@@ -47,8 +51,9 @@ def apply_layers(cfg: ModelConfig, layers: Any, x: jax.Array, carry: Any, layer_
 
         (x, carry), _ = jax.lax.scan(body, (x, carry), (layers, jnp.arange(cfg.num_layers)))
         return x, carry
+    step = jax.jit(layer_fn)
     for layer, p in enumerate(layers):
-        x, carry = layer_fn(p, x, carry, layer)
+        x, carry = step(p, x, carry, np.int32(layer))
     return x, carry
 
 
