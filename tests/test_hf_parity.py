@@ -146,3 +146,26 @@ def test_greedy_32_tokens_equal_transformers_generate(hf_model_dir):
                 torch.as_tensor([prompt]), max_new_tokens=32, do_sample=False, min_new_tokens=32
             )
         assert got == out[0, len(prompt) :].tolist(), name
+
+
+def test_jitted_unrolled_layers_trace_the_layer_once_and_match_eager(monkeypatch):
+    """Inside jit the unrolled loop traces one layer for all of them (the layer index is data),
+    and gives the eager loop's logits; called eagerly it runs each layer directly."""
+    import jax
+
+    from jaxinfer.models import dense
+    from jaxinfer.models.presets import preset
+    from jaxinfer.models.spec import init_params
+
+    cfg = preset("tiny").replace(num_layers=4)
+    params = init_params(cfg, jax.random.key(3))
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 7)))
+    calls = []
+    real = dense.decoder_layer
+    monkeypatch.setattr(dense, "decoder_layer", lambda *a: calls.append(a[-1]) or real(*a))
+    eager = forward(params, cfg, tokens)
+    assert [int(i) for i in calls] == [0, 1, 2, 3]
+    calls.clear()
+    jitted = jax.jit(forward, static_argnums=1)(params, cfg, tokens)
+    assert len(calls) == 1 and isinstance(calls[0], jax.core.Tracer)
+    np.testing.assert_allclose(np.asarray(jitted), np.asarray(eager), atol=1e-5, rtol=1e-5)

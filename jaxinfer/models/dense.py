@@ -51,7 +51,8 @@ def apply_layers(cfg: ModelConfig, layers: Any, x: jax.Array, carry: Any, layer_
 
         (x, carry), _ = jax.lax.scan(body, (x, carry), (layers, jnp.arange(cfg.num_layers)))
         return x, carry
-    step = jax.jit(layer_fn)
+    # Inside a trace only: called eagerly, a fresh jit of this closure would compile per call.
+    step = jax.jit(layer_fn) if isinstance(x, jax.core.Tracer) else layer_fn
     for layer, p in enumerate(layers):
         x, carry = step(p, x, carry, np.int32(layer))
     return x, carry
