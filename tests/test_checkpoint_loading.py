@@ -8,11 +8,7 @@ heads split). Logits parity against transformers lives in a separate test.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import jax
@@ -221,12 +217,11 @@ def test_bf16_cast_and_mesh_placement(hf_models):
         )
 
 
-def test_two_way_tensor_parallel_load_of_fused_projections(hf_models):
+def test_two_way_tensor_parallel_load_of_fused_projections(hf_models, run_on_cpu_devices):
     """On a 2-way `model` mesh the fused q/k/v (split by KV head) and gate/up (split on F) params
     hold the same values as a single-device load, per layer and stacked (scan)."""
     path, _ = hf_models["llama_bias"]
-    code = textwrap.dedent(
-        f"""
+    code = f"""
         import jax, numpy as np
         from jax.sharding import PartitionSpec as P
         from jaxinfer.checkpoint import load_hf_model
@@ -246,13 +241,7 @@ def test_two_way_tensor_parallel_load_of_fused_projections(hf_models):
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         print("ok")
         """
-    )
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    env["JAX_PLATFORMS"] = "cpu"
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+    run_on_cpu_devices(code, 2)
 
 
 def _copy_single(src: Path, dst: Path, mutate=None, filename: str = "model.safetensors") -> Path:

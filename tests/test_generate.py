@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -61,10 +57,10 @@ def test_quickstart_runs_and_self_checks(tmp_path, extra):
     assert {"device", "jax", "commit", "date", "command"} <= metrics.keys()
 
 
-def test_tensor_parallel_sharding_on_fake_cpu_mesh_matches_single_device():
-    """Params sharded over a 2-way `model` axis by their logical axes give the same logits."""
-    code = textwrap.dedent(
-        """
+def test_tensor_parallel_sharding_on_fake_cpu_mesh_matches_single_device(run_on_cpu_devices):
+    """Params sharded over a 2-way `model` axis by their logical axes give the same logits,
+    eagerly and under jit (where the layers run as one nested jit)."""
+    code = """
         import jax, jax.numpy as jnp, numpy as np
         from jaxinfer.models.presets import preset
         from jaxinfer.models.spec import init_params
@@ -74,20 +70,15 @@ def test_tensor_parallel_sharding_on_fake_cpu_mesh_matches_single_device():
         mesh = make_mesh({"data": 2, "model": 2})
         sharded = init_params(cfg, jax.random.key(0), mesh=mesh)
         single = init_params(cfg, jax.random.key(0))
-        for name, spec in (("w_qkv", (None, "model", None, None)), ("w_gate_up", (None, None, "model"))):
+        for name, spec in (("w_qkv", (None, "model", None, None)),
+                           ("w_gate_up", (None, None, "model"))):
             w = sharded["layers"][0][name]
             assert w.sharding.spec == jax.sharding.PartitionSpec(*spec), (name, w.sharding)
             assert len({str(s.index) for s in w.addressable_shards}) == 2
         tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9)))
-        a = forward(sharded, cfg, tokens)
         b = forward(single, cfg, tokens)
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+        for a in (forward(sharded, cfg, tokens), jax.jit(forward, static_argnums=1)(sharded, cfg, tokens)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
         print("ok")
         """
-    )
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    env["JAX_PLATFORMS"] = "cpu"
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+    run_on_cpu_devices(code, 4)
