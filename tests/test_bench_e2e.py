@@ -151,7 +151,8 @@ def test_idle_gaps_take_the_union_of_overlapping_streams():
 
     # a long kernel on one stream hides a short one on another; the gap is after the long one ends
     events = [ev(0, 100, "gemm.1"), ev(20, 10, "copy.2"), ev(130, 5, "scatter.3"),
-              ev(140, 5, "scatter.4"), ev(150, 5, "gemm.5")]  # fmt: skip
+              ev(140, 5, "scatter.4"), ev(150, 5, "gemm.5"),
+              ev(150, 5, "gemm.6")]  # same start and end on another stream  # fmt: skip
     g = idle_gaps(events)
     assert g["idle_ms"] == pytest.approx(0.04)  # 30 + 5 + 5 us
     top = {x["name"]: (x["time_ms"], x["count"]) for x in g["top_gaps"]}

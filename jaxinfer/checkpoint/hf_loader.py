@@ -111,21 +111,17 @@ _LAYER_RULES = {
 }
 
 
-def layer_parts(key: str, spec: ParamSpec) -> list[tuple[_Rule, ParamSpec]]:
-    """(HF rule, spec of the piece of our param it fills) for each HF tensor behind layer param
-    `key`, in order along the fused axis; one pair for an unfused param."""
+def layer_parts(key: str, spec: ParamSpec) -> tuple[list[tuple[_Rule, ParamSpec]], int | None]:
+    """([(HF rule, spec of the piece of our param it fills)], fused axis) for the HF tensor(s)
+    behind layer param `key`, in order along that axis; one pair and None for an unfused param."""
     rule = _layer_rule(key)
     if isinstance(rule, _Rule):
-        return [(rule, spec)]
-    return [
+        return [(rule, spec)], None
+    parts = [
         (part, ParamSpec(shape, spec.dtype, spec.axes, spec.init, spec.scale))
         for part, shape in zip(rule.parts, rule.part_shapes(spec.shape), strict=True)
     ]
-
-
-def fused_axis(key: str) -> int | None:
-    rule = _layer_rule(key)
-    return rule.axis if isinstance(rule, _Fused) else None
+    return parts, rule.axis
 
 
 def _hf_layout(rule: _Rule, shape: tuple[int, ...], axes: tuple[str | None, ...]):

@@ -29,7 +29,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from jaxinfer.checkpoint.hf_config import config_from_hf
-from jaxinfer.checkpoint.hf_loader import _TOP_RULES, _hf_layout, _Rule, fused_axis, layer_parts
+from jaxinfer.checkpoint.hf_loader import _TOP_RULES, _hf_layout, _Rule, layer_parts
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.spec import ParamSpec, param_specs
 
@@ -283,11 +283,9 @@ def hf_state_dict(cfg: ModelConfig, params: Mapping[str, Any], dtype: str = "bfl
             else:
                 param, leaf = f"layers[{i}].{key}", layers[i][key]
             host = _host(leaf, spec, param, np_dtype)
-            parts = layer_parts(key, spec)
-            if len(parts) == 1:
-                pieces = [host]
-            else:  # a fused param (w_qkv, w_gate_up, ...): split back into HF's tensors
-                axis = fused_axis(key)
+            parts, axis = layer_parts(key, spec)
+            pieces = [host]
+            if axis is not None:  # a fused param (w_qkv, w_gate_up, ...): split into HF's tensors
                 ends = np.cumsum([part.shape[axis] for _, part in parts])[:-1]
                 pieces = np.split(host, ends, axis=axis)
             for (rule, part_spec), piece in zip(parts, pieces, strict=True):

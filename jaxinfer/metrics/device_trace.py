@@ -91,7 +91,10 @@ def idle_gaps(events: list[dict], top: int = 10) -> dict:
     category, so e.g. a host round trip between decode scans or a launch gap inside a command buffer
     shows up under the ops that border it. `idle_ms` = span minus busy time.
     """
-    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e) for e in events)
+    spans = sorted(
+        ((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e) for e in events),
+        key=lambda s: s[:2],  # events can tie on both times; never compare the dicts
+    )
     by_pair: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     idle_us, busy_end, last = 0.0, None, None
     for start, end, e in spans:
