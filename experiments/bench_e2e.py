@@ -266,15 +266,15 @@ def weight_bytes_per_step(cfg: ModelConfig, batch: int) -> int:
 
 def kv_bytes_per_step(cfg: ModelConfig, kv, batch: int, context: int, steps: int) -> float:
     mean_len = context + (steps + 1) / 2
-    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv.k_pages.dtype.itemsize
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv.dtype.itemsize
     total = batch * mean_len * per_token
-    if getattr(kv, "k_scales", None) is not None:  # FP8 pools: f32 scales per (page, kv head)
+    if getattr(kv, "scales", None) is not None:  # FP8 pages: f32 scales per (page, K/V, kv head)
         total += (
             2
             * cfg.num_layers
             * batch
             * math.ceil(mean_len / kv.page_size)
-            * (cfg.num_kv_heads * kv.k_scales.dtype.itemsize)
+            * (cfg.num_kv_heads * kv.scales.dtype.itemsize)
         )
     return total
 
@@ -652,9 +652,9 @@ def engine_options(args, workloads: dict[str, list[WorkloadRequest]]) -> dict:
 
 def resolved_backend(llm: LLM) -> str:
     """The attention backend the engine's setting stands for on this device and cache."""
-    cfg, pages = llm.engine.cfg, llm.engine.runner.kv.k_pages  # [L, num_pages, page, Hkv, D]
+    cfg, pages = llm.engine.cfg, llm.engine.runner.kv.pages  # [L, num_pages, 2, page, Hkv, D]
     q = jax.ShapeDtypeStruct((1, cfg.num_heads, cfg.head_dim), pages.dtype)
-    pool = jax.ShapeDtypeStruct(pages.shape[1:], pages.dtype)
+    pool = jax.ShapeDtypeStruct((pages.shape[1], *pages.shape[3:]), pages.dtype)
     try:
         return resolve_backend(llm.config.attention_backend, q, pool)
     except TypeError:  # a dispatcher whose `auto` looks at the device only

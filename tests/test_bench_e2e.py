@@ -74,7 +74,7 @@ def test_roofline_reads_weights_once_and_kv_of_the_mean_attended_length(bench):
     cfg = preset("llama3-8b", param_dtype="bfloat16", dtype="bfloat16")
     # 8.03e9 parameters, less the 128256 x 4096 input table (only one row gathered), in bf16.
     assert bench.weight_bytes_per_step(cfg, 1) == 2 * (8_030_261_248 - 128256 * 4096 + 4096)
-    kv = SimpleNamespace(k_pages=jnp.zeros((1,), jnp.bfloat16), page_size=16)
+    kv = SimpleNamespace(dtype=jnp.dtype(jnp.bfloat16), scales=None, page_size=16)
     per_token = 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 kv heads, d 128, bf16
     # An 8-step scan from 2048 tokens attends over 2049..2056 keys: 2052.5 on average.
     assert bench.kv_bytes_per_step(cfg, kv, 3, 2048, 8) == 3 * 2052.5 * per_token

@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent("""
     one = LLM("tiny", **kw).generate(prompts, sp)
     llm = LLM("tiny", data_parallel=2, data_parallel_backend="thread", **kw)
     two = llm.generate(prompts, sp)
-    devices = [str(next(iter(e.runner.kv.k_pages.devices()))) for e in llm.engine.replicas]
+    devices = [str(next(iter(e.runner.kv.pages.devices()))) for e in llm.engine.replicas]
     print(json.dumps({
         "one": [o.token_ids for o in one], "two": [o.token_ids for o in two],
         "errors": [o.error for o in two], "assign": list(llm.engine.assignments.values()),

@@ -204,7 +204,7 @@ def test_fp8_page_costs_about_half_and_accounting_matches_the_allocation():
         budget // kv_page_bytes(cfg, 16, "bfloat16")
     )
     assert 1.9 < ratio < 2.0, ratio
-    assert jax.tree.structure(KVCache(0, 0)) == jax.tree.structure(init_kv_cache(cfg, 2, 4))
+    assert jax.tree.structure(KVCache(0)) == jax.tree.structure(init_kv_cache(cfg, 2, 4))
 
 
 def test_bad_kv_dtype_fails_naming_the_key():
@@ -220,7 +220,7 @@ def test_engine_with_fp8_cache_generates_nearly_the_same_greedy_tokens():
     sampling = SamplingParams(max_tokens=24, ignore_eos=True)
     base = LLM("tiny", **kw).generate(prompts, sampling)
     llm = LLM("tiny", kv_dtype="float8_e4m3fn", **kw)
-    assert llm.engine.runner.kv.k_pages.dtype == jnp.float8_e4m3fn
+    assert llm.engine.runner.kv.dtype == jnp.float8_e4m3fn
     got = llm.generate(prompts, sampling)
     assert llm.engine.compiles_after_warmup == 0
     for a, b in zip(base, got, strict=True):

@@ -98,7 +98,7 @@ def test_prefill_then_16_decode_steps_through_shuffled_pages_match_transformers(
     num_pages = len(seqs) * pages_per_seq + 1
     shuffled = rng.permutation(np.arange(1, num_pages)).reshape(len(seqs), pages_per_seq)
     kv = init_kv_cache(cfg, num_pages, page_size)
-    kv = type(kv)(kv.k_pages.at[:, 0].set(jnp.nan), kv.v_pages.at[:, 0].set(jnp.nan))  # scratch
+    kv = type(kv)(kv.pages.at[:, 0].set(jnp.nan))  # the scratch page, K and V
 
     batch = build_ragged_batch(
         [list(s[:n]) for s, n in zip(seqs, prompt_lens, strict=True)],

@@ -30,8 +30,14 @@ def quantize_e4m3(pages: np.ndarray):
     return q8, jnp.asarray(scales), deq
 
 
+def interleave(k, v):
+    """K and V pools [P, ...] as one pool [2P, ...]: K of page p at 2p, V at 2p + 1 (the model's
+    cache layout, read with table * 2 and v_page_offset=1)."""
+    return jnp.stack([jnp.asarray(k), jnp.asarray(v)], axis=1).reshape(-1, *k.shape[1:])
+
+
 def run_case(*, q_lens, ctx_lens, page_size, num_kv_heads, group, head_dim, fp8=False,
-             interpret=True, **kw):  # fmt: skip
+             interpret=True, shared_pool=False, **kw):  # fmt: skip
     seed = secrets.randbelow(2**31)
     rng = np.random.default_rng(seed)
     q, k_pages, v_pages, table, lens, qsl, _, _ = make_case(
@@ -51,8 +57,15 @@ def run_case(*, q_lens, ctx_lens, page_size, num_kv_heads, group, head_dim, fp8=
     common = dict(max_q_len=max_q, soft_cap=kw.get("soft_cap"),
                   sliding_window=kw.get("sliding_window"))  # fmt: skip
     tab, sl, loc = jnp.asarray(table), jnp.asarray(lens), jnp.asarray(qsl)
-    out = ragged_paged_attention_mgpu(qb, k_in, v_in, tab, sl, loc, interpret=interpret, **kw,
-                                      **extra, max_q_len=max_q)  # fmt: skip
+    if shared_pool:  # one pool, K and V of a page side by side
+        k_in = v_in = interleave(k_in, v_in)
+        if fp8:
+            extra = dict.fromkeys(("k_scales", "v_scales"), interleave(k_scales, v_scales))
+        out = ragged_paged_attention_mgpu(qb, k_in, v_in, tab * 2, sl, loc, interpret=interpret,
+                                          v_page_offset=1, **kw, **extra, max_q_len=max_q)  # fmt: skip
+    else:
+        out = ragged_paged_attention_mgpu(qb, k_in, v_in, tab, sl, loc, interpret=interpret, **kw,
+                                          **extra, max_q_len=max_q)  # fmt: skip
     ref = ragged_paged_attention(qb.astype(jnp.float32), jnp.asarray(k_ref), jnp.asarray(v_ref),
                                  tab, sl, loc, **common)  # fmt: skip
     out, ref = np.asarray(out, np.float32), np.asarray(ref)
@@ -124,6 +137,24 @@ def test_two_consumer_prefill():
 def test_warp_specialized_fp8():
     run_case(q_lens=[1, 1], ctx_lens=[130, 64], page_size=32, num_kv_heads=1, group=4,
              head_dim=64, fp8=True)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "fp8,warp_specialized,q_lens,ctx_lens",
+    [
+        (False, False, [1, 1, 1], [70, 15, 200]),  # decode, context splits
+        (False, False, [1, 30, 1], [40, 50, 0]),  # mixed: decode launch + prefill blocks
+        (True, False, [1, 1, 9], [90, 31, 40]),  # fp8 scales follow V's page
+        (True, True, [1, 1], [130, 64]),  # fp8 converted by the producer warpgroup
+    ],
+)
+def test_k_and_v_in_one_pool_with_v_page_offset(fp8, warp_specialized, q_lens, ctx_lens):
+    """The model's cache layout: one pool, V's page = K's + 1. Reading K's page for V (or V's
+    scale for K) is wrong on every random case; the NaN-poisoned neighbours catch reads of
+    anything else."""
+    run_case(q_lens=q_lens, ctx_lens=ctx_lens, page_size=16, num_kv_heads=2, group=4,
+             head_dim=64, fp8=fp8, warp_specialized=warp_specialized, shared_pool=True,
+             num_splits=2 if max(q_lens) == 1 else None)  # fmt: skip
 
 
 def test_dispatcher_routes_to_the_kernel_and_validates():

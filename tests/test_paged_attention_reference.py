@@ -148,24 +148,27 @@ def test_write_then_read_round_trips_through_shuffled_page_table():
     positions = np.array([3, 4, 5, 6, 7, 8, 2, 3, 4, 0, 0], np.int32)  # two padding tokens
     lens = np.array([9, 5], np.int32)
     k_new = rng.standard_normal((len(positions), hkv, d)).astype(np.float32)
-    kv = KVCache(
-        jnp.zeros((2, num_pages, page_size, hkv, d)), jnp.zeros((2, num_pages, page_size, hkv, d))
-    )
+    kv = KVCache(jnp.zeros((2, num_pages, 2, page_size, hkv, d)))
     page, offset = token_slots(
         PageTable(jnp.asarray(table), jnp.asarray(lens)), jnp.asarray(qsl), jnp.asarray(positions), page_size
     )  # fmt: skip
     kv = write_kv(kv, 1, jnp.asarray(k_new), jnp.asarray(-k_new), page, offset)
-    k_pages = np.asarray(kv.k_pages)
-    assert (k_pages[0] == 0).all(), "layer 0 must be untouched"
+    k_pages, v_pages = np.asarray(kv.k_pages), np.asarray(kv.v_pages)
+    assert (k_pages[0] == 0).all() and (v_pages[0] == 0).all(), "layer 0 must be untouched"
     for t, pos in enumerate(positions[:9]):
         seq = 0 if t < 6 else 1
-        np.testing.assert_array_equal(
-            k_pages[1, table[seq, pos // page_size], pos % page_size], k_new[t]
-        )
+        slot = (1, table[seq, pos // page_size], pos % page_size)
+        np.testing.assert_array_equal(k_pages[slot], k_new[t])
+        np.testing.assert_array_equal(v_pages[slot], -k_new[t])
+    # the pool view attention reads: K of (layer 1, page p) at 2 * (num_pages + p), V right after
+    pool, _ = kv.pool()
+    ids = np.asarray(kv.pool_page_ids(jnp.asarray(table), 1))
+    np.testing.assert_array_equal(np.asarray(pool)[ids], k_pages[1][table])
+    np.testing.assert_array_equal(np.asarray(pool)[ids + 1], v_pages[1][table])
     np.testing.assert_array_equal(np.asarray(page)[9:], [SCRATCH_PAGE, SCRATCH_PAGE])
     written = {int(p) for p in np.asarray(page)[:9]}
     assert written == {5, 2, 9, 7, 11}, written
-    assert jax.tree.structure(kv) == jax.tree.structure(KVCache(0, 0))
+    assert jax.tree.structure(kv) == jax.tree.structure(KVCache(0))
 
 
 @pytest.mark.parametrize("page_size", [8, 16, 64])

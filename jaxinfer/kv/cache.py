@@ -20,8 +20,8 @@ from pallas_kernels.paged_attention.fp8 import FP8_DTYPE, quantize_pages_write
 from pallas_kernels.paged_attention.reference import token_sequences
 
 SCRATCH_PAGE = 0
-KV_AXES = ("layers", "pages", None, "kv_heads", "head_dim")
-SCALE_AXES = ("layers", "pages", "kv_heads")
+KV_AXES = ("layers", "pages", None, None, "kv_heads", "head_dim")
+SCALE_AXES = ("layers", "pages", None, "kv_heads")
 # "auto": the model's activation dtype. "float8_e4m3fn" adds per-(page, kv head) float32 scales.
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "float8_e4m3fn")
 _KV_DTYPE_ALIASES = {"fp8": "float8_e4m3fn"}
@@ -30,34 +30,75 @@ _KV_DTYPE_ALIASES = {"fp8": "float8_e4m3fn"}
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class KVCache:
-    """Per-layer K/V page pools, stored stacked: [num_layers, num_pages, page_size, Hkv, D].
+    """All layers' K/V pages in one array: `pages` [num_layers, num_pages, 2, page_size, Hkv, D],
+    K at index 0 and V at 1 of the third axis.
 
-    Stacking costs nothing at read time (attention gathers pages of layer `l` directly) and lets
-    both layer loops (`unrolled` and `scan`) update the pools in place when the cache is donated.
-    FP8 pools carry float32 scales [num_layers, num_pages, Hkv] (format: `paged_attention.fp8`);
-    other pools have None there.
+    - Stacking layers costs nothing at read time (attention gathers pages of layer `l` directly)
+      and lets both layer loops (`unrolled` and `scan`) update the cache in place when donated.
+    - A page's K and V side by side make a step's K/V write one scatter per layer, not two: on the
+      H200 each scatter was its own ~3 us kernel, 32 per decode step of an 8B model. Attention
+      views the array as one pool of `num_layers * num_pages * 2` half-pages: K of (layer l, page
+      p) is pool page `2 * (l * num_pages + p)`, V the next one (`v_page_offset=1` for the
+      kernels).
+    - FP8 pages carry float32 scales [num_layers, num_pages, 2, Hkv] (format:
+      `paged_attention.fp8`); other caches have None there.
+
+    `k_pages`/`v_pages`/`k_scales`/`v_scales` are views for inspection and tests (slices: a copy
+    inside a jitted function).
     """
 
-    k_pages: jax.Array
-    v_pages: jax.Array
-    k_scales: jax.Array | None = None
-    v_scales: jax.Array | None = None
+    pages: jax.Array
+    scales: jax.Array | None = None
 
     @property
     def is_quantized(self) -> bool:
-        return self.k_scales is not None
+        return self.scales is not None
 
     @property
     def num_layers(self) -> int:
-        return self.k_pages.shape[0]
+        return self.pages.shape[0]
 
     @property
     def num_pages(self) -> int:
-        return self.k_pages.shape[1]
+        return self.pages.shape[1]
 
     @property
     def page_size(self) -> int:
-        return self.k_pages.shape[2]
+        return self.pages.shape[3]
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.pages.dtype
+
+    @property
+    def k_pages(self) -> jax.Array:
+        """[num_layers, num_pages, page_size, Hkv, D]."""
+        return self.pages[:, :, 0]
+
+    @property
+    def v_pages(self) -> jax.Array:
+        return self.pages[:, :, 1]
+
+    @property
+    def k_scales(self) -> jax.Array | None:
+        """[num_layers, num_pages, Hkv] (FP8 caches), else None."""
+        return None if self.scales is None else self.scales[:, :, 0]
+
+    @property
+    def v_scales(self) -> jax.Array | None:
+        return None if self.scales is None else self.scales[:, :, 1]
+
+    def pool(self) -> tuple[jax.Array, jax.Array | None]:
+        """The pages as one pool [num_layers * num_pages * 2, page_size, Hkv, D] (a free reshape)
+        and the scales as [num_layers * num_pages * 2, Hkv] (or None); see the class docstring."""
+        num_layers, num_pages, _, page_size, hkv, d = self.pages.shape
+        pool = self.pages.reshape(num_layers * num_pages * 2, page_size, hkv, d)
+        scales = None if self.scales is None else self.scales.reshape(-1, hkv)
+        return pool, scales
+
+    def pool_page_ids(self, page_ids: jax.Array, layer: int | jax.Array) -> jax.Array:
+        """K's pool page of each (layer `layer`, page) in `page_ids`; V's is the next one."""
+        return 2 * (page_ids + layer * self.num_pages)
 
 
 @jax.tree_util.register_dataclass
@@ -110,20 +151,19 @@ def init_kv_cache(
         raise ValueError(f"num_pages must be >= 2 (page 0 is scratch), got {num_pages}")
     if page_size <= 0:
         raise ValueError(f"page_size must be positive, got {page_size}")
-    shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
-    scale_shape = (cfg.num_layers, num_pages, cfg.num_kv_heads)
+    shape = (cfg.num_layers, num_pages, 2, page_size, cfg.num_kv_heads, cfg.head_dim)
+    scale_shape = (cfg.num_layers, num_pages, 2, cfg.num_kv_heads)
     dtype = kv_dtype(cfg, dtype)
     quantized = dtype == FP8_DTYPE
 
     def zeros():
-        scales = [jnp.zeros(scale_shape, jnp.float32) for _ in range(2)] if quantized else []
-        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), *scales)
+        return KVCache(jnp.zeros(shape, dtype),
+                       jnp.zeros(scale_shape, jnp.float32) if quantized else None)  # fmt: skip
 
     out = None
     if mesh is not None:
-        pages = named_sharding(mesh, KV_AXES, shape, rules)
-        scales = [named_sharding(mesh, SCALE_AXES, scale_shape, rules)] * 2 if quantized else []
-        out = KVCache(pages, pages, *scales)
+        scales = named_sharding(mesh, SCALE_AXES, scale_shape, rules) if quantized else None
+        out = KVCache(named_sharding(mesh, KV_AXES, shape, rules), scales)
     return jax.jit(zeros, out_shardings=out)()
 
 
@@ -148,19 +188,18 @@ def write_kv(
     page: jax.Array,
     offset: jax.Array,
 ) -> KVCache:
-    """Scatter new K/V [T, Hkv, D] of layer `layer` into their slots (in place when donated).
+    """Scatter new K/V [T, Hkv, D] of layer `layer` into their slots (in place when donated): one
+    scatter of [T, 2, Hkv, D].
 
-    FP8 pools are quantized on write (and touched pages requantized when their scale grows).
+    FP8 pages are quantized on write (and touched pages requantized when their scale grows); that
+    path writes K and V as separate half-pages (two scatters).
     """
     if kv.is_quantized:
-        k_pages, k_scales = quantize_pages_write(
-            kv.k_pages, kv.k_scales, k, page, offset, layer=layer
-        )
-        v_pages, v_scales = quantize_pages_write(
-            kv.v_pages, kv.v_scales, v, page, offset, layer=layer
-        )
-        return KVCache(k_pages, v_pages, k_scales, v_scales)
-    return KVCache(
-        kv.k_pages.at[layer, page, offset].set(k.astype(kv.k_pages.dtype)),
-        kv.v_pages.at[layer, page, offset].set(v.astype(kv.v_pages.dtype)),
-    )
+        num_layers, num_pages, _, page_size, hkv, d = kv.pages.shape
+        halves = kv.pages.reshape(num_layers, num_pages * 2, page_size, hkv, d)
+        scales = kv.scales.reshape(num_layers, num_pages * 2, hkv)
+        halves, scales = quantize_pages_write(halves, scales, k, 2 * page, offset, layer=layer)
+        halves, scales = quantize_pages_write(halves, scales, v, 2 * page + 1, offset, layer=layer)
+        return KVCache(halves.reshape(kv.pages.shape), scales.reshape(kv.scales.shape))
+    new = jnp.stack([k, v], axis=1).astype(kv.pages.dtype)  # [T, 2, Hkv, D]
+    return KVCache(kv.pages.at[layer, page, :, offset].set(new), None)

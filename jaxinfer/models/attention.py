@@ -52,34 +52,28 @@ def paged_attention(
     `options`: (name, value) pairs of the Pallas kernel's tuning keywords (`ATTENTION_OPTIONS`),
     static; used when the kernel runs, ignored by the other backends.
 
-    The stacked pools are viewed as one pool of num_layers*num_pages pages (a free reshape) and the
+    The cache is viewed as one pool of K and V half-pages (`KVCache.pool`, a free reshape) and the
     page ids offset by layer: no per-layer slice of the cache is ever materialised.
     """
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
-    if backend == "pallas" and kv.k_pages.dtype == jnp.float32:
+    if backend == "pallas" and kv.dtype == jnp.float32:
         raise ValueError("attention backend 'pallas' reads bf16 or fp8 pages; this cache is "
                          "float32 (set engine.kv_dtype or the model dtype to bfloat16)")  # fmt: skip
-    num_layers, num_pages, page_size, hkv, d = kv.k_pages.shape
-    k_pool = kv.k_pages.reshape(num_layers * num_pages, page_size, hkv, d)
-    v_pool = kv.v_pages.reshape(num_layers * num_pages, page_size, hkv, d)
-    page_ids = batch.page_table.page_ids + layer * num_pages
-    scales = {}
-    if kv.is_quantized:
-        scales = dict(
-            k_scales=kv.k_scales.reshape(num_layers * num_pages, hkv),
-            v_scales=kv.v_scales.reshape(num_layers * num_pages, hkv),
-        )
+    pool, pool_scales = kv.pool()
+    page_ids = kv.pool_page_ids(batch.page_table.page_ids, layer)
     return paged_attention_dispatch(
         q,
-        k_pool,
-        v_pool,
+        pool,
+        pool,
         page_ids,
         batch.page_table.seq_lens,
         batch.query_start_loc,
         max_q_len=batch.max_q_len,
         sliding_window=sliding_window,
         backend=backend,
-        **scales,
+        k_scales=pool_scales,
+        v_scales=pool_scales,
+        v_page_offset=1,
         **dict(options),
     )

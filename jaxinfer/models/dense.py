@@ -21,7 +21,14 @@ from jaxinfer.kv.cache import KVCache, token_slots, write_kv
 from jaxinfer.models.attention import causal_attention, paged_attention
 from jaxinfer.models.batch import RaggedBatch
 from jaxinfer.models.config import ModelConfig
-from jaxinfer.models.layers import FFN_BLOCKS, apply_rope, rms_norm, rope_inv_freq
+from jaxinfer.models.layers import (
+    FFN_BLOCKS,
+    apply_rope,
+    deferred_rms_norm,
+    rms_norm,
+    rope_inv_freq,
+    scale_rows,
+)
 from jaxinfer.models.spec import Params
 
 # attend(q, k, v, carry, layer) -> (out, carry): how a layer's attention sees the sequence.
@@ -67,9 +74,13 @@ def decoder_layer(
     carry: Any,
     layer: Any,
 ) -> tuple[jax.Array, Any]:
-    """Pre-norm attention + FFN block on x [..., E] with positions [...]."""
-    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = qkv_projection(cfg, p, h)
+    """Pre-norm attention + FFN block on x [..., E] with positions [...].
+
+    Both norms are deferred (`deferred_rms_norm`): the row scale is applied to the outputs of the
+    projections that follow them.
+    """
+    h, r = deferred_rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+    q, k, v = qkv_projection(cfg, p, h, r)
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
@@ -81,16 +92,17 @@ def decoder_layer(
     if cfg.o_bias:
         o = o + p["bo"]
     x = x + o
-    h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    x = x + FFN_BLOCKS[cfg.ffn](cfg, p, h)
+    h, r = deferred_rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    x = x + FFN_BLOCKS[cfg.ffn](cfg, p, h, r)
     return x, carry
 
 
-def qkv_projection(cfg: ModelConfig, p: dict, h: jax.Array):
-    """h [..., E] -> q [..., Hq, D], k and v [..., Hkv, D]: one matmul with the fused `w_qkv`
-    [E, Hkv, G + 2, D] (per KV head: its G query heads, its key, its value; see `layer_specs`)."""
+def qkv_projection(cfg: ModelConfig, p: dict, h: jax.Array, row_scale: jax.Array | None = None):
+    """h [..., E] (times row_scale [...], when given) -> q [..., Hq, D], k and v [..., Hkv, D]: one
+    matmul with the fused `w_qkv` [E, Hkv, G + 2, D] (per KV head: its G query heads, its key, its
+    value; see `layer_specs`)."""
     g = cfg.q_per_kv
-    qkv = jnp.einsum("...e,ehgd->...hgd", h, p["w_qkv"])
+    qkv = scale_rows(jnp.einsum("...e,ehgd->...hgd", h, p["w_qkv"]), row_scale, 3)
     if cfg.qkv_bias:
         qkv = qkv + p["b_qkv"]
     q = qkv[..., :g, :].reshape(*qkv.shape[:-3], cfg.num_heads, cfg.head_dim)

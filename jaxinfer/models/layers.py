@@ -13,9 +13,34 @@ from jaxinfer.models.config import ModelConfig
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm in fp32, cast back to x.dtype before the weight multiply (as HF Llama/Qwen do)."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    xf = x.astype(jnp.float32) * rms_scale(x, eps)[..., None]
     return weight.astype(x.dtype) * xf.astype(x.dtype)
+
+
+def rms_scale(x: jax.Array, eps: float) -> jax.Array:
+    """1 / RMS(x) over the last axis, fp32 [...]: RMSNorm(x) = weight * x * rms_scale(x)."""
+    xf = x.astype(jnp.float32)
+    return jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1) + eps)
+
+
+def deferred_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
+    """RMSNorm split for a following matmul: (x * weight, row scale [...] fp32).
+
+    A matmul of the normed rows equals the matmul of `x * weight` with its output rows scaled:
+    `rms_norm(x) @ W == row_scale[..., None] * ((x * weight) @ W)`. Applied after the projection
+    (`scale_rows`), the scale lands in the elementwise fusions that consume the projection, and
+    the sum of squares in the residual add's fusion: no normalisation kernel of its own runs (two
+    per layer, measured on the H200 in `experiments/results/h200/deferred_norm.json`).
+    """
+    return x * weight.astype(x.dtype), rms_scale(x, eps)
+
+
+def scale_rows(y: jax.Array, row_scale: jax.Array | None, row_dims: int) -> jax.Array:
+    """y [..., *feature dims] times row_scale [...] (None: unchanged); `row_dims` feature axes."""
+    if row_scale is None:
+        return y
+    s = row_scale.reshape(row_scale.shape + (1,) * row_dims)
+    return (y.astype(jnp.float32) * s).astype(y.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -56,10 +81,12 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return (xh * cos + xh[..., ::-1, :] * sin).reshape(x.shape)
 
 
-def dense_ffn(cfg: ModelConfig, p: dict, x: jax.Array) -> jax.Array:
-    """SwiGLU: down(silu(x @ gate) * (x @ up)), gate and up as one matmul with the fused
-    `w_gate_up` [E, 2, F]."""
-    gate_up = jnp.einsum("...e,egf->...gf", x, p["w_gate_up"])
+def dense_ffn(
+    cfg: ModelConfig, p: dict, x: jax.Array, row_scale: jax.Array | None = None
+) -> jax.Array:
+    """SwiGLU: down(silu(h @ gate) * (h @ up)) of h = x * row_scale, gate and up as one matmul with
+    the fused `w_gate_up` [E, 2, F]; the row scale is applied to that matmul's output."""
+    gate_up = scale_rows(jnp.einsum("...e,egf->...gf", x, p["w_gate_up"]), row_scale, 2)
     if cfg.mlp_bias:
         gate_up = gate_up + p["b_gate_up"]
     gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
@@ -69,5 +96,8 @@ def dense_ffn(cfg: ModelConfig, p: dict, x: jax.Array) -> jax.Array:
     return out
 
 
-# The FFN of a layer is looked up by `cfg.ffn`; an MoE block registers here with the same signature.
+# The FFN of a layer is looked up by `cfg.ffn`; an MoE block registers here with the same signature
+# `(cfg, p, x, row_scale)`: its input is the normed hidden `x * row_scale[..., None]` (see
+# `deferred_rms_norm`); a block whose first op is not a row-wise matmul (a router's softmax over
+# experts is one) multiplies it in first.
 FFN_BLOCKS = {"dense": dense_ffn}

@@ -169,10 +169,12 @@ def cudnn_paged_decode(
     kv_seqlen: jax.Array,
     *,
     sm_scale: float | None = None,
+    v_page_offset: int = 0,
 ) -> jax.Array:
     """cuDNN's paged attention call alone, on operands in its layout (`CudnnPagedInputs`).
 
-    Returns [B, 1, Hq, D] in q.dtype. This is what a benchmark should time.
+    V's page table is K's plus `v_page_offset` (K and V in one pool; see `reference`). Returns
+    [B, 1, Hq, D] in q.dtype. This is what a benchmark should time.
     """
     paged_attention, mask_type = _cudnn_api()
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
@@ -183,7 +185,7 @@ def cudnn_paged_decode(
         q_seqlen,
         kv_seqlen,
         page_table,
-        page_table,
+        page_table + v_page_offset if v_page_offset else page_table,
         scale=scale,
         mask_type=mask_type.PADDING,
         qkv_layout="BTNH",
@@ -204,6 +206,7 @@ def cudnn_paged_attention(
     sliding_window: int | None = None,
     k_scales: jax.Array | None = None,
     v_scales: jax.Array | None = None,
+    v_page_offset: int = 0,
 ) -> jax.Array:
     """Ragged paged attention in our layout (see `reference.ragged_paged_attention`) via cuDNN.
 
@@ -219,5 +222,5 @@ def cudnn_paged_attention(
         v_scales=v_scales,
     )
     inputs = to_cudnn_layout(q, k_pages, v_pages, page_table, seq_lens, query_start_loc)
-    out = cudnn_paged_decode(*inputs, sm_scale=sm_scale)
+    out = cudnn_paged_decode(*inputs, sm_scale=sm_scale, v_page_offset=v_page_offset)
     return from_cudnn_output(out, query_start_loc, q.shape[0], q.dtype)

@@ -52,17 +52,19 @@ def paged_attention(
     sliding_window: int | None = None,
     k_scales: jax.Array | None = None,
     v_scales: jax.Array | None = None,
+    v_page_offset: int = 0,
     backend: str = "auto",
     **kernel_options,
 ) -> jax.Array:
     """Ragged paged attention (see `reference.ragged_paged_attention` for the layout).
 
     `k_scales`/`v_scales`: [num_pages, Hkv] float32 dequantization scales when the pages are FP8.
+    `v_page_offset` (static): V's page ids are K's plus this (K and V sharing one pool).
     `kernel_options` go to the Pallas kernel (e.g. `num_splits`, `interpret`).
     """
     backend = resolve_backend(backend, q, k_pages)
     common = dict(max_q_len=max_q_len, sm_scale=sm_scale, soft_cap=soft_cap,
-                  sliding_window=sliding_window)  # fmt: skip
+                  sliding_window=sliding_window, v_page_offset=v_page_offset)  # fmt: skip
     if backend == "xla":
         return ragged_paged_attention(
             q, k_pages, v_pages, page_table, seq_lens, query_start_loc,

@@ -109,9 +109,11 @@ def ragged_paged_attention_mgpu(
     num_consumers: int | None = None,
     fp8_load: str = "default",
     split_decode_rows: bool = True,
+    v_page_offset: int = 0,
     interpret: bool | None = None,
 ) -> jax.Array:
-    """Same contract as `reference.ragged_paged_attention`; returns [T, Hq, D] in q.dtype.
+    """Same contract as `reference.ragged_paged_attention` (`v_page_offset` included); returns
+    [T, Hq, D] in q.dtype.
 
     `num_splits` (static) cuts each sequence's context into that many parts (default: enough to
     fill the GPU for decode, 1 for prefill); `num_stages` is the depth of the shared-memory
@@ -126,6 +128,7 @@ def ragged_paged_attention_mgpu(
     _, page_size, num_kv_heads, _ = k_pages.shape
     pages_per_seq = page_table.shape[1]
     _check_inputs(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, k_scales, v_scales)
+    v_page_offset = _static_offset(v_page_offset)
     if fp8_load not in ("default", "wgmma8"):
         raise ValueError(f"fp8_load must be 'default' or 'wgmma8', got {fp8_load!r}")
     group = num_q_heads // num_kv_heads
@@ -181,6 +184,7 @@ def ragged_paged_attention_mgpu(
             soft_cap=soft_cap,
             sliding_window=sliding_window,
             fp8_load=fp8_load,
+            v_page_offset=v_page_offset,
             interpret=interpret,
         ).astype(q.dtype)  # [nb, Hkv, q_rows, D]
         # Back to token order with a gather of rows (only the rows of real tokens are read).
@@ -267,7 +271,8 @@ def _query_blocks(plan, take, q_lens, seq_lens, query_start_loc, num_tokens, gro
 
 
 def _launch(plan, meta, qt, page_table, k_pages, v_pages, k_scales, v_scales, *, num_kv_heads,
-            group, kv_dtype, soft_cap, sliding_window, fp8_load, interpret):  # fmt: skip
+            group, kv_dtype, soft_cap, sliding_window, fp8_load, v_page_offset,
+            interpret):  # fmt: skip
     """One kernel launch over `meta`'s blocks; returns [nb, Hkv, q_rows, D] (splits combined)."""
     num_blocks = meta.shape[0]
     head_dim = qt.shape[-1]
@@ -294,6 +299,7 @@ def _launch(plan, meta, qt, page_table, k_pages, v_pages, k_scales, v_scales, *,
         block_kv=plan.block_kv,
         consumers=plan.consumers,
         fp8_load=fp8_load,
+        v_page_offset=v_page_offset,
         interpret=interpret,
     )
     args = [meta, page_table.astype(jnp.int32)]
@@ -319,6 +325,16 @@ def unsupported_reason(num_q_heads, num_kv_heads, head_dim, page_size, kv_dtype)
     if jnp.dtype(kv_dtype) not in (*FP8_DTYPES, jnp.dtype(jnp.bfloat16)):
         return f"kv dtype {jnp.dtype(kv_dtype)}: the kernel reads bf16 or fp8 pages"
     return None
+
+
+def _static_offset(v_page_offset) -> int:
+    try:
+        off = int(v_page_offset)
+    except TypeError as e:  # a tracer
+        raise TypeError(f"v_page_offset must be a static int, got {v_page_offset!r}") from e
+    if off < 0:
+        raise ValueError(f"v_page_offset must be >= 0, got {off}")
+    return off
 
 
 def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, k_scales, v_scales):
@@ -367,6 +383,7 @@ def _build_kernel(
     block_kv,
     consumers,
     fp8_load,
+    v_page_offset,
     interpret,
 ):
     bk = block_kv
@@ -440,23 +457,25 @@ def _build_kernel(
         n_tiles = jnp.maximum(jnp.minimum(t_hi, my_lo + per) - my_lo, 0)
         last_page = jnp.maximum(lax.div(kv_len - 1, jnp.int32(page_size)), 0)
 
-        def page_of(tile, c):
-            """Page holding copy `c` of `tile`, clamped to the sequence's last page."""
+        def page_of(tile, c, offset=0):
+            """Page holding copy `c` of `tile` (clamped to the sequence's last page) plus `offset`
+            (`v_page_offset` for V's page)."""
             idx = lax.div(tile * bk + c * page_size, jnp.int32(page_size))
-            return pt_ref[seq, jnp.minimum(idx, last_page)]
+            page = pt_ref[seq, jnp.minimum(idx, last_page)]
+            return page + offset if offset else page
 
         def issue_k(i, slot):
             tile = my_lo + i
             for c in range(copies):
-                _copy(k_ref, k_smem, k_bar, tile, c, slot)
+                _copy(k_ref, k_smem, k_bar, tile, c, slot, 0)
 
         def issue_v(i, slot):
             tile = my_lo + i
             for c in range(copies):
-                _copy(v_ref, v_smem, v_bar, tile, c, slot)
+                _copy(v_ref, v_smem, v_bar, tile, c, slot, v_page_offset)
 
-        def _copy(src, dst, bar, tile, c, slot):
-            page = page_of(tile, c)
+        def _copy(src, dst, bar, tile, c, slot, offset):
+            page = page_of(tile, c, offset)
             if page_size > bk:  # a tile is a slice of one page
                 off = pl.multiple_of(lax.rem(tile * bk, jnp.int32(page_size)), bk)
                 src_ref = src.at[page, pl.ds(off, bk), head]
@@ -473,15 +492,17 @@ def _build_kernel(
                     issue_k(st, st)
                     issue_v(st, st)
 
-        def col_scales(scale_ref, tile, shape):
+        def col_scales(scale_ref, tile, shape, offset):
             """Per-column dequantization scales of a tile: one scalar per page it spans."""
             out = cast(
-                jnp.full(shape, scale_ref[page_of(tile, 0), head], jnp.float32), wgmma_layout
+                jnp.full(shape, scale_ref[page_of(tile, 0, offset), head], jnp.float32),
+                wgmma_layout,
             )
             if copies > 1:
                 cols = iota(shape, 1)
                 for c in range(1, copies):
-                    out = jnp.where(cols >= c * page_size, scale_ref[page_of(tile, c), head], out)
+                    page = page_of(tile, c, offset)
+                    out = jnp.where(cols >= c * page_size, scale_ref[page, head], out)
             return out
 
         def make_step(w, masked):
@@ -512,7 +533,7 @@ def _build_kernel(
                     if warp_specialized:
                         plgpu.barrier_arrive(k_free.at[slot])
                 if quantized:
-                    s = s * col_scales(ks_ref, tile, shape)
+                    s = s * col_scales(ks_ref, tile, shape, 0)
                 if soft_cap is not None:  # cap * tanh(s / cap), tanh through exp
                     e = jnp.exp(s * (2.0 / soft_cap))
                     s = soft_cap - (2.0 * soft_cap) / (e + 1.0)
@@ -538,7 +559,7 @@ def _build_kernel(
                 l_i = l_i * alpha + p.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 if quantized:
-                    p = p * col_scales(vs_ref, tile, shape)
+                    p = p * col_scales(vs_ref, tile, shape, v_page_offset)
                 p16 = p.astype(cdt)
 
                 if convert_in_producer:

@@ -12,6 +12,10 @@ Layout and conventions (shared with the kernels):
   different `q_len`, so one call handles a batch mixing both.
 - `k_scales`, `v_scales` (FP8 pages only): [num_pages, Hkv] float32; a page's value is
   `float32(page) * scale[page, head]` (see `fp8.py`). Only gathered pages are dequantized.
+- `v_page_offset` (static int, default 0): V's page for a table entry `p` is `p + v_page_offset`
+  (K's is `p`), so K and V may share one pool: the model's cache keeps a page's K and V side by
+  side and passes the same pool twice with offset 1 (`jaxinfer.kv.cache`). Scales follow the
+  same ids.
 
 Isolation: keys at positions >= seq_len are zeroed before use, so pages a sequence does not own
 (or poisoned padding) cannot reach its output, not even as NaN * 0.
@@ -37,6 +41,7 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     k_scales: jax.Array | None = None,
     v_scales: jax.Array | None = None,
+    v_page_offset: int = 0,
 ) -> jax.Array:
     """Causal GQA attention of each sequence's new tokens over its paged context.
 
@@ -57,7 +62,8 @@ def ragged_paged_attention(
     kv_pos = jnp.arange(max_kv)
     if max_q_len == 1:
         out = _seq_major_decode(q, k_pages, v_pages, k_scales, v_scales, page_table, seq_lens,
-                                q_lens, query_start_loc, scale, soft_cap, sliding_window)  # fmt: skip
+                                q_lens, query_start_loc, scale, soft_cap, sliding_window,
+                                v_page_offset)  # fmt: skip
         return out.astype(q.dtype)
 
     # Token-major: every query row gathers its own sequence's keys. Work is T x L, whatever the
@@ -68,7 +74,8 @@ def ragged_paged_attention(
     q_pos = seq_lens[seq] - q_lens[seq] + (t - query_start_loc[seq])  # [T]
     kv_valid = (kv_pos[None, :] < seq_lens[seq][:, None]) & valid[:, None]  # [T, L]
     k = jnp.where(kv_valid[:, :, None, None], _gather(k_pages, k_scales, page_table[seq]), 0.0)
-    v = jnp.where(kv_valid[:, :, None, None], _gather(v_pages, v_scales, page_table[seq]), 0.0)
+    v_ids = page_table[seq] + v_page_offset
+    v = jnp.where(kv_valid[:, :, None, None], _gather(v_pages, v_scales, v_ids), 0.0)
     mask = kv_valid & (kv_pos[None, :] <= q_pos[:, None])
     if sliding_window is not None:
         mask &= kv_pos[None, :] > q_pos[:, None] - sliding_window
@@ -111,7 +118,7 @@ def _masked_softmax(scores, mask, soft_cap):
 
 
 def _seq_major_decode(q, k_pages, v_pages, k_scales, v_scales, page_table, seq_lens, q_lens,
-                      query_start_loc, scale, soft_cap, sliding_window):  # fmt: skip
+                      query_start_loc, scale, soft_cap, sliding_window, v_page_offset):  # fmt: skip
     """Decode-only batches (at most one new token per sequence): gather each sequence's keys once."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
@@ -125,7 +132,8 @@ def _seq_major_decode(q, k_pages, v_pages, k_scales, v_scales, page_table, seq_l
     qs = qs.reshape(num_seqs, num_kv_heads, group, head_dim)
     kv_valid = kv_pos[None, :] < seq_lens[:, None]  # [S, L]
     k = jnp.where(kv_valid[:, :, None, None], _gather(k_pages, k_scales, page_table), 0.0)
-    v = jnp.where(kv_valid[:, :, None, None], _gather(v_pages, v_scales, page_table), 0.0)
+    v_ids = page_table + v_page_offset
+    v = jnp.where(kv_valid[:, :, None, None], _gather(v_pages, v_scales, v_ids), 0.0)
     mask = kv_valid & has_q[:, None]
     if sliding_window is not None:
         mask &= kv_pos[None, :] > (seq_lens[:, None] - 1) - sliding_window
