@@ -17,10 +17,10 @@ from pathlib import Path
 import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import bench_paged_attention as bpa  # noqa: E402
+import bench_paged_attention as bpa
 
-from jaxinfer.provenance import provenance  # noqa: E402
-from pallas_kernels.paged_attention import paged_attention  # noqa: E402
+from jaxinfer.provenance import provenance
+from pallas_kernels.paged_attention import paged_attention
 
 
 def main() -> None:
@@ -52,7 +52,7 @@ def main() -> None:
                         t = bpa.time_op(prep, min_loop_s=0.02, repeats=5)
                         row.update(time_us=round(t["time_s"] * 1e6, 2),
                                    kv_TBps=round(case.kv_bytes / t["time_s"] / 1e12, 3))  # fmt: skip
-                    except Exception as e:  # noqa: BLE001
+                    except Exception as e:
                         row["error"] = f"{type(e).__name__}: {e}"[:500]
                     print(row, flush=True)
                     result["rows"].append(row)
