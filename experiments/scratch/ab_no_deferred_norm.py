@@ -1,6 +1,6 @@
 """A/B driver: bench_e2e.py with the RMSNorm computed up front (not deferred into the projections).
 
-    PYTHONPATH=. python3 experiments/scratch/ab_no_deferred_norm.py <bench_e2e.py arguments>
+PYTHONPATH=. python3 experiments/scratch/ab_no_deferred_norm.py <bench_e2e.py arguments>
 """
 
 import runpy
