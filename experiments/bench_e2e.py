@@ -205,6 +205,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--hf-num-requests", type=int, default=None)
     ap.add_argument("--hf-workloads", default="fixed", help="workloads run through transformers")
     ap.add_argument("--hf-timeout-s", type=float, default=1200.0)
+    ap.add_argument("--hf-python", default=sys.executable,
+                    help="interpreter of the transformers worker (one with torch); default: this "
+                         "one. The engine then runs in its own environment: on the H200 image, "
+                         "jax in the torch venv picks up that venv's CUDA libraries")  # fmt: skip
     ap.add_argument("--profile-decode-scans", type=int, default=2)
     ap.add_argument("--profile-decode", type=int, nargs="*", default=[], metavar="BATCH",
                     help="also trace decode scans alone at these batch sizes (first --contexts "
@@ -473,7 +477,7 @@ def run_transformers(cfg: ModelConfig, args, workloads: dict[str, list[WorkloadR
     with tempfile.TemporaryDirectory() as tmp:
         job_path, out_path = Path(tmp, "job.json"), Path(tmp, "rows.json")
         job_path.write_text(json.dumps(job))
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--hf-worker", job_path, out_path]
+        cmd = [args.hf_python, str(Path(__file__).resolve()), "--hf-worker", job_path, out_path]
         proc = subprocess.run(list(map(str, cmd)), env=env, timeout=args.hf_timeout_s)
         if proc.returncode != 0:
             raise RuntimeError(f"transformers worker exited with {proc.returncode} (output above)")
@@ -763,6 +767,8 @@ def main(argv=None) -> dict:
     options = engine_options(args, workloads)
     result["env"] = {k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_FLAGS")}
     result["env"]["compile_cache"] = args.compile_cache or None
+    result["env"]["python"] = sys.executable
+    result["env"]["hf_python"] = args.hf_python
     result["engine"] = {"model": f"preset:{args.preset}", **options}
     write()
     if not set(args.parts) - {"transformers"}:
