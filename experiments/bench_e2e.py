@@ -49,6 +49,7 @@ from rich.table import Table
 
 from jaxinfer.checkpoint import config_to_hf
 from jaxinfer.engine.compile_counter import compile_count
+from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.llm import LLM
 from jaxinfer.engine.model_runner import pick_bucket
 from jaxinfer.engine.request import SamplingParams
@@ -167,6 +168,16 @@ def _option(text: str) -> tuple[str, object]:
     return key, yaml.safe_load(value)
 
 
+def _xla_option(text: str) -> tuple[str, str, str]:
+    """'kind:name=value' -> (kind, name, value), the value kept a string (as in XLA_FLAGS)."""
+    kind, sep, rest = text.partition(":")
+    name, eq, value = rest.partition("=")
+    if not sep or not eq or not kind or not name:
+        raise argparse.ArgumentTypeError(f"{text!r}: want KIND:NAME=VALUE (e.g. "
+                                         "decode:xla_gpu_enable_command_buffer=)")  # fmt: skip
+    return kind, name, value
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -183,6 +194,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="auto",
         help="engine attention_backend: auto | xla | pallas | cudnn",
     )
+    ap.add_argument("--xla-options", nargs="*", default=[], metavar="KIND:NAME=VALUE",
+                    type=_xla_option, help="engine.compiler_options, on top of the engine's "
+                    "defaults: XLA options of the executables of one kind (all, mixed, decode, "
+                    "sample); VALUE 'default' drops the option (XLA's own default), e.g. "
+                    "decode:xla_gpu_enable_command_buffer=default")  # fmt: skip
     ap.add_argument("--attention-options", nargs="*", default=[], metavar="KEY=VALUE",
                     type=_option, help="engine.attention_options: the Pallas kernel's tuning "
                     "keywords, e.g. split_decode_rows=false num_stages=3")  # fmt: skip
@@ -651,6 +667,12 @@ def engine_options(args, workloads: dict[str, list[WorkloadRequest]]) -> dict:
         attention_backend=args.attention_backend, compile_workers=args.compile_workers,
         async_schedule=bool(args.async_schedule), attention_options=dict(args.attention_options),
     )  # fmt: skip
+    # the engine's default XLA options with --xla-options on top ("default" drops one: XLA's own),
+    # written out so that the results file records them
+    compiler = {k: dict(v) for k, v in EngineConfig().compiler_options.items()}
+    for kind, name, value in args.xla_options:
+        compiler.setdefault(kind, {})[name] = None if value == "default" else value
+    options["compiler_options"] = compiler
     if args.kv_dtype != "auto":
         options["kv_dtype"] = args.kv_dtype
     return options

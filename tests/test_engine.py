@@ -240,3 +240,27 @@ def test_async_schedule_off_never_feeds_placeholders_and_matches(model, prompts)
         stopped = [s for s in seqs if s.finish_reason == "stop"]
         assert stopped and all(len(s.output_token_ids) < 30 for s in stopped)
     assert got[True] == got[False]
+
+
+def test_compiler_options_reach_each_kinds_compile(model, prompts):
+    """Per-kind XLA options go to that kind's compiles only: an option XLA does not know fails the
+    warm-up when set for "sample", and a kind's None drops the "all" entry."""
+    engine = Engine(EngineConfig(model="preset:tiny", **SMALL), *model)
+    runner = engine.runner
+    assert runner._compiler_options("decode") == {"xla_gpu_enable_command_buffer": ""}  # default
+    assert runner._compiler_options("mixed") == {}
+    runner.compiler_options = {"all": {"xla_gpu_graph_min_graph_size": 7},
+                               "sample": {"xla_gpu_graph_min_graph_size": None, "xla_bogus": 1}}  # fmt: skip
+    assert runner._compiler_options("mixed") == {"xla_gpu_graph_min_graph_size": "7"}
+    assert runner._compiler_options("sample") == {"xla_bogus": "1"}
+    with pytest.raises(Exception, match="xla_bogus"):
+        runner.warmup()
+    runner.compiler_options = {"all": {"xla_gpu_graph_min_graph_size": 7}}  # known: compiles
+    runner.warmup()
+    (seq,) = run(engine, prompts[:1], [greedy(5)])
+    (base,) = run(make_engine(model), prompts[:1], [greedy(5)])
+    assert seq.output_token_ids == base.output_token_ids
+    for bad, match in (({"decodes": {}}, "compiler_options.decodes"),
+                       ({"decode": {"gpu_x": "1"}}, "compiler_options.decode")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(model="preset:tiny", compiler_options=bad)

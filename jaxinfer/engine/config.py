@@ -11,6 +11,8 @@ from jaxinfer.models.attention import ATTENTION_BACKENDS, ATTENTION_OPTIONS
 SCHEDULERS = ("fcfs", "priority", "shortest_first", "static")
 DATA_PARALLEL_BACKENDS = ("auto", "process", "thread")
 ALLOCATIONS = ("on_demand", "reserve_max")
+# Which warm-up executables an entry of `compiler_options` applies to ("all": every one).
+EXECUTABLE_KINDS = ("all", "mixed", "decode", "sample")
 
 
 @dataclass
@@ -38,6 +40,16 @@ class EngineConfig:
     # Tuning keywords of the Pallas attention kernel, for ablations (used when the kernel runs),
     # e.g. {split_decode_rows: false, num_stages: 3}; keys: ATTENTION_OPTIONS.
     attention_options: dict[str, Any] = field(default_factory=dict)
+    # XLA compiler options of the warm-up executables, by kind (EXECUTABLE_KINDS; a kind's entry
+    # overrides "all"): XLA_FLAGS per executable, values as on the XLA_FLAGS command line; null
+    # drops an option (XLA's own default). The default turns CUDA graphs (XLA command buffers) off
+    # for the decode scans: with the buckets of a serving engine compiled (12 decode executables
+    # for 8-256 sequences), the 8B decode step on the H200 was 0.5-2.4% faster without them at
+    # 11 of 12 batch x context rows and throughput was within 0.7%
+    # (experiments/results/h200/e2e_llama3_8b_command_buffers.json).
+    compiler_options: dict[str, dict[str, Any]] = field(
+        default_factory=lambda: {"decode": {"xla_gpu_enable_command_buffer": ""}}
+    )
     num_logprobs: int = 0  # top-k logprobs computed on device (static; requests may ask <= this)
     # Threads compiling warm-up buckets at once (0: one per core, at most one per bucket). On the
     # H200 the 8B engine's 10 buckets took 169 s one after another and 65 s with 0
@@ -68,6 +80,13 @@ class EngineConfig:
             if key not in ATTENTION_OPTIONS:
                 raise ValueError(f"engine.attention_options.{key} is unknown: the Pallas kernel's "
                                  f"options are {', '.join(ATTENTION_OPTIONS)}")  # fmt: skip
+        for kind, options in self.compiler_options.items():
+            if kind not in EXECUTABLE_KINDS:
+                raise ValueError(f"engine.compiler_options.{kind} is unknown: the executable "
+                                 f"kinds are {', '.join(EXECUTABLE_KINDS)}")  # fmt: skip
+            if not isinstance(options, dict) or not all(str(k).startswith("xla_") for k in options):
+                raise ValueError(f"engine.compiler_options.{kind} must map XLA option names "
+                                 f"(xla_...) to values, got {options!r}")  # fmt: skip
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise bad("dtype", "one of float32, bfloat16, float16")
         for key in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):

@@ -105,6 +105,7 @@ class Engine:
             backend=config.attention_backend,
             kv_dtype=config.kv_dtype,
             attention_options=dict(config.attention_options),
+            compiler_options={k: dict(v) for k, v in config.compiler_options.items()},
         )
         self.eos_ids = tuple(cfg.eos_token_ids)
         self.sequences: list[Sequence] = []

@@ -157,8 +157,11 @@ class ModelRunner:
     """Owns the KV cache; turns host-built batches into sampled tokens."""
 
     def __init__(self, cfg: ModelConfig, params, shapes: RunnerShapes, backend: str = "xla",
-                 kv_dtype: str = "auto", attention_options: dict | None = None):  # fmt: skip
+                 kv_dtype: str = "auto", attention_options: dict | None = None,
+                 compiler_options: dict[str, dict] | None = None):  # fmt: skip
         self.cfg, self.params, self.shapes, self.backend = cfg, params, shapes, backend
+        # XLA options of warm-up's executables by kind ("all", "mixed", "decode", "sample")
+        self.compiler_options = compiler_options or {}
         # static (hashable) kernel tuning keywords, in a fixed order
         self.attention_options = tuple(sorted((attention_options or {}).items()))
         self.kv = init_kv_cache(cfg, shapes.num_pages, shapes.page_size, kv_dtype)
@@ -282,7 +285,8 @@ class ModelRunner:
                 t = time.perf_counter()
                 low = fn.lower(*args, **static)
                 lower_s += time.perf_counter() - t
-                compiled[key] = pool.submit(low.compile)
+                options = self._compiler_options(key[0])
+                compiled[key] = pool.submit(low.compile, options or None)
             for key, future in compiled.items():
                 self._executables[key] = future.result()
         self.warmup_stats = {"executables": len(calls), "lower_s": round(lower_s, 2),
@@ -297,6 +301,13 @@ class ModelRunner:
                 jax.block_until_ready(self.run_decode(*args[2:], key[2]))
             else:
                 jax.block_until_ready(self._executables[key](*args))
+
+    def _compiler_options(self, kind: str) -> dict[str, str]:
+        """XLA options of one executable kind: "all"'s, overridden by the kind's own; a None value
+        drops the option (XLA's default)."""
+        merged = {**self.compiler_options.get("all", {}), **self.compiler_options.get(kind, {})}
+        return {k: str(v).lower() if isinstance(v, bool) else str(v)
+                for k, v in merged.items() if v is not None}  # fmt: skip
 
     def _warmup_calls(self):
         """(key, jitted fn, example args, static args) for every bucket the engine can use."""
