@@ -243,8 +243,9 @@ def test_async_schedule_off_never_feeds_placeholders_and_matches(model, prompts)
 
 
 def test_compiler_options_reach_each_kinds_compile(model, prompts):
-    """Per-kind XLA options go to that kind's compiles only: an option XLA does not know fails the
-    warm-up when set for "sample", and a kind's None drops the "all" entry."""
+    """Per-kind XLA options reach the warm-up compiles (an option XLA does not know, set for
+    "sample" only, fails the warm-up naming it); a kind's entry overrides "all"'s and None drops
+    one; a known option leaves the tokens unchanged."""
     engine = Engine(EngineConfig(model="preset:tiny", **SMALL), *model)
     runner = engine.runner
     assert runner._compiler_options("decode") == {"xla_gpu_enable_command_buffer": ""}  # default
