@@ -168,14 +168,21 @@ def _option(text: str) -> tuple[str, object]:
     return key, yaml.safe_load(value)
 
 
-def _xla_option(text: str) -> tuple[str, str, str]:
-    """'kind:name=value' -> (kind, name, value), the value kept a string (as in XLA_FLAGS)."""
+def _xla_option(text: str) -> tuple[str, str, object]:
+    """'kind:name=value' -> (kind, name, value): true/false become bools and integers ints (XLA
+    rejects the string 'true' for a bool option); anything else stays a string (as in XLA_FLAGS,
+    e.g. the empty list of command-buffer types)."""
     kind, sep, rest = text.partition(":")
     name, eq, value = rest.partition("=")
     if not sep or not eq or not kind or not name:
         raise argparse.ArgumentTypeError(f"{text!r}: want KIND:NAME=VALUE (e.g. "
                                          "decode:xla_gpu_enable_command_buffer=)")  # fmt: skip
-    return kind, name, value
+    if value.lower() in ("true", "false"):
+        return kind, name, value.lower() == "true"
+    try:
+        return kind, name, int(value)
+    except ValueError:
+        return kind, name, value
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -186,3 +186,20 @@ def test_attention_options_flag_reaches_the_engine_config(bench):
     assert options["attention_options"] == {"split_decode_rows": False, "num_stages": 3}
     with pytest.raises(SystemExit):
         bench.parse_args(["--smoke", "--out", "/tmp/x.json", "--attention-options", "oops"])
+
+
+def test_xla_options_flag_types_values_and_layers_on_engine_defaults(bench):
+    args = bench.parse_args(["--smoke", "--out", "/tmp/x.json", "--xla-options",
+                             "decode:xla_gpu_enable_triton_gemm=false", "all:xla_gpu_autotune_level=2",
+                             "mixed:xla_gpu_enable_command_buffer=FUSION,CUBLAS",
+                             "decode:xla_gpu_enable_command_buffer=default"])  # fmt: skip
+    compiler = bench.engine_options(args, {})["compiler_options"]
+    assert compiler["decode"] == {"xla_gpu_enable_command_buffer": None,  # XLA's own again
+                                  "xla_gpu_enable_triton_gemm": False}  # fmt: skip
+    assert compiler["all"] == {"xla_gpu_autotune_level": 2}
+    assert compiler["mixed"] == {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS"}
+    # the engine's own default (decode scans without command buffers) is there to override
+    assert bench.engine_options(bench.parse_args(["--smoke", "--out", "/tmp/x.json"]), {})[
+        "compiler_options"]["decode"] == {"xla_gpu_enable_command_buffer": ""}  # fmt: skip
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--smoke", "--out", "/tmp/x.json", "--xla-options", "decode:oops"])

@@ -37,12 +37,12 @@ def interleave(k, v):
 
 
 def run_case(*, q_lens, ctx_lens, page_size, num_kv_heads, group, head_dim, fp8=False,
-             interpret=True, shared_pool=False, **kw):  # fmt: skip
+             interpret=True, shared_pool=False, pad_tokens=3, **kw):  # fmt: skip
     seed = secrets.randbelow(2**31)
     rng = np.random.default_rng(seed)
     q, k_pages, v_pages, table, lens, qsl, _, _ = make_case(
         rng, q_lens=q_lens, ctx_lens=ctx_lens, page_size=page_size,
-        num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
+        num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, pad_tokens=pad_tokens,
     )  # fmt: skip
     qb = jnp.asarray(q, jnp.bfloat16)
     if fp8:
@@ -93,6 +93,47 @@ def test_decode_page_sizes_and_splits(page_size, ctx_lens, num_splits):
     run_case(q_lens=[1] * len(ctx_lens), ctx_lens=ctx_lens, page_size=page_size,
              num_kv_heads=2, group=4, head_dim=64, num_splits=num_splits,
              warp_specialized=False)  # fmt: skip
+
+
+# Decode-only batches with one split write token-major outputs from the kernel when there are no
+# more tokens than sequences (the engine's decode scans): sequences without a token (q_len 0) in
+# the middle and at the end, padding tokens (NaN queries) whose rows must come out zero, real
+# blocks past the real token count (which also zero a padding row), and GQA groups whose rows
+# start at every offset within an 8-row tile (group 3) or always aligned (8).
+@pytest.mark.parametrize(
+    "q_lens,ctx_lens,group,warp_specialized",
+    [
+        ([1, 1, 0, 1, 1, 0], [40, 0, 7, 130, 63, 5], 4, False),
+        ([0, 0, 1, 1], [9, 9, 100, 17], 3, False),
+        ([1, 1, 1, 0], [200, 1, 64, 0], 8, True),
+        ([1, 0, 1, 1, 1], [3, 3, 50, 16, 129], 1, False),
+    ],
+)
+def test_token_major_decode_outputs(monkeypatch, q_lens, ctx_lens, group, warp_specialized):
+    from pallas_kernels.paged_attention import mosaic_gpu
+
+    launches = []
+    launch = mosaic_gpu._launch
+
+    def spy(*a, **kw):
+        launches.append(kw.get("token_major", 0))
+        return launch(*a, **kw)
+
+    monkeypatch.setattr(mosaic_gpu, "_launch", spy)
+    num_tokens = sum(q_lens) + 2
+    run_case(q_lens=q_lens, ctx_lens=ctx_lens, page_size=16, num_kv_heads=2, group=group,
+             head_dim=64, num_splits=1, warp_specialized=warp_specialized,
+             pad_tokens=2)  # fmt: skip
+    assert launches == [num_tokens], launches  # the token-major launch ran, once
+    if group != 4:
+        return
+    # off, or with more than one split, the per-block layout and gather serve the same batch
+    launches.clear()
+    run_case(q_lens=q_lens, ctx_lens=ctx_lens, page_size=16, num_kv_heads=2, group=group,
+             head_dim=64, num_splits=2, pad_tokens=2)  # fmt: skip
+    run_case(q_lens=q_lens, ctx_lens=ctx_lens, page_size=16, num_kv_heads=2, group=group,
+             head_dim=64, num_splits=1, token_major_decode=False, pad_tokens=2)  # fmt: skip
+    assert launches == [0, 0], launches
 
 
 @pytest.mark.parametrize("head_dim,group,num_kv_heads", [(128, 8, 1), (256, 2, 2), (64, 1, 4)])
@@ -189,3 +230,9 @@ def test_compiled_kernel_on_gpu(head_dim, fp8):
     # pages longer than a K/V tile (a tile is a slice of a page), group 3 (rows shifted by 1-7)
     run_case(q_lens=[1, 45, 1], ctx_lens=[700, 31, 129], page_size=128, num_kv_heads=2, group=3,
              head_dim=head_dim, fp8=fp8, interpret=False)  # fmt: skip
+    # a decode scan's batch: 40 sequences x 8 KV heads fill the GPU, so one split and token-major
+    # outputs (with a sequence without a token and padding rows that must come out zero)
+    rng = np.random.default_rng(secrets.randbelow(2**31))
+    run_case(q_lens=[1] * 20 + [0] + [1] * 20, ctx_lens=list(rng.integers(0, 700, 41)),
+             page_size=64, num_kv_heads=8, group=4, head_dim=head_dim, fp8=fp8, interpret=False,
+             pad_tokens=1)  # fmt: skip

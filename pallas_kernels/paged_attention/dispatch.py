@@ -18,7 +18,7 @@ BACKENDS = ("auto", "xla", "pallas", "cudnn")
 # Tuning keywords of the Pallas kernel (`mosaic_gpu.ragged_paged_attention_mgpu`); other backends
 # ignore them.
 KERNEL_OPTIONS = ("split_decode_rows", "num_splits", "num_stages", "warp_specialized", "block_kv",
-                  "num_consumers", "fp8_load")  # fmt: skip
+                  "num_consumers", "fp8_load", "token_major_decode")  # fmt: skip
 
 
 def resolve_backend(backend: str, q=None, k_pages=None) -> str:

@@ -16,6 +16,10 @@ How the work is cut
   tokens are loaded too (later tokens or zero padding) and their outputs are never read. Outputs
   are written per block and gathered back to token order (only real tokens' rows are read). Blocks
   past the real ones (the grid is a static bound) skip all work.
+- Decode-only batches with one context split (the engine's decode scans from ~17 sequences up)
+  skip that gather: each block writes its token's `group` rows straight into the [T, Hq, D]
+  output through an unswizzled staging buffer (any row offset), and block b writes the zeros of
+  padding token b. The gather was its own XLA kernel after every layer's attention.
 - Mixed batches (prefill chunks and decodes in one step, the engine's mixed step) take two
   launches: sequences with one new token get decode blocks, the others prefill blocks. One launch
   of prefill-shaped blocks for all of them would give every decode token a 128-row block, two
@@ -109,6 +113,7 @@ def ragged_paged_attention_mgpu(
     num_consumers: int | None = None,
     fp8_load: str = "default",
     split_decode_rows: bool = True,
+    token_major_decode: bool = True,
     v_page_offset: int = 0,
     interpret: bool | None = None,
 ) -> jax.Array:
@@ -121,7 +126,9 @@ def ragged_paged_attention_mgpu(
     `num_consumers` consumer warpgroups of 64 query rows each. Defaults: see the module docstring.
     In a batch with `max_q_len > 1`, `split_decode_rows` sends the sequences with exactly one new
     token through the decode configuration (a second launch; the tuning options above then apply
-    to the prefill part only). `interpret` runs the kernel under the GPU interpreter (default:
+    to the prefill part only). `token_major_decode` lets a decode-only batch (`max_q_len == 1`,
+    no more tokens than sequences) with one context split write its outputs in token order from the
+    kernel (False: through the per-block layout and a gather, as other batches). `interpret` runs the kernel under the GPU interpreter (default:
     when there is no GPU).
     """
     num_tokens, num_q_heads, head_dim = q.shape
@@ -163,30 +170,32 @@ def ragged_paged_attention_mgpu(
     pad = max(plan.q_rows for plan, _ in parts) + (-num_tokens * group) % 8
     qt = jnp.pad(qt.reshape(num_kv_heads, num_tokens * group, head_dim), ((0, 0), (0, pad), (0, 0)))
 
+    launch = dict(num_kv_heads=num_kv_heads, group=group, kv_dtype=jnp.dtype(k_pages.dtype),
+                  soft_cap=soft_cap, sliding_window=sliding_window, fp8_load=fp8_load,
+                  v_page_offset=v_page_offset, interpret=interpret)  # fmt: skip
+    plan0, take0 = parts[0]
+    num_seqs = q_lens.shape[0]
+    if (plan0.decode and len(parts) == 1 and token_major_decode and num_tokens <= num_seqs
+            and _resolve_splits(plan0, num_seqs, num_kv_heads) == 1):  # fmt: skip
+        # One split: the kernel writes each token's rows in place ([T, Hq, D]) and the zeros of
+        # the padding tokens, so no gather (an XLA fusion per layer) runs after it.
+        meta, _ = _query_blocks(plan0, take0, q_lens, seq_lens, query_start_loc, num_tokens,
+                                group)  # fmt: skip
+        b = jnp.arange(num_seqs, dtype=jnp.int32)
+        zero_row = jnp.where((b >= query_start_loc[-1]) & (b < num_tokens), b, -1)
+        meta = jnp.concatenate([meta, zero_row[:, None]], axis=1)
+        out = _launch(plan0, meta, qt, page_table, k_pages, v_pages, k_scales, v_scales,
+                      token_major=num_tokens, **launch)  # fmt: skip
+        return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
     out = jnp.zeros((num_tokens, num_kv_heads, group, head_dim), q.dtype)
     heads = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :, None]
     in_group = jnp.arange(group, dtype=jnp.int32)[None, None, :]
     for plan, take in parts:
         meta, first_blk = _query_blocks(plan, take, q_lens, seq_lens, query_start_loc, num_tokens,
                                         group)  # fmt: skip
-        ob = _launch(
-            plan,
-            meta,
-            qt,
-            page_table,
-            k_pages,
-            v_pages,
-            k_scales,
-            v_scales,
-            num_kv_heads=num_kv_heads,
-            group=group,
-            kv_dtype=jnp.dtype(k_pages.dtype),
-            soft_cap=soft_cap,
-            sliding_window=sliding_window,
-            fp8_load=fp8_load,
-            v_page_offset=v_page_offset,
-            interpret=interpret,
-        ).astype(q.dtype)  # [nb, Hkv, q_rows, D]
+        ob = _launch(plan, meta, qt, page_table, k_pages, v_pages, k_scales, v_scales,
+                     **launch).astype(q.dtype)  # [nb, Hkv, q_rows, D]  # fmt: skip
         # Back to token order with a gather of rows (only the rows of real tokens are read).
         blk = first_blk[tok_seq] + tok_off // plan.bq
         row = meta[blk, 5] + (tok_off % plan.bq) * group
@@ -270,18 +279,26 @@ def _query_blocks(plan, take, q_lens, seq_lens, query_start_loc, num_tokens, gro
     return meta.astype(jnp.int32), first_blk
 
 
-def _launch(plan, meta, qt, page_table, k_pages, v_pages, k_scales, v_scales, *, num_kv_heads,
-            group, kv_dtype, soft_cap, sliding_window, fp8_load, v_page_offset,
-            interpret):  # fmt: skip
-    """One kernel launch over `meta`'s blocks; returns [nb, Hkv, q_rows, D] (splits combined)."""
-    num_blocks = meta.shape[0]
-    head_dim = qt.shape[-1]
-    quantized = k_scales is not None
+def _resolve_splits(plan, num_blocks, num_kv_heads) -> int:
+    """Context splits of a launch of `plan` over `num_blocks` query blocks."""
     num_splits = plan.num_splits
     if num_splits is None:
         num_splits = default_num_splits(num_blocks * num_kv_heads, plan.max_tiles,
                                         _compat.num_sms())  # fmt: skip
-    num_splits = max(1, min(int(num_splits), plan.max_tiles))
+    return max(1, min(int(num_splits), plan.max_tiles))
+
+
+def _launch(plan, meta, qt, page_table, k_pages, v_pages, k_scales, v_scales, *, num_kv_heads,
+            group, kv_dtype, soft_cap, sliding_window, fp8_load, v_page_offset, interpret,
+            token_major=0):  # fmt: skip
+    """One kernel launch over `meta`'s blocks; returns [nb, Hkv, q_rows, D] (splits combined), or
+    with `token_major` = T (decode blocks, one split) the outputs in token order, [T * Hq, D]."""
+    num_blocks = meta.shape[0]
+    head_dim = qt.shape[-1]
+    quantized = k_scales is not None
+    num_splits = _resolve_splits(plan, num_blocks, num_kv_heads)
+    if token_major and (num_splits != 1 or not plan.decode):
+        raise ValueError("token-major outputs need decode blocks and one split")
     kernel = _build_kernel(
         num_blocks=num_blocks,
         num_kv_heads=num_kv_heads,
@@ -300,11 +317,15 @@ def _launch(plan, meta, qt, page_table, k_pages, v_pages, k_scales, v_scales, *,
         consumers=plan.consumers,
         fp8_load=fp8_load,
         v_page_offset=v_page_offset,
+        token_major=token_major,
         interpret=interpret,
     )
     args = [meta, page_table.astype(jnp.int32)]
     if quantized:
         args += [k_scales.astype(jnp.float32), v_scales.astype(jnp.float32)]
+    if token_major:
+        (out,) = kernel(*args, qt, k_pages, v_pages)
+        return out
     out, lse = kernel(*args, qt, k_pages, v_pages)  # [splits, nb, Hkv, rows, D], [.., rows]
     if num_splits == 1:
         return out[0]
@@ -384,9 +405,11 @@ def _build_kernel(
     consumers,
     fp8_load,
     v_page_offset,
+    token_major,
     interpret,
 ):
     bk = block_kv
+    num_q_heads = num_kv_heads * group
     # FP8 with a producer warpgroup: it also converts tiles to f16, off the consumer's path.
     convert_in_producer = quantized and warp_specialized
     conv_stages = 2 if head_dim <= 128 else 1  # f16 copies of head dim 256 tiles are big
@@ -419,8 +442,11 @@ def _build_kernel(
         return jnp.where(base + row < kv_len, v, jnp.zeros_like(v))
 
     def body(*refs):
-        n_in = 9 if quantized else 7
+        n_in = (9 if quantized else 7) - (1 if token_major else 0)  # inputs and outputs
         ins, scratch = refs[:n_in], refs[n_in:]
+        if token_major:  # no log-sum-exp output; an unswizzled buffer stages the output rows
+            ins = (*ins, None)
+            *scratch, o_smem = scratch
         if quantized:
             meta_ref, pt_ref, ks_ref, vs_ref, q_ref, k_ref, v_ref, o_ref, lse_ref = ins
             q_smem, k_smem, v_smem, kc_smem, vc_smem, lse_smem, *bars = scratch
@@ -668,6 +694,10 @@ def _build_kernel(
 
             l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
             out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+            if token_major:  # a decode block: its `group` rows are its token's heads, in place
+                token = lax.div(q_row0 + shift, jnp.int32(group))
+                store_rows(out.astype(cdt), shift, token)
+                return
             q_w[...] = out.astype(cdt)  # q is no longer needed: its buffer stages the output
             lse_w[...] = m_i + jnp.log(l_safe) * RCP_LN2
             plgpu.commit_smem()
@@ -677,15 +707,36 @@ def _build_kernel(
                 plgpu.copy_smem_to_gmem(lse_w.at[pl.ds(0, rows)], lse_ref.at[split, blk, head, dst])
             plgpu.wait_smem_to_gmem(0)
 
+        def store_rows(x, first, token):
+            """Token-major output: rows [first, first + group) of x [64, D] (cdt) become the
+            output rows of `token`'s query heads of this KV head."""
+            o_smem[...] = x
+            plgpu.commit_smem()
+            dst = pl.ds(token * num_q_heads + head * group, group)
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(first, group)], o_ref.at[dst])
+            plgpu.wait_smem_to_gmem(0)
+
+        def zero_padding_row():
+            """Token-major output: block b also writes the zeros of padding token b (if any)."""
+            zero_row = meta_ref[blk, 6]
+
+            @pl.when(zero_row >= 0)
+            def _():
+                store_rows(cast(jnp.zeros((ROWS, head_dim), cdt), wgmma_layout), 0, zero_row)
+
         # Blocks without queries (the static grid's bound exceeds the real blocks) do nothing:
         # their outputs are never read.
         if not warp_specialized:
             pl.when(n_valid > 0)(functools.partial(consumer, 0))
+            if token_major:
+                zero_padding_row()
             return
 
         wg = lax.axis_index("wg")
         for w in range(consumers):
             pl.when((wg == w) & (n_valid > 0))(functools.partial(consumer, w))
+        if token_major:
+            pl.when(wg == 0)(zero_padding_row)
 
         @pl.when((wg == consumers) & (n_valid > 0))
         def _producer():  # keeps num_stages tiles in flight, refilling a slot once it is consumed
@@ -731,10 +782,14 @@ def _build_kernel(
         scratch += [plgpu.Barrier(num_barriers=conv_stages, **frees)] * 2
     elif warp_specialized:
         scratch += [plgpu.Barrier(num_barriers=num_stages, **frees)] * 2
-    out_type = (
-        jax.ShapeDtypeStruct((num_splits, num_blocks, num_kv_heads, q_rows, head_dim), cdt),
-        jax.ShapeDtypeStruct((num_splits, num_blocks, num_kv_heads, q_rows), jnp.float32),
-    )
+    if token_major:
+        scratch.append(plgpu.SMEM((ROWS, head_dim), cdt))  # o_smem: unswizzled, any row range
+        out_type = (jax.ShapeDtypeStruct((token_major * num_q_heads, head_dim), cdt),)
+    else:
+        out_type = (
+            jax.ShapeDtypeStruct((num_splits, num_blocks, num_kv_heads, q_rows, head_dim), cdt),
+            jax.ShapeDtypeStruct((num_splits, num_blocks, num_kv_heads, q_rows), jnp.float32),
+        )
     kwargs = dict(
         out_type=out_type,
         scratch_types=scratch,
