@@ -245,18 +245,20 @@ def test_async_schedule_off_never_feeds_placeholders_and_matches(model, prompts)
 def test_compiler_options_reach_each_kinds_compile(model, prompts):
     """Per-kind XLA options reach the warm-up compiles (an option XLA does not know, set for
     "sample" only, fails the warm-up naming it); a kind's entry overrides "all"'s and None drops
-    one; a known option leaves the tokens unchanged."""
+    one; known options, a bool among them, leave the tokens unchanged."""
     engine = Engine(EngineConfig(model="preset:tiny", **SMALL), *model)
     runner = engine.runner
     assert runner._compiler_options("decode") == {"xla_gpu_enable_command_buffer": ""}  # default
     assert runner._compiler_options("mixed") == {}
     runner.compiler_options = {"all": {"xla_gpu_graph_min_graph_size": 7},
                                "sample": {"xla_gpu_graph_min_graph_size": None, "xla_bogus": 1}}  # fmt: skip
-    assert runner._compiler_options("mixed") == {"xla_gpu_graph_min_graph_size": "7"}
-    assert runner._compiler_options("sample") == {"xla_bogus": "1"}
+    assert runner._compiler_options("mixed") == {"xla_gpu_graph_min_graph_size": 7}
+    assert runner._compiler_options("sample") == {"xla_bogus": 1}
     with pytest.raises(Exception, match="xla_bogus"):
         runner.warmup()
-    runner.compiler_options = {"all": {"xla_gpu_graph_min_graph_size": 7}}  # known: compiles
+    # known options compile; a bool stays a bool (XLA refuses the string "false" for one)
+    runner.compiler_options = {"all": {"xla_gpu_graph_min_graph_size": 7,
+                                       "xla_gpu_enable_triton_gemm": False}}  # fmt: skip
     runner.warmup()
     (seq,) = run(engine, prompts[:1], [greedy(5)])
     (base,) = run(make_engine(model), prompts[:1], [greedy(5)])

@@ -302,12 +302,12 @@ class ModelRunner:
             else:
                 jax.block_until_ready(self._executables[key](*args))
 
-    def _compiler_options(self, kind: str) -> dict[str, str]:
+    def _compiler_options(self, kind: str) -> dict[str, str | bool | int | float]:
         """XLA options of one executable kind: "all"'s, overridden by the kind's own; a None value
-        drops the option (XLA's default)."""
+        drops the option (XLA's default). Values keep their type: XLA rejects a bool option given
+        as the string 'true'."""
         merged = {**self.compiler_options.get("all", {}), **self.compiler_options.get(kind, {})}
-        return {k: str(v).lower() if isinstance(v, bool) else str(v)
-                for k, v in merged.items() if v is not None}  # fmt: skip
+        return {k: v for k, v in merged.items() if v is not None}
 
     def _warmup_calls(self):
         """(key, jitted fn, example args, static args) for every bucket the engine can use."""
