@@ -127,9 +127,9 @@ def ragged_paged_attention_mgpu(
     In a batch with `max_q_len > 1`, `split_decode_rows` sends the sequences with exactly one new
     token through the decode configuration (a second launch; the tuning options above then apply
     to the prefill part only). `token_major_decode` lets a decode-only batch (`max_q_len == 1`,
-    no more tokens than sequences) with one context split write its outputs in token order from the
-    kernel (False: through the per-block layout and a gather, as other batches). `interpret` runs the kernel under the GPU interpreter (default:
-    when there is no GPU).
+    no more tokens than sequences) with one context split write its outputs in token order from
+    the kernel (False: through the per-block layout and a gather, as other batches). `interpret`
+    runs the kernel under the GPU interpreter (default: when there is no GPU).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
@@ -195,7 +195,8 @@ def ragged_paged_attention_mgpu(
         meta, first_blk = _query_blocks(plan, take, q_lens, seq_lens, query_start_loc, num_tokens,
                                         group)  # fmt: skip
         ob = _launch(plan, meta, qt, page_table, k_pages, v_pages, k_scales, v_scales,
-                     **launch).astype(q.dtype)  # [nb, Hkv, q_rows, D]  # fmt: skip
+                     **launch).astype(q.dtype)  # fmt: skip
+        # ob: [nb, Hkv, q_rows, D]
         # Back to token order with a gather of rows (only the rows of real tokens are read).
         blk = first_blk[tok_seq] + tok_off // plan.bq
         row = meta[blk, 5] + (tok_off % plan.bq) * group
