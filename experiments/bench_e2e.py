@@ -17,7 +17,10 @@ transformers part only where torch and transformers are installed):
   lengths), all submitted at t=0 to `LLM.generate`; wall time to the last token. The engine's
   max_num_seqs is the largest --batches value.
 - profile: a jax.profiler trace of the first engine steps of a 128/128 batch (mixed prefill steps
-  and two decode scans), summarised by device op (jaxinfer.metrics.device_trace).
+  and two decode scans), summarised by device op (jaxinfer.metrics.device_trace); with
+  --profile-decode BATCH..., traces of decode scans at those batches, each with its step's account
+  (`kinds_ms_per_step`: device ms per step in matmuls, attention, the K/V write, other fusions,
+  copies, other, and idle), printed as a table.
 
 ONE engine serves every jaxinfer part. Its bucket lists are the engine's own, trimmed to the shapes
 this run can use (token buckets below the one holding max_num_seqs only ever pad a few small steps
@@ -594,8 +597,13 @@ def profile_decode(llm: LLM, batch: int, context: int, pages: np.ndarray, log_di
         jax.profiler.stop_trace()
     summary = summarize_trace(log_dir, top=25)
     if "device_ms" in summary:
-        summary["device_ms_per_step"] = round(summary["device_ms"] / (n * args.decode_steps), 4)
-        summary["span_ms_per_step"] = round(summary["span_ms"] / (n * args.decode_steps), 4)
+        steps = n * args.decode_steps
+        summary["device_ms_per_step"] = round(summary["device_ms"] / steps, 4)
+        summary["span_ms_per_step"] = round(summary["span_ms"] / steps, 4)
+        # the account of a decode step: device ms per step by kind of work, and the idle rest
+        summary["kinds_ms_per_step"] = {k["name"]: round(k["time_ms"] / steps, 4)
+                                        for k in summary["kinds"]}  # fmt: skip
+        summary["kinds_ms_per_step"]["idle"] = round(summary["idle_ms"] / steps, 4)
     return {"batch": batch, "context": context, "rows": rows, "scans": n, **summary}
 
 
@@ -654,6 +662,19 @@ def print_tables(result: dict, console: Console) -> None:
             for op in prof.get(key, [])[:8]:
                 console.print(f"  {key:<18} {op['time_ms']:>10.3f} ms {op['count']:>6}x "
                               f"{op['share'] or 0:.3f}  {op['name'][:70]}")  # fmt: skip
+    accounts = [p for p in result.get("profile_decode", []) if "kinds_ms_per_step" in p]
+    if accounts:
+        t = Table(title="decode step account (device ms per step by kind of work)",
+                  title_justify="left")  # fmt: skip
+        t.add_column("kind")
+        for p in accounts:
+            t.add_column(f"batch {p['batch']} x {p['context']}", justify="right")
+        kinds = list(dict.fromkeys(k for p in accounts for k in p["kinds_ms_per_step"]))
+        for kind in [*kinds, "device", "span"]:
+            key = {"device": "device_ms_per_step", "span": "span_ms_per_step"}.get(kind)
+            t.add_row(kind, *(str(p[key] if key else p["kinds_ms_per_step"].get(kind, "-"))
+                              for p in accounts))  # fmt: skip
+        console.print(t)
     for e in result["errors"]:
         console.print(f"error in {e['part']}: {e['error'][:300]}")
 

@@ -32,7 +32,8 @@ def bench():
 def test_smoke_run_writes_schema_with_zero_compiles_after_warmup(bench, tmp_path, monkeypatch):
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")  # main() only sets a default
     out = tmp_path / "e2e.json"
-    argv = ["--smoke", "--out", str(out), "--profile", str(tmp_path / "prof")]
+    argv = ["--smoke", "--out", str(out), "--profile", str(tmp_path / "prof"),
+            "--profile-decode", "4"]  # fmt: skip
     argv += ["--compile-cache", ""]  # process-wide: it would outlive this test
     argv += ["--attention-backend", "xla"]  # what auto stands for on a CPU
     bench.main(argv)
@@ -68,6 +69,12 @@ def test_smoke_run_writes_schema_with_zero_compiles_after_warmup(bench, tmp_path
     assert "error" not in prof, prof
     assert prof["device_ms"] > 0 and prof["top_ops"]
     assert {m["name"] for m in prof["modules"]} >= {"jit_decode_loop", "jit_mixed_step"}
+    (pd,) = r["profile_decode"]  # one decode row traced: its step account by kind of work
+    assert pd["batch"] == 4 and "error" not in pd, pd
+    kinds = pd["kinds_ms_per_step"]
+    assert kinds["matmul"] > 0 and "idle" in kinds
+    busy = sum(v for k, v in kinds.items() if k != "idle")
+    assert busy == pytest.approx(pd["device_ms_per_step"], rel=0.01, abs=1e-3)
 
 
 def test_roofline_reads_weights_once_and_kv_of_the_mean_attended_length(bench):
@@ -203,3 +210,28 @@ def test_xla_options_flag_types_values_and_layers_on_engine_defaults(bench):
         "compiler_options"]["decode"] == {"xla_gpu_enable_command_buffer": ""}  # fmt: skip
     with pytest.raises(SystemExit):
         bench.parse_args(["--smoke", "--out", "/tmp/x.json", "--xla-options", "decode:oops"])
+
+
+def test_trace_summary_accounts_device_time_by_kind_of_work(tmp_path):
+    from jaxinfer.metrics.device_trace import kind_of
+
+    events = [
+        _meta(2, "/device:GPU:0"), _meta(2, "Stream #7(Compute)", tid=7),
+        _kernel(2, 7, "gemm_fusion_dot_33", 0, 50, "gemm_fusion_dot.33", "jit_decode_loop"),
+        _kernel(2, 7, "nvjet_sm90_tst_128x128", 50, 20, "custom-call.7", "jit_decode_loop"),
+        _kernel(2, 7, "body_mosaic_gpu_kernel", 70, 5, "mpmd_map.96", "jit_decode_loop"),
+        _kernel(2, 7, "input_scatter_fusion_3", 75, 3, "input_scatter_fusion.3", "jit_decode_loop"),
+        _kernel(2, 7, "loop_add_fusion_1", 80, 2, "loop_add_fusion.1", "jit_decode_loop"),
+        _kernel(2, 7, "input_multiply_reduce_fusion", 82, 1, "input_multiply_reduce_fusion",
+                "jit_decode_loop"),
+        _kernel(2, 7, "Memset 0", 90, 1),  # no HLO op: a runtime memset
+        _kernel(2, 7, "some_custom_kernel", 95, 4, "custom-call.9", "jit_decode_loop"),
+    ]  # fmt: skip
+    _write_trace(tmp_path, events)
+    kinds = {k["name"]: (k["time_ms"], k["count"]) for k in summarize_trace(tmp_path)["kinds"]}
+    assert kinds == {"matmul": (0.07, 2), "attention": (0.005, 1), "kv_write": (0.003, 1),
+                     "fusion": (0.003, 2), "copy": (0.001, 1), "other": (0.004, 1)}  # fmt: skip
+    # the first matching kind wins: a GEMM fusion is a matmul, a scatter fusion the K/V write
+    assert kind_of("gemm_fusion_dot") == "matmul" and kind_of("input_scatter_fusion") == "kv_write"
+    assert kind_of("loop_select_fusion") == "fusion" and kind_of("while") == "other"
+    assert kind_of("ynn_fusion") == "matmul"  # XLA:CPU runs dots as YNNPACK fusions

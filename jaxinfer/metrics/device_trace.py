@@ -11,8 +11,9 @@ events are device work:
   control-flow thunks (`while`, `conditional`, `call`) are left out: they enclose their bodies' thunks.
 
 Times are summed per event name (the kernel), per HLO op category (`loop_add_fusion.3` ->
-`loop_add_fusion`: the 32 copies of a layer's op add up) and per XLA module (`jit_decode_loop`,
-`jit_mixed_step`). A kernel replayed from a command buffer (a CUDA graph) carries the `command_buffer`
+`loop_add_fusion`: the 32 copies of a layer's op add up), per XLA module (`jit_decode_loop`,
+`jit_mixed_step`) and per kind of work (`KINDS`: matmul, attention, kv_write, fusion, copy, other),
+the coarse account of where a step's time goes. A kernel replayed from a command buffer (a CUDA graph) carries the `command_buffer`
 thunk as its hlo_op, so there the kernel's own name gives its category. `idle_ms` and `top_gaps`:
 where no stream was busy, charged to the ops on either side. Kernels on concurrent streams
 overlap, so `device_ms` may exceed `span_ms`.
@@ -34,6 +35,27 @@ MAX_NAME_CHARS = 120  # CUTLASS / Triton kernel names run to hundreds of charact
 _INSTANCE_SUFFIX = re.compile(r"([._]\d+)+$")
 CONTROL_FLOW = frozenset({"while", "conditional", "call"})
 COMMAND_BUFFERS = frozenset({"command_buffer"})  # thunks that launch a captured CUDA graph
+
+
+# Kinds of device work, by substrings of the HLO category or kernel name (lower case), tried in
+# order: the first kind with a match wins (`gemm_fusion_dot` is a matmul, `input_scatter_fusion`
+# the K/V write, before either reads as a fusion). On the CPU, XLA runs dots as YNNPACK fusions.
+KINDS = (
+    ("attention", ("mosaic", "mpmd_map", "attention", "fmha", "flash")),
+    ("matmul", ("gemm", "nvjet", "cublas", "cutlass", "xmma", "dot", "matmul", "ynn_fusion")),
+    ("kv_write", ("scatter",)),
+    ("copy", ("memcpy", "memset", "copy")),
+    ("fusion", ("fusion", "reduce", "select", "sort", "transpose", "concatenate", "slice")),
+)
+
+
+def kind_of(category: str, name: str = "") -> str:
+    """The kind of work (`KINDS`) an op of HLO category `category` / kernel `name` does."""
+    text = f"{category} {name}".lower()
+    for kind, keys in KINDS:
+        if any(k in text for k in keys):
+            return kind
+    return "other"
 
 
 def find_trace(log_dir: str | Path) -> Path | None:
@@ -123,12 +145,15 @@ def summarize_events(source: str, events: list[dict], top: int = 15) -> dict:
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     by_category: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     by_module: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    by_kind: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for e in events:
         dur, args = float(e["dur"]), e.get("args", {})
+        category = _category_of(e) if "hlo_op" in args else "(not an HLO op)"
         for table, key in (
             (by_name, e.get("name", "?")),
-            (by_category, _category_of(e) if "hlo_op" in args else "(not an HLO op)"),
+            (by_category, category),
             (by_module, args.get("hlo_module", "(no module)")),
+            (by_kind, kind_of(category, e.get("name", ""))),
         ):
             table[key][0] += dur
             table[key][1] += 1
@@ -144,6 +169,7 @@ def summarize_events(source: str, events: list[dict], top: int = 15) -> dict:
         "top_ops": _top(by_name, total_us, top),
         "top_hlo_categories": _top(by_category, total_us, top),
         "modules": _top(by_module, total_us, top),
+        "kinds": _top(by_kind, total_us, len(KINDS) + 1),
         **idle_gaps(events),
     }
 
