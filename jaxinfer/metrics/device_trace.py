@@ -13,8 +13,9 @@ events are device work:
 Times are summed per event name (the kernel), per HLO op category (`loop_add_fusion.3` ->
 `loop_add_fusion`: the 32 copies of a layer's op add up), per XLA module (`jit_decode_loop`,
 `jit_mixed_step`) and per kind of work (`KINDS`: matmul, attention, kv_write, fusion, copy, other),
-the coarse account of where a step's time goes. A kernel replayed from a command buffer (a CUDA graph) carries the `command_buffer`
-thunk as its hlo_op, so there the kernel's own name gives its category. `idle_ms` and `top_gaps`:
+the coarse account of where a step's time goes. A kernel replayed from a command buffer (a CUDA
+graph) carries the `command_buffer` thunk as its hlo_op, so there the kernel's own name gives its
+category. `idle_ms` and `top_gaps`:
 where no stream was busy, charged to the ops on either side. Kernels on concurrent streams
 overlap, so `device_ms` may exceed `span_ms`.
 """
