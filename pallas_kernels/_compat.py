@@ -44,3 +44,49 @@ def num_sms(default: int = 132) -> int:
         return int(getattr(dev, "core_count", None) or default)
     except Exception:  # no device info: fall back
         return default
+
+
+def call_with_page_refs(kernel, args, pages):
+    """Run `kernel(*args, *refs)` with mutable refs in GPU global memory over `pages` (which it
+    updates in place: aliased in and out); returns (kernel outputs, updated pages).
+
+    Refs with a memory space exist only inside a trace, so this is its own (nested) jit: inlined
+    into the caller's when traced, so a donated buffer is updated without a copy."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    def run(args, pages):
+        refs = [jax.new_ref(p, memory_space=plgpu.GMEM) for p in pages]
+        outs = kernel(*args, *refs)
+        return outs, [r[...] for r in refs]
+
+    return jax.jit(run)(args, pages)
+
+
+def mgpu_ref_kernel(body, *, out_type, scratch_types, grid, grid_names, compiler_params,
+                    num_threads=None, thread_name=None, interpret=None):  # fmt: skip
+    """`plgpu.kernel` for kernels that take refs (aliased in and out, updated in place).
+
+    `plgpu.kernel` (jax 0.10-0.11) wraps its launch in a `custom_vmap`, which loses the effects of
+    ref arguments; this builds the same launch (a Mosaic GPU mesh, scratch buffers allocated in
+    a scope around the body) on `pl.kernel`, which aliases every ref argument.
+    """
+    import functools
+
+    from jax._src import config as _config
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    mesh = plgpu.Mesh(grid=grid, grid_names=grid_names, num_threads=num_threads,
+                      thread_name=thread_name)  # fmt: skip
+
+    def kernel_body(*refs):
+        pl.run_scoped(functools.partial(body, *refs), *scratch_types,
+                      collective_axes=thread_name if thread_name is not None else ())  # fmt: skip
+
+    def call(*args):
+        with _config._check_vma(False):
+            return pl.kernel(kernel_body, out_type=out_type, mesh=mesh,
+                             compiler_params=compiler_params, interpret=interpret or False,
+                             name=getattr(body, "__name__", "kernel"))(*args)  # fmt: skip
+
+    return call

@@ -40,6 +40,48 @@ def test_pallas_backend_matches_xla_through_prefill_and_decode():
         assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
 
 
+def test_decode_step_writes_kv_in_the_kernel(monkeypatch):
+    """A decode step on the Pallas backend writes its K/V inside the attention kernel (no XLA
+    scatter): the same hidden states and the same pages (bar the scratch page, where only the
+    scatter writes padding tokens) as with `fused_kv_write` off, and the fused launch ran."""
+    from pallas_kernels.paged_attention import mosaic_gpu
+
+    writes = []
+    launch = mosaic_gpu._launch
+
+    def spy(*a, **kw):
+        writes.append(kw.get("write_kv", False))
+        return launch(*a, **kw)
+
+    monkeypatch.setattr(mosaic_gpu, "_launch", spy)
+    cfg, params = load_model("tiny")[:2]
+    rng = np.random.default_rng()
+    p1, p2 = [list(rng.integers(1, cfg.vocab_size, n)) for n in (21, 16)]
+    prefill = build_ragged_batch([p1, p2], [0, 0], [[5, 2], [7]], num_tokens=48, num_seqs=4,
+                                 pages_per_seq=4, max_q_len=48)  # fmt: skip
+    kv0 = init_kv_cache(cfg, 48, 16, dtype="bfloat16")
+    _, kv0 = jax.jit(lambda p, b, kv: forward_paged(p, cfg, b, kv))(params, prefill, kv0)
+    # sequence 1's new token starts page 2 of its table (position 16)
+    decode = build_ragged_batch([[5], [9]], [21, 16], [[5, 2], [7, 3]], num_tokens=8, num_seqs=4,
+                                pages_per_seq=4, max_q_len=1)  # fmt: skip
+    out = {}
+    for fused in (True, False):
+        step = jax.jit(lambda p, b, kv, fused=fused: forward_paged(
+            p, cfg, b, kv, attention_backend="pallas",
+            attention_options=(("fused_kv_write", fused),)))  # fmt: skip
+        writes.clear()
+        h, kv = step(params, decode, jax.tree.map(jnp.copy, kv0))
+        assert writes and set(writes) == {fused}, writes  # (the layer is traced once)
+        out[fused] = np.asarray(h[:2], np.float32), np.asarray(kv.pages[:, 1:], np.float32)
+    np.testing.assert_array_equal(out[True][1], out[False][1])
+    np.testing.assert_allclose(out[True][0], out[False][0], rtol=1e-5, atol=1e-5)
+    # the new slots (page 2 slot 5, page 3 slot 0; index 1 is page 2 here) were empty before
+    before = np.asarray(kv0.pages[:, 1:], np.float32)
+    for page, slot in ((1, 5), (2, 0)):
+        assert np.all(before[:, page, :, slot] == 0)
+        assert np.all(out[True][1][:, page, :, slot] != 0)
+
+
 def test_mixed_step_and_kernel_options():
     """A step mixing a decode token and a prompt chunk (the kernel's two launches) against XLA,
     after an XLA prefill; kernel options reach the kernel (a bad value raises there)."""

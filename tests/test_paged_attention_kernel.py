@@ -8,6 +8,7 @@ sequence's pages, or multiplies NaN by zero, fails.
 
 from __future__ import annotations
 
+import functools
 import secrets
 
 import jax.numpy as jnp
@@ -136,6 +137,101 @@ def test_token_major_decode_outputs(monkeypatch, q_lens, ctx_lens, group, warp_s
     assert launches == [0, 0], launches
 
 
+def run_write_case(*, q_lens, ctx_lens, page_size=16, num_kv_heads=2, group=4, head_dim=64,
+                   shared_pool=True, interpret=True, pad_tokens=2, **kw):  # fmt: skip
+    """Decode with `new_kv`: the kernel writes each token's K/V into its slot, then attends.
+
+    The new tokens' slots are NaN on input (a tile loaded before the write lands, or from the
+    wrong slot, poisons the output); the returned pages must equal the inputs with exactly those
+    slots filled (every other slot, NaN ones included, untouched). Padding tokens' K/V are NaN and
+    must be written nowhere."""
+    seed = secrets.randbelow(2**31)
+    rng = np.random.default_rng(seed)
+    q, k_pages, v_pages, table, lens, qsl, _, _ = make_case(
+        rng, q_lens=q_lens, ctx_lens=ctx_lens, page_size=page_size, num_kv_heads=num_kv_heads,
+        group=group, head_dim=head_dim, pad_tokens=pad_tokens,
+    )  # fmt: skip
+    bf = lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32)  # noqa: E731
+    k_pages, v_pages = bf(k_pages), bf(v_pages)
+    k_new = np.full((q.shape[0], num_kv_heads, head_dim), np.nan, np.float32)
+    v_new = k_new.copy()
+    k_in, v_in = k_pages.copy(), v_pages.copy()
+    for s, n in enumerate(q_lens):
+        if n:
+            t, pos = qsl[s], lens[s] - 1
+            page, slot = table[s, pos // page_size], pos % page_size
+            k_new[t], v_new[t] = k_pages[page, slot], v_pages[page, slot]
+            k_in[page, slot] = v_in[page, slot] = np.nan
+    qb = jnp.asarray(q, jnp.bfloat16)
+    args = dict(seq_lens=jnp.asarray(lens), query_start_loc=jnp.asarray(qsl), max_q_len=1,
+                new_kv=(jnp.asarray(k_new, jnp.bfloat16), jnp.asarray(v_new, jnp.bfloat16)),
+                interpret=interpret, **kw)  # fmt: skip
+    if shared_pool:
+        pool = interleave(jnp.asarray(k_in, jnp.bfloat16), jnp.asarray(v_in, jnp.bfloat16))
+        out, k_out, v_out = ragged_paged_attention_mgpu(qb, pool, pool, jnp.asarray(table) * 2,
+                                                        v_page_offset=1, **args)  # fmt: skip
+        assert k_out is v_out
+        both = np.asarray(k_out, np.float32).reshape(-1, 2, *k_pages.shape[1:])
+        k_out, v_out = both[:, 0], both[:, 1]
+    else:
+        out, k_out, v_out = ragged_paged_attention_mgpu(
+            qb, jnp.asarray(k_in, jnp.bfloat16), jnp.asarray(v_in, jnp.bfloat16),
+            jnp.asarray(table), **args)  # fmt: skip
+        k_out, v_out = np.asarray(k_out, np.float32), np.asarray(v_out, np.float32)
+    assert np.array_equal(k_out, k_pages, equal_nan=True), f"K pages (seed {seed})"
+    assert np.array_equal(v_out, v_pages, equal_nan=True), f"V pages (seed {seed})"
+    ref = ragged_paged_attention(qb.astype(jnp.float32), jnp.asarray(k_pages),
+                                 jnp.asarray(v_pages), jnp.asarray(table), jnp.asarray(lens),
+                                 jnp.asarray(qsl), max_q_len=1)  # fmt: skip
+    out, ref = np.asarray(out, np.float32), np.asarray(ref)
+    n = sum(q_lens)
+    assert np.isfinite(out[:n]).all(), f"non-finite output (seed {seed})"
+    err = np.linalg.norm(out[:n] - ref[:n]) / np.linalg.norm(ref[:n])
+    assert err < 1e-2, f"rel err {err:.2e} (seed {seed})"
+    assert np.all(out[n:] == 0), f"padding rows written (seed {seed})"
+
+
+# The new token's slot at a page start, mid-page and a page's end; its tile in the prologue (the
+# deferred copy) or loaded by a refill; one split (token-major outputs) and several (only the
+# last split writes); GQA groups whose rows sit at every offset in an 8-row tile; K and V in one
+# pool or two arrays.
+@pytest.mark.parametrize(
+    "q_lens,ctx_lens,group,kw",
+    [
+        ([1, 1, 0, 1], [40, 0, 7, 130], 4, dict(num_splits=1)),
+        ([1, 1, 0, 1], [40, 15, 7, 300], 4, dict(num_splits=3)),
+        ([1, 0, 1, 1, 1], [3, 3, 50, 16, 129], 1, dict(num_splits=1)),
+        ([1, 1, 1, 0], [200, 1, 64, 0], 8, {}),
+        ([1, 1, 1], [10, 90, 33], 3, dict(num_splits=1, token_major_decode=False)),
+        ([1, 1, 1], [63, 64, 129], 4, dict(num_splits=2, shared_pool=False, page_size=64)),
+    ],
+)
+def test_kernel_writes_new_kv(q_lens, ctx_lens, group, kw):
+    run_write_case(q_lens=q_lens, ctx_lens=ctx_lens, group=group, **kw)
+
+
+def test_new_kv_is_validated():
+    q = jnp.zeros((4, 8, 64), jnp.bfloat16)
+    pages = jnp.zeros((6, 16, 2, 64), jnp.bfloat16)
+    table, lens, qsl = jnp.ones((3, 2), jnp.int32), jnp.ones((3,), jnp.int32), jnp.arange(4)
+    kv = (jnp.zeros((4, 2, 64), jnp.bfloat16),) * 2
+    call = functools.partial(ragged_paged_attention_mgpu, q, pages, pages, table, lens, qsl,
+                             interpret=True)  # fmt: skip
+    with pytest.raises(ValueError, match="max_q_len 1"):
+        call(max_q_len=2, new_kv=kv)
+    with pytest.raises(ValueError, match="warp_specialized=False"):
+        call(max_q_len=1, new_kv=kv, warp_specialized=True)
+    with pytest.raises(ValueError, match=r"new_kv must be \(k, v\)"):
+        call(max_q_len=1, new_kv=(kv[0][:, :1], kv[1]))
+    p8 = pages.astype(jnp.float8_e4m3fn)
+    scales = jnp.ones((6, 2), jnp.float32)
+    with pytest.raises(ValueError, match="fp8 pages"):
+        ragged_paged_attention_mgpu(q, p8, p8, table, lens, qsl, max_q_len=1, new_kv=kv,
+                                    k_scales=scales, v_scales=scales, interpret=True)  # fmt: skip
+    with pytest.raises(ValueError, match="only the pallas backend"):
+        paged_attention(q, pages, pages, table, lens, qsl, max_q_len=1, backend="xla", new_kv=kv)
+
+
 @pytest.mark.parametrize("head_dim,group,num_kv_heads", [(128, 8, 1), (256, 2, 2), (64, 1, 4)])
 def test_head_dims_and_gqa_ratios(head_dim, group, num_kv_heads):
     run_case(q_lens=[1, 1, 3], ctx_lens=[40, 100, 17], page_size=16, num_kv_heads=num_kv_heads,
@@ -236,3 +332,12 @@ def test_compiled_kernel_on_gpu(head_dim, fp8):
     run_case(q_lens=[1] * 20 + [0] + [1] * 20, ctx_lens=list(rng.integers(0, 700, 41)),
              page_size=64, num_kv_heads=8, group=4, head_dim=head_dim, fp8=fp8, interpret=False,
              pad_tokens=1)  # fmt: skip
+    if fp8:
+        return
+    # the kernel writes the new K/V itself (decode steps' default): one split (token-major) and
+    # several, the new slot's tile deferred in the prologue or loaded by a refill
+    ctx = list(rng.integers(0, 700, 41))
+    run_write_case(q_lens=[1] * 20 + [0] + [1] * 20, ctx_lens=ctx, page_size=64, num_kv_heads=8,
+                   head_dim=head_dim, interpret=False, pad_tokens=1)  # fmt: skip
+    run_write_case(q_lens=[1, 1, 1], ctx_lens=[5000, 64, 0], page_size=16, num_kv_heads=2,
+                   group=3, head_dim=head_dim, interpret=False, shared_pool=False)  # fmt: skip

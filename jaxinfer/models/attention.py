@@ -11,9 +11,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.kv.cache import KVCache
+from jaxinfer.kv.cache import KVCache, write_kv
 from jaxinfer.models.batch import RaggedBatch
-from pallas_kernels.paged_attention import BACKENDS, KERNEL_OPTIONS, paged_attention_dispatch
+from pallas_kernels.paged_attention import (
+    BACKENDS,
+    CALLER_OPTIONS,
+    KERNEL_OPTIONS,
+    paged_attention_dispatch,
+    resolve_backend,
+)
+from pallas_kernels.paged_attention.mosaic_gpu import fused_kv_write_reason
 
 ATTENTION_BACKENDS = BACKENDS
 ATTENTION_OPTIONS = KERNEL_OPTIONS
@@ -62,6 +69,7 @@ def paged_attention(
                          "float32 (set engine.kv_dtype or the model dtype to bfloat16)")  # fmt: skip
     pool, pool_scales = kv.pool()
     page_ids = kv.pool_page_ids(batch.page_table.page_ids, layer)
+    options = {k: v for k, v in options if k not in CALLER_OPTIONS}
     return paged_attention_dispatch(
         q,
         pool,
@@ -75,5 +83,59 @@ def paged_attention(
         k_scales=pool_scales,
         v_scales=pool_scales,
         v_page_offset=1,
-        **dict(options),
+        **options,
     )
+
+
+def write_kv_and_attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    kv: KVCache,
+    layer: int | jax.Array,
+    batch: RaggedBatch,
+    page: jax.Array,
+    offset: jax.Array,
+    *,
+    sliding_window: int | None = None,
+    backend: str = "xla",
+    options: tuple[tuple[str, object], ...] = (),
+) -> tuple[jax.Array, KVCache]:
+    """Write this step's K/V [T, Hkv, D] (rope applied) of layer `layer` at (`page`, `offset`),
+    then attend q [T, Hq, D] over the cache: returns (out [T, Hq, D], updated cache).
+
+    Decode steps on the Pallas kernel do both in the kernel (`fused_kv_write` option, default
+    on): each sequence's K/V rows arrive with its queries and the kernel stores them in place, so
+    no XLA scatter kernel runs per layer. Other steps and backends scatter first (`write_kv`).
+    """
+    opts = dict(options)
+    pool, _ = kv.pool()
+    fused = (
+        opts.get("fused_kv_write", True)
+        and not kv.is_quantized
+        and resolve_backend(backend, q, pool) == "pallas"
+        and fused_kv_write_reason(
+            batch.max_q_len, kv.dtype, opts.get("warp_specialized"), q.shape[1] // k.shape[1]
+        )
+        is None
+    )
+    if not fused:
+        kv = write_kv(kv, layer, k, v, page, offset)
+        return paged_attention(q, kv, layer, batch, sliding_window=sliding_window,
+                               backend=backend, options=options), kv  # fmt: skip
+    kernel_opts = {key: val for key, val in opts.items() if key not in CALLER_OPTIONS}
+    out, pool, _ = paged_attention_dispatch(
+        q,
+        pool,
+        pool,
+        kv.pool_page_ids(batch.page_table.page_ids, layer),
+        batch.page_table.seq_lens,
+        batch.query_start_loc,
+        max_q_len=batch.max_q_len,
+        sliding_window=sliding_window,
+        backend="pallas",
+        v_page_offset=1,
+        new_kv=(k, v),
+        **kernel_opts,
+    )
+    return out, KVCache(pool.reshape(kv.pages.shape), None)

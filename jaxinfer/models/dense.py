@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.kv.cache import KVCache, token_slots, write_kv
-from jaxinfer.models.attention import causal_attention, paged_attention
+from jaxinfer.kv.cache import KVCache, token_slots
+from jaxinfer.models.attention import causal_attention, write_kv_and_attend
 from jaxinfer.models.batch import RaggedBatch
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.layers import (
@@ -155,17 +155,19 @@ def forward_paged(
     x = embed(params, cfg, batch.tokens)
 
     def attend(q, k, v, kv, layer):
-        kv = write_kv(kv, layer, k, v, page, offset)
-        out = paged_attention(
+        return write_kv_and_attend(
             q,
+            k,
+            v,
             kv,
             layer,
             batch,
+            page,
+            offset,
             sliding_window=cfg.sliding_window,
             backend=attention_backend,
             options=attention_options,
         )
-        return out, kv
 
     def layer_fn(p, x, kv, layer):
         return decoder_layer(cfg, p, x, batch.positions, attend, kv, layer)

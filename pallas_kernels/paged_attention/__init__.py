@@ -1,5 +1,6 @@
 from pallas_kernels.paged_attention.dispatch import (
     BACKENDS,
+    CALLER_OPTIONS,
     KERNEL_OPTIONS,
     paged_attention,
     resolve_backend,
@@ -10,6 +11,7 @@ paged_attention_dispatch = paged_attention  # the name jaxinfer's model code use
 
 __all__ = [
     "BACKENDS",
+    "CALLER_OPTIONS",
     "KERNEL_OPTIONS",
     "paged_attention",
     "paged_attention_dispatch",

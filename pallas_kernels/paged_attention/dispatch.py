@@ -18,7 +18,10 @@ BACKENDS = ("auto", "xla", "pallas", "cudnn")
 # Tuning keywords of the Pallas kernel (`mosaic_gpu.ragged_paged_attention_mgpu`); other backends
 # ignore them.
 KERNEL_OPTIONS = ("split_decode_rows", "num_splits", "num_stages", "warp_specialized", "block_kv",
-                  "num_consumers", "fp8_load", "token_major_decode")  # fmt: skip
+                  "num_consumers", "fp8_load", "token_major_decode", "fused_kv_write")  # fmt: skip
+# Options the caller acts on, not the kernel: `fused_kv_write` (default True) lets a decode step's
+# kernel write the new K/V itself (`new_kv`) instead of an XLA scatter before it.
+CALLER_OPTIONS = ("fused_kv_write",)
 
 
 def resolve_backend(backend: str, q=None, k_pages=None) -> str:
@@ -54,15 +57,23 @@ def paged_attention(
     v_scales: jax.Array | None = None,
     v_page_offset: int = 0,
     backend: str = "auto",
+    new_kv: tuple[jax.Array, jax.Array] | None = None,
     **kernel_options,
-) -> jax.Array:
+) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array]:
     """Ragged paged attention (see `reference.ragged_paged_attention` for the layout).
 
     `k_scales`/`v_scales`: [num_pages, Hkv] float32 dequantization scales when the pages are FP8.
     `v_page_offset` (static): V's page ids are K's plus this (K and V sharing one pool).
     `kernel_options` go to the Pallas kernel (e.g. `num_splits`, `interpret`).
+    `new_kv` = (k, v) [T, Hkv, D]: the Pallas kernel writes this step's K/V into the pages itself
+    and the call returns (out, k_pages, v_pages) (see `ragged_paged_attention_mgpu`; other
+    backends need the K/V written before the call).
     """
     backend = resolve_backend(backend, q, k_pages)
+    if new_kv is not None and backend != "pallas":
+        raise ValueError(
+            f"new_kv: only the pallas backend writes K/V in the kernel, not {backend!r}"
+        )
     common = dict(max_q_len=max_q_len, sm_scale=sm_scale, soft_cap=soft_cap,
                   sliding_window=sliding_window, v_page_offset=v_page_offset)  # fmt: skip
     if backend == "xla":
@@ -75,7 +86,7 @@ def paged_attention(
 
         return ragged_paged_attention_mgpu(
             q, k_pages, v_pages, page_table, seq_lens, query_start_loc,
-            k_scales=k_scales, v_scales=v_scales, **common, **kernel_options,
+            k_scales=k_scales, v_scales=v_scales, new_kv=new_kv, **common, **kernel_options,
         )  # fmt: skip
     from pallas_kernels.paged_attention.cudnn import cudnn_paged_attention
 

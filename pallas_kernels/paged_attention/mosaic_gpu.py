@@ -115,8 +115,9 @@ def ragged_paged_attention_mgpu(
     split_decode_rows: bool = True,
     token_major_decode: bool = True,
     v_page_offset: int = 0,
+    new_kv: tuple[jax.Array, jax.Array] | None = None,
     interpret: bool | None = None,
-) -> jax.Array:
+) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array]:
     """Same contract as `reference.ragged_paged_attention` (`v_page_offset` included); returns
     [T, Hq, D] in q.dtype.
 
@@ -130,12 +131,25 @@ def ragged_paged_attention_mgpu(
     no more tokens than sequences) with one context split write its outputs in token order from
     the kernel (False: through the per-block layout and a gather, as other batches). `interpret`
     runs the kernel under the GPU interpreter (default: when there is no GPU).
+
+    `new_kv` = (k, v), each [T, Hkv, D]: this step's keys (rope applied) and values, which the
+    kernel writes into the pages itself (decode-only batches, `fused_kv_write_reason`): token t of
+    sequence s goes to slot (seq_lens[s] - 1) of its page, K at `page_table` and V at
+    `page_table + v_page_offset`. The pages are updated in place (aliased; donate them), and the
+    call returns (out, k_pages, v_pages) (the same array twice when `k_pages is v_pages`).
+    Padding tokens write nothing. Without it the caller writes the K/V before the call.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
     pages_per_seq = page_table.shape[1]
     _check_inputs(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, k_scales, v_scales)
     v_page_offset = _static_offset(v_page_offset)
+    if new_kv is not None:
+        reason = fused_kv_write_reason(max_q_len, k_pages.dtype, warp_specialized,
+                                       num_q_heads // num_kv_heads)  # fmt: skip
+        if reason is not None:
+            raise ValueError(f"new_kv (K/V written by the kernel): {reason}")
+        _check_new_kv(new_kv, num_tokens, k_pages.shape)
     if fp8_load not in ("default", "wgmma8"):
         raise ValueError(f"fp8_load must be 'default' or 'wgmma8', got {fp8_load!r}")
     group = num_q_heads // num_kv_heads
@@ -143,6 +157,8 @@ def ragged_paged_attention_mgpu(
     scale = head_dim**-0.5 if sm_scale is None else float(sm_scale)
     interpret = _compat.default_interpret() if interpret is None else interpret
     compute_dtype = jnp.float16 if quantized else jnp.bfloat16  # e4m3 converts only to f16
+    # Rows per token in the query layout: its `group` query heads, then (new_kv) its key and value.
+    stride = group + 2 if new_kv is not None else group
     geometry = dict(group=group, head_dim=head_dim, quantized=quantized, page_size=page_size,
                     pages_per_seq=pages_per_seq)  # fmt: skip
     tuning = dict(num_splits=num_splits, num_stages=num_stages, warp_specialized=warp_specialized,
@@ -150,7 +166,7 @@ def ragged_paged_attention_mgpu(
 
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     if max_q_len == 1:
-        parts = [(_plan(decode=True, **geometry, **tuning), q_lens > 0)]
+        parts = [(_plan(decode=True, **geometry, **tuning, row_stride=stride), q_lens > 0)]
     elif split_decode_rows:
         parts = [(_plan(decode=True, **geometry), q_lens == 1),
                  (_plan(decode=False, **geometry, **tuning), q_lens > 1)]  # fmt: skip
@@ -160,19 +176,29 @@ def ragged_paged_attention_mgpu(
     # ---- queries, token-major per KV head: row (t * group + g) of head h is query head
     # h * group + g of token t, pre-scaled. A query block is then a contiguous run of rows, which
     # the kernel loads with one TMA copy from the block's first row (rows past the block belong
-    # to later tokens or to the zero padding; their outputs are never read).
+    # to later tokens or to the zero padding; their outputs are never read). With `new_kv` each
+    # token has `group + 2` rows: its query heads, then its key and value for this KV head, which
+    # so arrive with the queries (one XLA fusion builds them all; no separate K/V scatter).
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     tok_seq, tok_ok = token_sequences(query_start_loc, num_tokens)
     tok_off = t - query_start_loc[tok_seq]
     qt = jnp.where(tok_ok[:, None, None], q.astype(jnp.float32) * scale, 0.0).astype(compute_dtype)
-    qt = qt.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+    qt = qt.reshape(num_tokens, num_kv_heads, group, head_dim)
+    if new_kv is not None:
+        kv_rows = [jnp.where(tok_ok[:, None, None], x, 0).astype(compute_dtype)[:, :, None]
+                   for x in new_kv]  # fmt: skip
+        qt = jnp.concatenate([qt, *kv_rows], axis=2)
+    qt = qt.transpose(1, 0, 2, 3)
     # padding: room for the last block's rows, and a multiple of 8 rows (TMA's 8-row tiles)
-    pad = max(plan.q_rows for plan, _ in parts) + (-num_tokens * group) % 8
-    qt = jnp.pad(qt.reshape(num_kv_heads, num_tokens * group, head_dim), ((0, 0), (0, pad), (0, 0)))
+    pad = max(plan.q_rows for plan, _ in parts) + (-num_tokens * stride) % 8
+    qt = jnp.pad(
+        qt.reshape(num_kv_heads, num_tokens * stride, head_dim), ((0, 0), (0, pad), (0, 0))
+    )
 
     launch = dict(num_kv_heads=num_kv_heads, group=group, kv_dtype=jnp.dtype(k_pages.dtype),
                   soft_cap=soft_cap, sliding_window=sliding_window, fp8_load=fp8_load,
                   v_page_offset=v_page_offset, interpret=interpret)  # fmt: skip
+    write_kv = new_kv is not None
     plan0, take0 = parts[0]
     num_seqs = q_lens.shape[0]
     if (plan0.decode and len(parts) == 1 and token_major_decode and num_tokens <= num_seqs
@@ -180,22 +206,28 @@ def ragged_paged_attention_mgpu(
         # One split: the kernel writes each token's rows in place ([T, Hq, D]) and the zeros of
         # the padding tokens, so no gather (an XLA fusion per layer) runs after it.
         meta, _ = _query_blocks(plan0, take0, q_lens, seq_lens, query_start_loc, num_tokens,
-                                group)  # fmt: skip
+                                stride)  # fmt: skip
         b = jnp.arange(num_seqs, dtype=jnp.int32)
         zero_row = jnp.where((b >= query_start_loc[-1]) & (b < num_tokens), b, -1)
         meta = jnp.concatenate([meta, zero_row[:, None]], axis=1)
         out = _launch(plan0, meta, qt, page_table, k_pages, v_pages, k_scales, v_scales,
-                      token_major=num_tokens, **launch)  # fmt: skip
-        return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+                      token_major=num_tokens, write_kv=write_kv, **launch)  # fmt: skip
+        if write_kv:
+            out, k_pages, v_pages = out
+        out = out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+        return (out, k_pages, v_pages) if write_kv else out
 
     out = jnp.zeros((num_tokens, num_kv_heads, group, head_dim), q.dtype)
     heads = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :, None]
     in_group = jnp.arange(group, dtype=jnp.int32)[None, None, :]
     for plan, take in parts:
         meta, first_blk = _query_blocks(plan, take, q_lens, seq_lens, query_start_loc, num_tokens,
-                                        group)  # fmt: skip
+                                        stride if plan.decode else group)  # fmt: skip
         ob = _launch(plan, meta, qt, page_table, k_pages, v_pages, k_scales, v_scales,
-                     **launch).astype(q.dtype)  # fmt: skip
+                     write_kv=write_kv, **launch)  # fmt: skip
+        if write_kv:  # (decode-only: this is the one launch)
+            ob, k_pages, v_pages = ob
+        ob = ob.astype(q.dtype)
         # ob: [nb, Hkv, q_rows, D]
         # Back to token order with a gather of rows (only the rows of real tokens are read).
         blk = first_blk[tok_seq] + tok_off // plan.bq
@@ -204,7 +236,30 @@ def ragged_paged_attention_mgpu(
         vals = ob.reshape(-1, head_dim)[idx + in_group]  # [T, Hkv, group, D]
         mine = tok_ok & take[tok_seq]
         out = jnp.where(mine[:, None, None, None], vals, out)
-    return out.reshape(num_tokens, num_q_heads, head_dim)
+    out = out.reshape(num_tokens, num_q_heads, head_dim)
+    return (out, k_pages, v_pages) if write_kv else out
+
+
+def fused_kv_write_reason(max_q_len: int, kv_dtype, warp_specialized: bool | None = None,
+                          group: int = 1) -> str | None:  # fmt: skip
+    """Why the kernel cannot write this step's K/V itself (`new_kv`); None when it can."""
+    if group + 2 + 7 > ROWS:
+        return f"query groups up to {ROWS - 9} heads per KV head (got {group})"
+    if max_q_len != 1:
+        return f"decode-only batches (max_q_len 1), got max_q_len {max_q_len}"
+    if jnp.dtype(kv_dtype) in FP8_DTYPES:
+        return "fp8 pages are quantized on write by XLA (per-page scales)"
+    if warp_specialized:
+        return "the single-warpgroup decode pipeline (warp_specialized=False)"
+    return None
+
+
+def _check_new_kv(new_kv, num_tokens, pages_shape):
+    _, _, num_kv_heads, head_dim = pages_shape
+    want = (num_tokens, num_kv_heads, head_dim)
+    if len(new_kv) != 2 or any(tuple(x.shape) != want for x in new_kv):
+        raise ValueError(f"new_kv must be (k, v), each [T, Hkv, D] = {want}; got "
+                         f"{[tuple(x.shape) for x in new_kv]}")  # fmt: skip
 
 
 class _Plan(NamedTuple):
@@ -219,10 +274,12 @@ class _Plan(NamedTuple):
     warp_specialized: bool
     num_splits: int | None  # None: chosen from the grid size
     max_tiles: int
+    row_stride: int  # rows per token in the query layout: group (+ 2 with the new K/V rows)
 
 
 def _plan(*, decode, group, head_dim, quantized, page_size, pages_per_seq, num_splits=None,
-          num_stages=None, warp_specialized=None, block_kv=None, num_consumers=None) -> _Plan:  # fmt: skip
+          num_stages=None, warp_specialized=None, block_kv=None, num_consumers=None,
+          row_stride=None) -> _Plan:  # fmt: skip
     # Decode: one consumer warpgroup, 64-key tiles. Prefill: two consumers (128 query rows)
     # share each K/V tile, 128 keys per tile (64 for fp8, whose f16 copies also need room).
     if num_consumers is None:  # (fp8 at head dim 256 needs the room for its f16 copies)
@@ -234,9 +291,13 @@ def _plan(*, decode, group, head_dim, quantized, page_size, pages_per_seq, num_s
         raise ValueError(f"block_kv must be 64 or 128, got {block_kv}")
     # A block's rows are loaded from an 8-aligned row (TMA into 8-row tiles), up to
     # `max_shift` rows before its first query row: room for the shift is part of the block.
-    max_shift = 8 - math.gcd(group, 8)
+    # Tokens are `row_stride` rows apart (group, or group + 2 with the new K/V rows: decode only).
+    stride = group if row_stride is None else row_stride
+    if stride != group and not decode:
+        raise ValueError("rows for new K/V only in decode blocks")
+    max_shift = 8 - math.gcd(stride, 8)
     bq = 1 if decode else max(1, (num_consumers * ROWS - max_shift) // group)
-    q_rows = -(-(bq * group + max_shift) // 8) * 8
+    q_rows = -(-(bq * stride + max_shift) // 8) * 8
     num_consumers = -(-q_rows // ROWS)
     if warp_specialized is None:  # measured on the H200: see the module docstring
         warp_specialized = quantized or num_consumers > 1
@@ -246,7 +307,7 @@ def _plan(*, decode, group, head_dim, quantized, page_size, pages_per_seq, num_s
         num_splits = 1
     max_tiles = -(-pages_per_seq * page_size // block_kv)
     return _Plan(decode, bq, q_rows, num_consumers, block_kv, num_stages, warp_specialized,
-                 num_splits, max_tiles)  # fmt: skip
+                 num_splits, max_tiles, stride)  # fmt: skip
 
 
 def _query_blocks(plan, take, q_lens, seq_lens, query_start_loc, num_tokens, group):
@@ -291,13 +352,16 @@ def _resolve_splits(plan, num_blocks, num_kv_heads) -> int:
 
 def _launch(plan, meta, qt, page_table, k_pages, v_pages, k_scales, v_scales, *, num_kv_heads,
             group, kv_dtype, soft_cap, sliding_window, fp8_load, v_page_offset, interpret,
-            token_major=0):  # fmt: skip
+            token_major=0, write_kv=False):  # fmt: skip
     """One kernel launch over `meta`'s blocks; returns [nb, Hkv, q_rows, D] (splits combined), or
-    with `token_major` = T (decode blocks, one split) the outputs in token order, [T * Hq, D]."""
+    with `token_major` = T (decode blocks, one split) the outputs in token order, [T * Hq, D].
+    With `write_kv` the kernel also writes each token's K/V rows (the query layout's rows `group`
+    and `group + 1`) into the pages, in place, and this returns (out, k_pages, v_pages)."""
     num_blocks = meta.shape[0]
     head_dim = qt.shape[-1]
     quantized = k_scales is not None
     num_splits = _resolve_splits(plan, num_blocks, num_kv_heads)
+    shared_pages = write_kv and k_pages is v_pages
     if token_major and (num_splits != 1 or not plan.decode):
         raise ValueError("token-major outputs need decode blocks and one split")
     kernel = _build_kernel(
@@ -319,21 +383,32 @@ def _launch(plan, meta, qt, page_table, k_pages, v_pages, k_scales, v_scales, *,
         fp8_load=fp8_load,
         v_page_offset=v_page_offset,
         token_major=token_major,
+        row_stride=plan.row_stride,
+        write_kv=write_kv,
+        shared_pages=shared_pages,
         interpret=interpret,
     )
     args = [meta, page_table.astype(jnp.int32)]
     if quantized:
         args += [k_scales.astype(jnp.float32), v_scales.astype(jnp.float32)]
+    if write_kv:  # the pages are in/out buffers of the kernel: refs, updated in place
+        pages = [k_pages] if shared_pages else [k_pages, v_pages]
+        outs, pages = _compat.call_with_page_refs(kernel, [*args, qt], pages)
+        k_pages, v_pages = (pages[0], pages[0]) if shared_pages else pages
+    else:
+        outs = kernel(*args, qt, k_pages, v_pages)
     if token_major:
-        (out,) = kernel(*args, qt, k_pages, v_pages)
-        return out
-    out, lse = kernel(*args, qt, k_pages, v_pages)  # [splits, nb, Hkv, rows, D], [.., rows]
+        (out,) = outs
+        return (out, k_pages, v_pages) if write_kv else out
+    out, lse = outs  # [splits, nb, Hkv, rows, D], [.., rows]
     if num_splits == 1:
-        return out[0]
-    # combine the splits' partial softmaxes (log2 domain)
-    lmax = jnp.max(lse, axis=0)
-    w = jnp.exp2(lse - lmax[None])
-    return jnp.sum(w[..., None] * out.astype(jnp.float32), axis=0) / jnp.sum(w, axis=0)[..., None]
+        out = out[0]
+    else:  # combine the splits' partial softmaxes (log2 domain)
+        lmax = jnp.max(lse, axis=0)
+        w = jnp.exp2(lse - lmax[None])
+        out = jnp.sum(w[..., None] * out.astype(jnp.float32), axis=0)
+        out = out / jnp.sum(w, axis=0)[..., None]
+    return (out, k_pages, v_pages) if write_kv else out
 
 
 def unsupported_reason(num_q_heads, num_kv_heads, head_dim, page_size, kv_dtype) -> str | None:
@@ -407,8 +482,13 @@ def _build_kernel(
     fp8_load,
     v_page_offset,
     token_major,
+    row_stride,
+    write_kv,
+    shared_pages,
     interpret,
 ):
+    if write_kv and (warp_specialized or quantized or consumers != 1):
+        raise ValueError("the kernel writes new K/V only in the single-warpgroup bf16 decode")
     bk = block_kv
     num_q_heads = num_kv_heads * group
     # FP8 with a producer warpgroup: it also converts tiles to f16, off the consumer's path.
@@ -443,10 +523,16 @@ def _build_kernel(
         return jnp.where(base + row < kv_len, v, jnp.zeros_like(v))
 
     def body(*refs):
-        n_in = (9 if quantized else 7) - (1 if token_major else 0)  # inputs and outputs
+        # inputs and outputs; one pages ref serves K and V when they share it (`shared_pages`)
+        n_in = (9 if quantized else 7) - (1 if token_major else 0) - (1 if shared_pages else 0)
         ins, scratch = refs[:n_in], refs[n_in:]
-        if token_major:  # no log-sum-exp output; an unswizzled buffer stages the output rows
+        if shared_pages:  # the same pages ref for K and V
+            k_at = 5 if quantized else 3
+            ins = (*ins[: k_at + 1], ins[k_at], *ins[k_at + 1 :])
+        if token_major:  # no log-sum-exp output
             ins = (*ins, None)
+        o_smem = None
+        if token_major or write_kv:  # an unswizzled buffer stages rows written at any offset
             *scratch, o_smem = scratch
         if quantized:
             meta_ref, pt_ref, ks_ref, vs_ref, q_ref, k_ref, v_ref, o_ref, lse_ref = ins
@@ -483,6 +569,9 @@ def _build_kernel(
         my_lo = t_lo + split * per
         n_tiles = jnp.maximum(jnp.minimum(t_hi, my_lo + per) - my_lo, 0)
         last_page = jnp.maximum(lax.div(kv_len - 1, jnp.int32(page_size)), 0)
+        # With `write_kv`, the split whose tiles end at the block's query (decode: the new token)
+        # writes that token's K/V: the only block that reads the tile holding it.
+        writer = (n_valid > 0) & (n_tiles > 0) & (my_lo + n_tiles == t_hi) if write_kv else None
 
         def page_of(tile, c, offset=0):
             """Page holding copy `c` of `tile` (clamped to the sequence's last page) plus `offset`
@@ -511,10 +600,15 @@ def _build_kernel(
             dst_ref = dst.at[slot] if copies == 1 else dst.at[slot, pl.ds(c * page_size, page_size)]
             plgpu.copy_gmem_to_smem(src_ref, dst_ref, bar.at[slot])
 
-        def producer_prologue():
+        def producer_prologue(defer_last=False):
+            """The first `num_stages` tiles; `defer_last`: not the block's last tile (a writer
+            block issues it once its new K/V rows have landed)."""
             for st in range(num_stages):
+                issue = st < n_tiles
+                if defer_last is not False:
+                    issue = issue & jnp.logical_not(defer_last & (st == n_tiles - 1))
 
-                @pl.when(st < n_tiles)
+                @pl.when(issue)
                 def _(st=st):
                     issue_k(st, st)
                     issue_v(st, st)
@@ -618,6 +712,8 @@ def _build_kernel(
 
                     @pl.when(i + num_stages < n_tiles)
                     def _refill():
+                        if write_kv:  # the block's new K/V rows land before any later tile loads
+                            plgpu.wait_smem_to_gmem(0)
                         issue_k(i + num_stages, slot)
                         issue_v(i + num_stages, slot)
 
@@ -677,8 +773,10 @@ def _build_kernel(
                 q_bar.at[w],
             )
             if not warp_specialized:
-                producer_prologue()
+                producer_prologue(defer_last=False if writer is None else writer)
             plgpu.barrier_wait(q_bar.at[w])
+            if write_kv:
+                pl.when(writer)(write_new_kv)
             acc = cast(jnp.zeros((ROWS, head_dim), jnp.float32), wgmma_layout)
             m_i = cast(jnp.full((ROWS,), NEG, jnp.float32), wgmma_layout.reduce(1))
             l_i = cast(jnp.zeros((ROWS,), jnp.float32), wgmma_layout.reduce(1))
@@ -696,7 +794,7 @@ def _build_kernel(
             l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
             out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
             if token_major:  # a decode block: its `group` rows are its token's heads, in place
-                token = lax.div(q_row0 + shift, jnp.int32(group))
+                token = lax.div(q_row0 + shift, jnp.int32(row_stride))
                 store_rows(out.astype(cdt), shift, token)
                 return
             q_w[...] = out.astype(cdt)  # q is no longer needed: its buffer stages the output
@@ -707,6 +805,28 @@ def _build_kernel(
             if num_splits > 1:  # the log-sum-exp only serves to combine the splits
                 plgpu.copy_smem_to_gmem(lse_w.at[pl.ds(0, rows)], lse_ref.at[split, blk, head, dst])
             plgpu.wait_smem_to_gmem(0)
+
+        def write_new_kv():
+            """This block's token's K and V rows (query-layout rows shift + group and + 1, loaded
+            with the queries) go to its slot in the pages: through the unswizzled staging buffer,
+            one TMA store each. The last tile (which holds that slot) is loaded only after they
+            have landed: now if the prologue deferred it, else the refill waits for them."""
+            o_smem[...] = cast(q_smem.at[0][...], wgmma_layout)
+            plgpu.commit_smem()
+            pos = q_pos0
+            page = pt_ref[seq, lax.div(pos, jnp.int32(page_size))]
+            slot = pl.ds(lax.rem(pos, jnp.int32(page_size)), 1)
+            row = shift + group
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(row, 1)], k_ref.at[page, slot, head])
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(row + 1, 1)],
+                                    v_ref.at[page + v_page_offset, slot, head])  # fmt: skip
+
+            @pl.when(n_tiles <= num_stages)  # the prologue deferred the last tile
+            def _():
+                plgpu.wait_smem_to_gmem(0)
+                last = n_tiles - 1
+                issue_k(last, lax.rem(last, jnp.int32(num_stages)))
+                issue_v(last, lax.rem(last, jnp.int32(num_stages)))
 
         def store_rows(x, first, token):
             """Token-major output: rows [first, first + group) of x [64, D] (cdt) become the
@@ -783,8 +903,9 @@ def _build_kernel(
         scratch += [plgpu.Barrier(num_barriers=conv_stages, **frees)] * 2
     elif warp_specialized:
         scratch += [plgpu.Barrier(num_barriers=num_stages, **frees)] * 2
-    if token_major:
+    if token_major or write_kv:
         scratch.append(plgpu.SMEM((ROWS, head_dim), cdt))  # o_smem: unswizzled, any row range
+    if token_major:
         out_type = (jax.ShapeDtypeStruct((token_major * num_q_heads, head_dim), cdt),)
     else:
         out_type = (
@@ -804,4 +925,6 @@ def _build_kernel(
         raise ValueError("several consumer warpgroups need the warp-specialised pipeline")
     if interpret:
         kwargs["interpret"] = _compat.gpu_interpret_params()
+    if write_kv:  # the pages are passed as refs (in place): plgpu.kernel's vmap wrapper drops them
+        return _compat.mgpu_ref_kernel(body, **kwargs)
     return plgpu.kernel(body, **kwargs)
