@@ -712,8 +712,12 @@ def _build_kernel(
 
                     @pl.when(i + num_stages < n_tiles)
                     def _refill():
-                        if write_kv:  # the block's new K/V rows land before any later tile loads
-                            plgpu.wait_smem_to_gmem(0)
+                        if write_kv:  # a writer's new K/V rows land before its last tile loads
+
+                            @pl.when(writer & (i + num_stages == n_tiles - 1))
+                            def _():
+                                plgpu.wait_smem_to_gmem(0)
+
                         issue_k(i + num_stages, slot)
                         issue_v(i + num_stages, slot)
 
