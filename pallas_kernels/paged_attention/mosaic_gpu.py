@@ -531,8 +531,10 @@ def _build_kernel(
             ins = (*ins[: k_at + 1], ins[k_at], *ins[k_at + 1 :])
         if token_major:  # no log-sum-exp output
             ins = (*ins, None)
-        o_smem = None
-        if token_major or write_kv:  # an unswizzled buffer stages rows written at any offset
+        o_smem = kvn_smem = None
+        if write_kv:  # unswizzled: the token's new K and V rows (loaded at any row offset)
+            *scratch, kvn_smem = scratch
+        if token_major:  # an unswizzled buffer stages rows written at any offset
             *scratch, o_smem = scratch
         if quantized:
             meta_ref, pt_ref, ks_ref, vs_ref, q_ref, k_ref, v_ref, o_ref, lse_ref = ins
@@ -776,11 +778,13 @@ def _build_kernel(
                 q_w.at[pl.ds(0, rows)],
                 q_bar.at[w],
             )
+            if write_kv:
+                pl.when(writer)(load_new_kv)
             if not warp_specialized:
                 producer_prologue(defer_last=False if writer is None else writer)
-            plgpu.barrier_wait(q_bar.at[w])
             if write_kv:
                 pl.when(writer)(write_new_kv)
+            plgpu.barrier_wait(q_bar.at[w])
             acc = cast(jnp.zeros((ROWS, head_dim), jnp.float32), wgmma_layout)
             m_i = cast(jnp.full((ROWS,), NEG, jnp.float32), wgmma_layout.reduce(1))
             l_i = cast(jnp.zeros((ROWS,), jnp.float32), wgmma_layout.reduce(1))
@@ -810,19 +814,22 @@ def _build_kernel(
                 plgpu.copy_smem_to_gmem(lse_w.at[pl.ds(0, rows)], lse_ref.at[split, blk, head, dst])
             plgpu.wait_smem_to_gmem(0)
 
+        def load_new_kv():
+            """A writer's token's K and V rows (query-layout rows group and group + 1 past its
+            first query row) into their own small buffer: one 2-row TMA copy."""
+            src = q_ref.at[head, pl.ds(q_row0 + shift + group, 2)]
+            plgpu.copy_gmem_to_smem(src, kvn_smem, q_bar.at[consumers])
+
         def write_new_kv():
-            """This block's token's K and V rows (query-layout rows shift + group and + 1, loaded
-            with the queries) go to its slot in the pages: through the unswizzled staging buffer,
-            one TMA store each. The last tile (which holds that slot) is loaded only after they
-            have landed: now if the prologue deferred it, else the refill waits for them."""
-            o_smem[...] = cast(q_smem.at[0][...], wgmma_layout)
-            plgpu.commit_smem()
+            """The token's K and V rows go to its slot in the pages, one TMA store each, straight
+            from the buffer they landed in. The last tile (which holds that slot) is loaded only
+            after they have landed: now if the prologue deferred it, else the refill waits."""
+            plgpu.barrier_wait(q_bar.at[consumers])
             pos = q_pos0
             page = pt_ref[seq, lax.div(pos, jnp.int32(page_size))]
             slot = pl.ds(lax.rem(pos, jnp.int32(page_size)), 1)
-            row = shift + group
-            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(row, 1)], k_ref.at[page, slot, head])
-            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(row + 1, 1)],
+            plgpu.copy_smem_to_gmem(kvn_smem.at[pl.ds(0, 1)], k_ref.at[page, slot, head])
+            plgpu.copy_smem_to_gmem(kvn_smem.at[pl.ds(1, 1)],
                                     v_ref.at[page + v_page_offset, slot, head])  # fmt: skip
 
             @pl.when(n_tiles <= num_stages)  # the prologue deferred the last tile
@@ -897,7 +904,7 @@ def _build_kernel(
             else []
         ),
         plgpu.SMEM((consumers, ROWS), jnp.float32),
-        plgpu.Barrier(num_barriers=consumers),
+        plgpu.Barrier(num_barriers=consumers + (1 if write_kv else 0)),  # queries (, new K/V)
         plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
     ]
@@ -907,8 +914,10 @@ def _build_kernel(
         scratch += [plgpu.Barrier(num_barriers=conv_stages, **frees)] * 2
     elif warp_specialized:
         scratch += [plgpu.Barrier(num_barriers=num_stages, **frees)] * 2
-    if token_major or write_kv:
+    if token_major:
         scratch.append(plgpu.SMEM((ROWS, head_dim), cdt))  # o_smem: unswizzled, any row range
+    if write_kv:
+        scratch.append(plgpu.SMEM((2, head_dim), cdt))  # kvn_smem: the token's new K and V rows
     if token_major:
         out_type = (jax.ShapeDtypeStruct((token_major * num_q_heads, head_dim), cdt),)
     else:
