@@ -73,6 +73,11 @@ def test_decode_step_writes_kv_in_the_kernel(monkeypatch):
         h, kv = step(params, decode, jax.tree.map(jnp.copy, kv0))
         assert writes and set(writes) == {fused}, writes  # (the layer is traced once)
         out[fused] = np.asarray(h[:2], np.float32), np.asarray(kv.pages[:, 1:], np.float32)
+    # a decode step past the token limit (an int option) scatters first
+    writes.clear()
+    forward_paged(params, cfg, decode, jax.tree.map(jnp.copy, kv0), attention_backend="pallas",
+                  attention_options=(("fused_kv_write", 7),))  # fmt: skip
+    assert writes and not any(writes), writes
     np.testing.assert_array_equal(out[True][1], out[False][1])
     np.testing.assert_allclose(out[True][0], out[False][0], rtol=1e-5, atol=1e-5)
     # the new slots (page 2 slot 5, page 3 slot 0; index 1 is page 2 here) were empty before

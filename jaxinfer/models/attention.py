@@ -24,6 +24,11 @@ from pallas_kernels.paged_attention.mosaic_gpu import fused_kv_write_reason
 
 ATTENTION_BACKENDS = BACKENDS
 ATTENTION_OPTIONS = KERNEL_OPTIONS
+# Decode steps of at most this many tokens write their K/V in the attention kernel (option
+# `fused_kv_write`: true = this limit, an int = another, false = never). On the H200 (8B model,
+# experiments/results/h200/e2e_llama3_8b_fused_kv_write.json) it saved 0.5-2% per step up to
+# batch 64; at 128-256 the step went either way, with XLA's GEMM picks changing between compiles.
+FUSED_KV_WRITE_MAX_TOKENS = 64
 
 
 def causal_attention(
@@ -104,14 +109,17 @@ def write_kv_and_attend(
     """Write this step's K/V [T, Hkv, D] (rope applied) of layer `layer` at (`page`, `offset`),
     then attend q [T, Hq, D] over the cache: returns (out [T, Hq, D], updated cache).
 
-    Decode steps on the Pallas kernel do both in the kernel (`fused_kv_write` option, default
-    on): each sequence's K/V rows arrive with its queries and the kernel stores them in place, so
-    no XLA scatter kernel runs per layer. Other steps and backends scatter first (`write_kv`).
+    Decode steps of up to `FUSED_KV_WRITE_MAX_TOKENS` tokens on the Pallas kernel do both in the
+    kernel (option `fused_kv_write`): each sequence's K/V rows arrive with its queries and the
+    kernel stores them in place, so no XLA scatter kernel runs per layer. Other steps and
+    backends scatter first (`write_kv`).
     """
     opts = dict(options)
     pool, _ = kv.pool()
+    limit = opts.get("fused_kv_write", True)
+    limit = FUSED_KV_WRITE_MAX_TOKENS if limit is True else int(limit)
     fused = (
-        opts.get("fused_kv_write", True)
+        q.shape[0] <= limit
         and not kv.is_quantized
         and resolve_backend(backend, q, pool) == "pallas"
         and fused_kv_write_reason(
