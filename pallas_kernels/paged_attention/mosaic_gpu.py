@@ -20,6 +20,12 @@ How the work is cut
   skip that gather: each block writes its token's `group` rows straight into the [T, Hq, D]
   output through an unswizzled staging buffer (any row offset), and block b writes the zeros of
   padding token b. The gather was its own XLA kernel after every layer's attention.
+- Decode-only batches may hand the kernel the step's new K/V (`new_kv`), which it writes itself
+  instead of an XLA scatter before it: each token then has `group + 2` query-layout rows (its
+  query heads, its key, its value). The block whose context split ends at the token (the one
+  that reads the tile holding it) copies the two rows into a small buffer with TMA and stores
+  them into the page slot; it issues that tile's load only once the stores completed. The pages
+  are a global-memory ref, aliased in and out (updated in place when donated).
 - Mixed batches (prefill chunks and decodes in one step, the engine's mixed step) take two
   launches: sequences with one new token get decode blocks, the others prefill blocks. One launch
   of prefill-shaped blocks for all of them would give every decode token a 128-row block, two
