@@ -232,6 +232,24 @@ def test_new_kv_is_validated():
         paged_attention(q, pages, pages, table, lens, qsl, max_q_len=1, backend="xla", new_kv=kv)
 
 
+# Page ids read a tile ahead of their refill: several tiles per block (refills), pages smaller
+# than a tile (several copies per tile), the warp-specialised producer, and a kernel K/V write.
+@pytest.mark.parametrize(
+    "page_size,ctx_lens,kw",
+    [
+        (64, [300, 64, 129, 0], dict(num_splits=1)),
+        (16, [200, 33, 95], dict(num_splits=1)),
+        (32, [400, 7], dict(warp_specialized=True, num_stages=3, num_splits=1)),
+    ],
+)
+def test_page_ids_prefetched_for_refills(page_size, ctx_lens, kw):
+    run_case(q_lens=[1] * len(ctx_lens), ctx_lens=ctx_lens, page_size=page_size, num_kv_heads=2,
+             group=4, head_dim=64, prefetch_page_ids=True, **kw)  # fmt: skip
+    if not kw.get("warp_specialized"):
+        run_write_case(q_lens=[1] * len(ctx_lens), ctx_lens=ctx_lens, page_size=page_size,
+                       prefetch_page_ids=True, **kw)  # fmt: skip
+
+
 @pytest.mark.parametrize("head_dim,group,num_kv_heads", [(128, 8, 1), (256, 2, 2), (64, 1, 4)])
 def test_head_dims_and_gqa_ratios(head_dim, group, num_kv_heads):
     run_case(q_lens=[1, 1, 3], ctx_lens=[40, 100, 17], page_size=16, num_kv_heads=num_kv_heads,
@@ -341,3 +359,6 @@ def test_compiled_kernel_on_gpu(head_dim, fp8):
                    head_dim=head_dim, interpret=False, pad_tokens=1)  # fmt: skip
     run_write_case(q_lens=[1, 1, 1], ctx_lens=[5000, 64, 0], page_size=16, num_kv_heads=2,
                    group=3, head_dim=head_dim, interpret=False, shared_pool=False)  # fmt: skip
+    # page ids read a tile ahead of their refills (option, off by default)
+    run_case(q_lens=[1] * 3, ctx_lens=[3000, 700, 64], page_size=16, num_kv_heads=8, group=4,
+             head_dim=head_dim, interpret=False, prefetch_page_ids=True)  # fmt: skip

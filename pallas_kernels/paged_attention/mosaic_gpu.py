@@ -120,6 +120,7 @@ def ragged_paged_attention_mgpu(
     fp8_load: str = "default",
     split_decode_rows: bool = True,
     token_major_decode: bool = True,
+    prefetch_page_ids: bool = False,
     v_page_offset: int = 0,
     new_kv: tuple[jax.Array, jax.Array] | None = None,
     interpret: bool | None = None,
@@ -135,7 +136,9 @@ def ragged_paged_attention_mgpu(
     token through the decode configuration (a second launch; the tuning options above then apply
     to the prefill part only). `token_major_decode` lets a decode-only batch (`max_q_len == 1`,
     no more tokens than sequences) with one context split write its outputs in token order from
-    the kernel (False: through the per-block layout and a gather, as other batches). `interpret`
+    the kernel (False: through the per-block layout and a gather, as other batches).
+    `prefetch_page_ids` reads a refill's page ids from the page table a tile before the refill is
+    issued, instead of right before its copies (not yet timed on the GPU; off). `interpret`
     runs the kernel under the GPU interpreter (default: when there is no GPU).
 
     `new_kv` = (k, v), each [T, Hkv, D]: this step's keys (rope applied) and values, which the
@@ -203,7 +206,8 @@ def ragged_paged_attention_mgpu(
 
     launch = dict(num_kv_heads=num_kv_heads, group=group, kv_dtype=jnp.dtype(k_pages.dtype),
                   soft_cap=soft_cap, sliding_window=sliding_window, fp8_load=fp8_load,
-                  v_page_offset=v_page_offset, interpret=interpret)  # fmt: skip
+                  v_page_offset=v_page_offset, prefetch_page_ids=bool(prefetch_page_ids),
+                  interpret=interpret)  # fmt: skip
     write_kv = new_kv is not None
     plan0, take0 = parts[0]
     num_seqs = q_lens.shape[0]
@@ -358,7 +362,7 @@ def _resolve_splits(plan, num_blocks, num_kv_heads) -> int:
 
 def _launch(plan, meta, qt, page_table, k_pages, v_pages, k_scales, v_scales, *, num_kv_heads,
             group, kv_dtype, soft_cap, sliding_window, fp8_load, v_page_offset, interpret,
-            token_major=0, write_kv=False):  # fmt: skip
+            token_major=0, write_kv=False, prefetch_page_ids=False):  # fmt: skip
     """One kernel launch over `meta`'s blocks; returns [nb, Hkv, q_rows, D] (splits combined), or
     with `token_major` = T (decode blocks, one split) the outputs in token order, [T * Hq, D].
     With `write_kv` the kernel also writes each token's K/V rows (the query layout's rows `group`
@@ -388,6 +392,7 @@ def _launch(plan, meta, qt, page_table, k_pages, v_pages, k_scales, v_scales, *,
         consumers=plan.consumers,
         fp8_load=fp8_load,
         v_page_offset=v_page_offset,
+        prefetch_page_ids=prefetch_page_ids,
         token_major=token_major,
         row_stride=plan.row_stride,
         write_kv=write_kv,
@@ -487,6 +492,7 @@ def _build_kernel(
     consumers,
     fp8_load,
     v_page_offset,
+    prefetch_page_ids,
     token_major,
     row_stride,
     write_kv,
@@ -588,18 +594,22 @@ def _build_kernel(
             page = pt_ref[seq, jnp.minimum(idx, last_page)]
             return page + offset if offset else page
 
-        def issue_k(i, slot):
-            tile = my_lo + i
-            for c in range(copies):
-                _copy(k_ref, k_smem, k_bar, tile, c, slot, 0)
+        def pages_of(i):
+            """K's page of each copy of local tile `i`, read from the page table now (with
+            `prefetch_page_ids` a refill reads them a tile ahead, off its critical path)."""
+            return [page_of(my_lo + i, c) for c in range(copies)]
 
-        def issue_v(i, slot):
-            tile = my_lo + i
+        def issue_k(i, slot, pages=None):
+            pages = pages_of(i) if pages is None else pages
             for c in range(copies):
-                _copy(v_ref, v_smem, v_bar, tile, c, slot, v_page_offset)
+                _copy(k_ref, k_smem, k_bar, my_lo + i, c, slot, pages[c])
 
-        def _copy(src, dst, bar, tile, c, slot, offset):
-            page = page_of(tile, c, offset)
+        def issue_v(i, slot, pages=None):
+            pages = pages_of(i) if pages is None else pages
+            for c in range(copies):
+                _copy(v_ref, v_smem, v_bar, my_lo + i, c, slot, pages[c] + v_page_offset)
+
+        def _copy(src, dst, bar, tile, c, slot, page):
             if page_size > bk:  # a tile is a slice of one page
                 off = pl.multiple_of(lax.rem(tile * bk, jnp.int32(page_size)), bk)
                 src_ref = src.at[page, pl.ds(off, bk), head]
@@ -641,6 +651,9 @@ def _build_kernel(
             def kv_step(i, carry):
                 acc, m_i, l_i = carry
                 slot = lax.rem(i, jnp.int32(num_stages))
+                # the refill's page ids, read before this tile's work (clamped: always in range)
+                prefetch = prefetch_page_ids and not warp_specialized  # (else the producer's)
+                refill_pages = pages_of(i + num_stages) if prefetch else None
                 tile = my_lo + i
                 base = tile * bk
                 shape = (ROWS, bk)
@@ -726,8 +739,8 @@ def _build_kernel(
                             def _():
                                 plgpu.wait_smem_to_gmem(0)
 
-                        issue_k(i + num_stages, slot)
-                        issue_v(i + num_stages, slot)
+                        issue_k(i + num_stages, slot, refill_pages)
+                        issue_v(i + num_stages, slot, refill_pages)
 
                 return acc, m_new, l_i
 
@@ -888,10 +901,11 @@ def _build_kernel(
             @pl.loop(0, jnp.maximum(n_tiles - num_stages, 0))
             def _(i):
                 slot = lax.rem(i, jnp.int32(num_stages))
+                pages = pages_of(i + num_stages) if prefetch_page_ids else None
                 plgpu.barrier_wait(k_free.at[slot])
-                issue_k(i + num_stages, slot)
+                issue_k(i + num_stages, slot, pages)
                 plgpu.barrier_wait(v_free.at[slot])
-                issue_v(i + num_stages, slot)
+                issue_v(i + num_stages, slot, pages)
 
             @pl.loop(jnp.maximum(n_tiles - num_stages, 0), n_tiles)
             def _drain(i):  # observe the last releases too, so every barrier phase is consumed
