@@ -27,8 +27,8 @@ ATTENTION_OPTIONS = KERNEL_OPTIONS
 # Decode steps of at most this many tokens write their K/V in the attention kernel (option
 # `fused_kv_write`: true = this limit, an int = another, false = never). On the H200 (8B model,
 # experiments/results/h200/e2e_llama3_8b_fused_kv_write.json) it saved 0.1-2.0% per step up to
-# batch 64; at 128-256 the step was slower in 11 of 12 rows (the kernel took ~3 us per layer more
-# than the scatter it replaced, and XLA's GEMM picks changed between compiles).
+# batch 64; at 128-256 the step was slower in 11 of 12 rows (the attention kernel took ~3 us per
+# layer longer, less than the scatter it replaced, but XLA's GEMM picks changed between compiles).
 FUSED_KV_WRITE_MAX_TOKENS = 64
 
 
