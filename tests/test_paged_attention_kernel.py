@@ -250,6 +250,39 @@ def test_page_ids_prefetched_for_refills(page_size, ctx_lens, kw):
                        prefetch_page_ids=True, **kw)  # fmt: skip
 
 
+# Persistent decode launch: a few programs stream every (block, KV head) item, the K/V pipeline
+# crossing from one item into the next. The SM count is pinned so that each program takes several
+# items: items with one tile (the pipeline issues tiles two items ahead), holes and padding tokens,
+# several copies per tile (page 16), a tile within a page (page 128), group 3 (rows start at any
+# offset), K and V in one pool, the sliding window and soft cap.
+@pytest.mark.parametrize(
+    "q_lens,ctx_lens,page_size,group,programs,kw",
+    [
+        ([1, 1, 0, 1, 1, 0, 1], [40, 0, 7, 130, 63, 5, 1], 16, 4, 1, {}),
+        ([1, 1, 1, 1, 1, 0, 0], [3, 300, 64, 1, 129, 4, 0], 64, 3, 3, {}),
+        ([1, 1, 1, 0, 0], [200, 1, 64, 0, 3], 128, 8, 2, dict(shared_pool=True)),
+        ([1, 1, 1, 0, 0], [100, 37, 250, 2, 9], 32, 4, 2, dict(sliding_window=70, soft_cap=30.0)),
+    ],
+)
+def test_persistent_decode(monkeypatch, q_lens, ctx_lens, page_size, group, programs, kw):
+    from pallas_kernels import _compat
+    from pallas_kernels.paged_attention import mosaic_gpu, persistent
+
+    built = []
+    build = persistent.build_persistent_decode_kernel.__wrapped__
+
+    def spy(**cfg):
+        built.append(cfg["num_programs"])
+        return build(**cfg)
+
+    monkeypatch.setattr(persistent, "build_persistent_decode_kernel", spy)
+    monkeypatch.setattr(_compat, "num_sms", lambda default=132: 1)
+    run_case(q_lens=q_lens, ctx_lens=ctx_lens, page_size=page_size, num_kv_heads=2, group=group,
+             head_dim=64, num_splits=1, persistent=programs, pad_tokens=2, **kw)  # fmt: skip
+    assert built == [programs], built  # the persistent launch ran, with that many programs
+    assert mosaic_gpu.persistent_reason(None, 0, jnp.bfloat16, False) == "persistent=0"
+
+
 @pytest.mark.parametrize("head_dim,group,num_kv_heads", [(128, 8, 1), (256, 2, 2), (64, 1, 4)])
 def test_head_dims_and_gqa_ratios(head_dim, group, num_kv_heads):
     run_case(q_lens=[1, 1, 3], ctx_lens=[40, 100, 17], page_size=16, num_kv_heads=num_kv_heads,
@@ -362,3 +395,16 @@ def test_compiled_kernel_on_gpu(head_dim, fp8):
     # page ids read a tile ahead of their refills (option, off by default)
     run_case(q_lens=[1] * 3, ctx_lens=[3000, 700, 64], page_size=16, num_kv_heads=8, group=4,
              head_dim=head_dim, interpret=False, prefetch_page_ids=True)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size,group,programs", [(64, 4, 2), (16, 3, 1), (128, 8, 2)])
+def test_persistent_decode_on_gpu(page_size, group, programs):
+    """The persistent decode launch compiled: 300 sequences x 8 KV heads, so every program takes
+    9-19 items of ragged lengths (many of one tile), with holes and padding tokens."""
+    rng = np.random.default_rng(secrets.randbelow(2**31))
+    q_lens = [1] * 150 + [0] + [1] * 149 + [0, 0]
+    ctx = list(rng.integers(0, 900, len(q_lens)))
+    run_case(q_lens=q_lens, ctx_lens=ctx, page_size=page_size, num_kv_heads=8, group=group,
+             head_dim=128, interpret=False, num_splits=1, persistent=programs,
+             pad_tokens=2)  # fmt: skip

@@ -98,6 +98,42 @@ def default_num_splits(num_programs: int, max_tiles: int, sms: int) -> int:
     return max(1, min(max_tiles, -(-2 * sms // num_programs)))
 
 
+def _apply_soft_cap(s, soft_cap):
+    """cap * tanh(s / cap), tanh through exp (scores fp32); s itself without a cap."""
+    if soft_cap is None:
+        return s
+    e = jnp.exp(s * (2.0 / soft_cap))
+    return soft_cap - (2.0 * soft_cap) / (e + 1.0)
+
+
+def _causal_mask(iota, shape, *, row0, base, q_pos0, kv_len, group, sliding_window):
+    """Which scores of a [rows, bk] tile count: rows are (query token, head-in-group) pairs
+    counted from the block's first query (`row0` is the tile's first row on that count: negative
+    for rows before it), columns are keys from position `base`. Causal (a key at most the row's
+    token position), below the sequence length, and within the sliding window if any."""
+    row = iota(shape, 0) + row0
+    col = iota(shape, 1)
+    rel = base + col - q_pos0  # key position relative to the block's first query
+    # `row` counts from the first query: its token is row // group; causal means
+    # rel <= row // group, i.e. row >= rel * group.
+    mask = (row >= rel * group) & (base + col < kv_len)
+    if sliding_window is not None:  # key > q_pos - window <=> row // group < rel + window
+        mask = mask & (row < (rel + sliding_window) * group)
+    return mask
+
+
+def _online_softmax(s, acc, m_i, l_i, mask=None):
+    """One tile's flash-attention update in the log2 domain: scores s [rows, bk] fp32 (masked to
+    NEG where `mask` is False) -> (probabilities p, acc rescaled, new row max, new row sum)."""
+    s2 = s * LOG2E if mask is None else jnp.where(mask, s * LOG2E, NEG)
+    m_new = jnp.maximum(m_i, s2.max(axis=1))
+    alpha = jnp.exp2(m_i - m_new)
+    p = jnp.exp2(s2 - lax.broadcast_in_dim(m_new, s2.shape, [0]))
+    l_new = l_i * alpha + p.sum(axis=1)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    return p, acc, m_new, l_new
+
+
 def ragged_paged_attention_mgpu(
     q: jax.Array,
     k_pages: jax.Array,
@@ -121,6 +157,7 @@ def ragged_paged_attention_mgpu(
     split_decode_rows: bool = True,
     token_major_decode: bool = True,
     prefetch_page_ids: bool = False,
+    persistent: int = 0,
     v_page_offset: int = 0,
     new_kv: tuple[jax.Array, jax.Array] | None = None,
     interpret: bool | None = None,
@@ -220,6 +257,11 @@ def ragged_paged_attention_mgpu(
         b = jnp.arange(num_seqs, dtype=jnp.int32)
         zero_row = jnp.where((b >= query_start_loc[-1]) & (b < num_tokens), b, -1)
         meta = jnp.concatenate([meta, zero_row[:, None]], axis=1)
+        if persistent_reason(plan0, persistent, k_pages.dtype, write_kv) is None:
+            out = _launch_persistent(plan0, meta, qt, page_table, k_pages, v_pages,
+                                     num_programs=int(persistent) * _compat.num_sms(),
+                                     num_tokens=num_tokens, **launch)  # fmt: skip
+            return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
         out = _launch(plan0, meta, qt, page_table, k_pages, v_pages, k_scales, v_scales,
                       token_major=num_tokens, write_kv=write_kv, **launch)  # fmt: skip
         if write_kv:
@@ -248,6 +290,49 @@ def ragged_paged_attention_mgpu(
         out = jnp.where(mine[:, None, None, None], vals, out)
     out = out.reshape(num_tokens, num_q_heads, head_dim)
     return (out, k_pages, v_pages) if write_kv else out
+
+
+def persistent_reason(plan, persistent, kv_dtype, write_kv) -> str | None:
+    """Why a token-major decode launch does not run persistent (None when it does)."""
+    if not persistent:
+        return "persistent=0"
+    if write_kv:
+        return "the kernel writes the new K/V (new_kv): one program per item"
+    if jnp.dtype(kv_dtype) != jnp.dtype(jnp.bfloat16):
+        return "bf16 pages only"
+    if plan.warp_specialized or plan.consumers != 1:
+        return "the single-warpgroup decode pipeline only"
+    return None
+
+
+def _launch_persistent(plan, meta, qt, page_table, k_pages, v_pages, *, num_programs, num_tokens,
+                       num_kv_heads, group, soft_cap, sliding_window, v_page_offset, interpret,
+                       **_):  # fmt: skip
+    """The token-major decode launch of `persistent.py`: [T * Hq, D] outputs."""
+    from pallas_kernels.paged_attention.persistent import (
+        build_persistent_decode_kernel,
+        work_list,
+    )
+
+    num_blocks = meta.shape[0]
+    kernel = build_persistent_decode_kernel(
+        num_programs=max(1, min(int(num_programs), num_blocks * num_kv_heads)),
+        num_blocks=num_blocks,
+        num_kv_heads=num_kv_heads,
+        num_tokens=num_tokens,
+        q_rows=plan.q_rows,
+        group=group,
+        head_dim=qt.shape[-1],
+        page_size=k_pages.shape[1],
+        num_stages=plan.num_stages,
+        block_kv=plan.block_kv,
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        sliding_window=None if sliding_window is None else int(sliding_window),
+        v_page_offset=v_page_offset,
+        interpret=interpret,
+    )
+    (out,) = kernel(meta, work_list(meta), page_table.astype(jnp.int32), qt, k_pages, v_pages)
+    return out
 
 
 def fused_kv_write_reason(max_q_len: int, kv_dtype, warp_specialized: bool | None = None,
@@ -676,30 +761,13 @@ def _build_kernel(
                         plgpu.barrier_arrive(k_free.at[slot])
                 if quantized:
                     s = s * col_scales(ks_ref, tile, shape, 0)
-                if soft_cap is not None:  # cap * tanh(s / cap), tanh through exp
-                    e = jnp.exp(s * (2.0 / soft_cap))
-                    s = soft_cap - (2.0 * soft_cap) / (e + 1.0)
-
-                if masked:
-                    row = iota(shape, 0) + (r0 - shift)  # rows before `shift`: not queries
-                    col = iota(shape, 1)
-                    rel = base + col - q_pos0  # key position relative to the block's first query
-                    # `row` counts from the first query: its token is row // group; causal means
-                    # rel <= row // group, i.e. row >= rel * group.
-                    mask = (row >= rel * group) & (base + col < kv_len)
-                    if (
-                        sliding_window is not None
-                    ):  # key > q_pos - window <=> r // group < rel + window
-                        mask = mask & (row < (rel + sliding_window) * group)
-                    s2 = jnp.where(mask, s * LOG2E, NEG)
-                else:  # a tile every row of this consumer sees in full
-                    s2 = s * LOG2E
-
-                m_new = jnp.maximum(m_i, s2.max(axis=1))
-                alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s2 - lax.broadcast_in_dim(m_new, shape, [0]))
-                l_i = l_i * alpha + p.sum(axis=1)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                s = _apply_soft_cap(s, soft_cap)
+                mask = None  # a tile every row of this consumer sees in full
+                if masked:  # rows before `shift` are not queries
+                    mask = _causal_mask(iota, shape, row0=r0 - shift, base=base, q_pos0=q_pos0,
+                                        kv_len=kv_len, group=group,
+                                        sliding_window=sliding_window)  # fmt: skip
+                p, acc, m_new, l_i = _online_softmax(s, acc, m_i, l_i, mask)
                 if quantized:
                     p = p * col_scales(vs_ref, tile, shape, v_page_offset)
                 p16 = p.astype(cdt)
