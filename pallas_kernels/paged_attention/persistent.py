@@ -11,7 +11,9 @@ Here the grid is `programs_per_sm x SMs` programs; program p takes the work item
 p + 2P, ... (items: a decode block and a KV head). Its tile stream is one sequence across items:
 the copies for the next item's first tiles are issued while the last tiles of the current one
 are computed (a producer cursor runs `num_stages` tiles ahead of the consumer, crossing item
-boundaries), and the next item's queries load into a second buffer meanwhile. The output of an
+boundaries), and the next item's queries load once the current item's last scores are computed
+(one query buffer: two programs must fit an SM's shared memory; with a second buffer only one
+did, and the launch was 10-20% slower than one program per item). The output of an
 item is staged in shared memory and stored with TMA without waiting for the store; the next
 store waits only until the staging buffer has been read.
 
@@ -155,24 +157,17 @@ def build_persistent_decode_kernel(
 
         def issue_q(j):
             it = item(j)
-            buf = lax.rem(j, jnp.int32(2))
             plgpu.copy_gmem_to_smem(
                 q_ref.at[it["head"], pl.ds(pl.multiple_of(it["q_row0"], 8), q_rows)],
-                q_smem.at[buf, pl.ds(0, q_rows)],
-                q_bar.at[buf],
+                q_smem.at[pl.ds(0, q_rows)],
+                q_bar.at[0],
             )
 
         def run_item(j, carry):
             g, cur = carry  # tiles consumed so far (slot of the next: g % num_stages), cursor
             it = item(j)
-
-            @pl.when(j + 1 < my_items)
-            def _():  # the next item's queries, into the other buffer
-                issue_q(j + 1)
-
-            buf = lax.rem(j, jnp.int32(2))
-            q_w = q_smem.at[buf]
-            plgpu.barrier_wait(q_bar.at[buf])
+            q_w = q_smem
+            plgpu.barrier_wait(q_bar.at[0])
             q_pos0, kv_len, shift = it["q_pos0"], it["kv_len"], it["shift"]
             n_tiles, t_lo = it["n_tiles"], it["t_lo"]
 
@@ -184,6 +179,11 @@ def build_persistent_decode_kernel(
                     shape = (ROWS, bk)
                     plgpu.barrier_wait(k_bar.at[slot])
                     s = _apply_soft_cap(mma(q_w, k_smem.at[slot], transpose_b=True), soft_cap)
+
+                    @pl.when((i == n_tiles - 1) & (j + 1 < my_items))
+                    def _():  # the queries are read: load the next item's (one buffer)
+                        issue_q(j + 1)
+
                     mask = None
                     if masked:
                         mask = _causal_mask(iota, shape, row0=-shift, base=base, q_pos0=q_pos0,
@@ -257,11 +257,11 @@ def build_persistent_decode_kernel(
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     scratch = [
-        swizzled_smem((2, ROWS, head_dim), cdt),  # queries: this item's and the next's
+        swizzled_smem((ROWS, head_dim), cdt),  # queries (the next item's load after the last QK)
         swizzled_smem((num_stages, bk, head_dim), cdt),
         swizzled_smem((num_stages, bk, head_dim), cdt),
         plgpu.SMEM((ROWS, head_dim), cdt),  # output stage: unswizzled (rows from any offset)
-        plgpu.Barrier(num_barriers=2),
+        plgpu.Barrier(num_barriers=1),
         plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
     ]
