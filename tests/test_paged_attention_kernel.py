@@ -398,13 +398,17 @@ def test_compiled_kernel_on_gpu(head_dim, fp8):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("page_size,group,programs", [(64, 4, 2), (16, 3, 1), (128, 8, 2)])
-def test_persistent_decode_on_gpu(page_size, group, programs):
+@pytest.mark.parametrize(
+    "page_size,group,programs,early_exit",
+    [(64, 4, 2, False), (16, 3, 1, False), (128, 8, 2, False), (64, 4, 0, True)],
+)
+def test_persistent_decode_on_gpu(page_size, group, programs, early_exit):
     """The persistent decode launch compiled: 300 sequences x 8 KV heads, so every program takes
-    9-19 items of ragged lengths (many of one tile), with holes and padding tokens."""
+    9-19 items of ragged lengths (many of one tile), with holes and padding tokens. And the
+    one-program-per-item launch whose programs exit once their stores have read their stage."""
     rng = np.random.default_rng(secrets.randbelow(2**31))
     q_lens = [1] * 150 + [0] + [1] * 149 + [0, 0]
     ctx = list(rng.integers(0, 900, len(q_lens)))
     run_case(q_lens=q_lens, ctx_lens=ctx, page_size=page_size, num_kv_heads=8, group=group,
              head_dim=128, interpret=False, num_splits=1, persistent=programs,
-             pad_tokens=2)  # fmt: skip
+             early_exit=early_exit, pad_tokens=2)  # fmt: skip

@@ -158,6 +158,7 @@ def ragged_paged_attention_mgpu(
     token_major_decode: bool = True,
     prefetch_page_ids: bool = False,
     persistent: int = 0,
+    early_exit: bool = False,
     v_page_offset: int = 0,
     new_kv: tuple[jax.Array, jax.Array] | None = None,
     interpret: bool | None = None,
@@ -175,8 +176,14 @@ def ragged_paged_attention_mgpu(
     no more tokens than sequences) with one context split write its outputs in token order from
     the kernel (False: through the per-block layout and a gather, as other batches).
     `prefetch_page_ids` reads a refill's page ids from the page table a tile before the refill is
-    issued, instead of right before its copies (not yet timed on the GPU; off). `interpret`
-    runs the kernel under the GPU interpreter (default: when there is no GPU).
+    issued, instead of right before its copies (off: no faster on the H200, e2e_llama3_8b_
+    prefetch_page_ids.json). `persistent` = n > 0 serves a decode-only batch that has one
+    context split (and no `new_kv`, bf16 pages) with n programs per SM that each stream several
+    (block, KV head) items, their K/V pipeline running on across items (`persistent.py`); 0: one
+    program per item. `early_exit`: a program's last output stores are waited for only until
+    they have read shared memory (the kernel's end still orders them before any later reader),
+    so the SM takes its next program sooner. `interpret` runs the kernel under the GPU
+    interpreter (default: when there is no GPU).
 
     `new_kv` = (k, v), each [T, Hkv, D]: this step's keys (rope applied) and values, which the
     kernel writes into the pages itself (decode-only batches, `fused_kv_write_reason`): token t of
@@ -244,7 +251,7 @@ def ragged_paged_attention_mgpu(
     launch = dict(num_kv_heads=num_kv_heads, group=group, kv_dtype=jnp.dtype(k_pages.dtype),
                   soft_cap=soft_cap, sliding_window=sliding_window, fp8_load=fp8_load,
                   v_page_offset=v_page_offset, prefetch_page_ids=bool(prefetch_page_ids),
-                  interpret=interpret)  # fmt: skip
+                  early_exit=bool(early_exit), interpret=interpret)  # fmt: skip
     write_kv = new_kv is not None
     plan0, take0 = parts[0]
     num_seqs = q_lens.shape[0]
@@ -447,7 +454,7 @@ def _resolve_splits(plan, num_blocks, num_kv_heads) -> int:
 
 def _launch(plan, meta, qt, page_table, k_pages, v_pages, k_scales, v_scales, *, num_kv_heads,
             group, kv_dtype, soft_cap, sliding_window, fp8_load, v_page_offset, interpret,
-            token_major=0, write_kv=False, prefetch_page_ids=False):  # fmt: skip
+            token_major=0, write_kv=False, prefetch_page_ids=False, early_exit=False):  # fmt: skip
     """One kernel launch over `meta`'s blocks; returns [nb, Hkv, q_rows, D] (splits combined), or
     with `token_major` = T (decode blocks, one split) the outputs in token order, [T * Hq, D].
     With `write_kv` the kernel also writes each token's K/V rows (the query layout's rows `group`
@@ -478,6 +485,7 @@ def _launch(plan, meta, qt, page_table, k_pages, v_pages, k_scales, v_scales, *,
         fp8_load=fp8_load,
         v_page_offset=v_page_offset,
         prefetch_page_ids=prefetch_page_ids,
+        early_exit=early_exit,
         token_major=token_major,
         row_stride=plan.row_stride,
         write_kv=write_kv,
@@ -578,6 +586,7 @@ def _build_kernel(
     fp8_load,
     v_page_offset,
     prefetch_page_ids,
+    early_exit,
     token_major,
     row_stride,
     write_kv,
@@ -899,7 +908,7 @@ def _build_kernel(
             plgpu.copy_smem_to_gmem(q_w.at[pl.ds(0, rows)], o_ref.at[split, blk, head, dst])
             if num_splits > 1:  # the log-sum-exp only serves to combine the splits
                 plgpu.copy_smem_to_gmem(lse_w.at[pl.ds(0, rows)], lse_ref.at[split, blk, head, dst])
-            plgpu.wait_smem_to_gmem(0)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=early_exit)
 
         def load_new_kv():
             """A writer's token's K and V rows (query-layout rows group and group + 1 past its
@@ -933,7 +942,7 @@ def _build_kernel(
             plgpu.commit_smem()
             dst = pl.ds(token * num_q_heads + head * group, group)
             plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(first, group)], o_ref.at[dst])
-            plgpu.wait_smem_to_gmem(0)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=early_exit)
 
         def zero_padding_row():
             """Token-major output: block b also writes the zeros of padding token b (if any)."""

@@ -11,9 +11,9 @@ Here the grid is `programs_per_sm x SMs` programs; program p takes the work item
 p + 2P, ... (items: a decode block and a KV head). Its tile stream is one sequence across items:
 the copies for the next item's first tiles are issued while the last tiles of the current one
 are computed (a producer cursor runs `num_stages` tiles ahead of the consumer, crossing item
-boundaries), and the next item's queries load once the current item's last scores are computed
-(one query buffer: two programs must fit an SM's shared memory; with a second buffer only one
-did, and the launch was 10-20% slower than one program per item). The output of an
+boundaries), and the next item's queries load into the output stage meanwhile (moved to the query
+buffer between items: two programs must fit an SM's shared memory, which a second query buffer
+broke, `experiments/results/h200/decode_attention_persistent_probe.json`). The output of an
 item is staged in shared memory and stored with TMA without waiting for the store; the next
 store waits only until the staging buffer has been read.
 
@@ -155,11 +155,11 @@ def build_persistent_decode_kernel(
 
             return advance(cur)
 
-        def issue_q(j):
+        def issue_q(j, dst):
             it = item(j)
             plgpu.copy_gmem_to_smem(
                 q_ref.at[it["head"], pl.ds(pl.multiple_of(it["q_row0"], 8), q_rows)],
-                q_smem.at[pl.ds(0, q_rows)],
+                dst.at[pl.ds(0, q_rows)],
                 q_bar.at[0],
             )
 
@@ -167,7 +167,13 @@ def build_persistent_decode_kernel(
             g, cur = carry  # tiles consumed so far (slot of the next: g % num_stages), cursor
             it = item(j)
             q_w = q_smem
-            plgpu.barrier_wait(q_bar.at[0])
+            has_next = j + 1 < my_items
+
+            @pl.when(has_next)
+            def _():  # the next item's queries land in the output stage once it has been read
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                issue_q(j + 1, o_smem)
+
             q_pos0, kv_len, shift = it["q_pos0"], it["kv_len"], it["shift"]
             n_tiles, t_lo = it["n_tiles"], it["t_lo"]
 
@@ -179,11 +185,6 @@ def build_persistent_decode_kernel(
                     shape = (ROWS, bk)
                     plgpu.barrier_wait(k_bar.at[slot])
                     s = _apply_soft_cap(mma(q_w, k_smem.at[slot], transpose_b=True), soft_cap)
-
-                    @pl.when((i == n_tiles - 1) & (j + 1 < my_items))
-                    def _():  # the queries are read: load the next item's (one buffer)
-                        issue_q(j + 1)
-
                     mask = None
                     if masked:
                         mask = _causal_mask(iota, shape, row0=-shift, base=base, q_pos0=q_pos0,
@@ -219,9 +220,15 @@ def build_persistent_decode_kernel(
             carry = lax.fori_loop(0, n_full, make_step(False), carry)
             acc, m_i, l_i, cur = lax.fori_loop(n_full, n_tiles, make_step(True), carry)
 
+            @pl.when(has_next)
+            def _():  # the next item's queries move from the output stage to the query buffer
+                plgpu.barrier_wait(q_bar.at[0])
+                q_smem[...] = o_smem[...]
+                plgpu.commit_smem()
+
             l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
             out = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(cdt)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last store read its stage
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # (the last item: its store's read)
             o_smem[...] = out
             plgpu.commit_smem()
             token = lax.div(it["q_row0"] + shift, jnp.int32(group))
@@ -231,10 +238,11 @@ def build_persistent_decode_kernel(
 
         @pl.when(my_items > 0)
         def _():
-            issue_q(0)
+            issue_q(0, q_smem)
             cur = cursor_at(0)
             for st in range(num_stages):
                 cur = issue(cur, st)
+            plgpu.barrier_wait(q_bar.at[0])
             lax.fori_loop(0, my_items, run_item, (jnp.int32(0), cur))
 
         # Padding tokens' outputs are zeros: (block, head) pairs prog, prog + P, ... write those
@@ -257,10 +265,12 @@ def build_persistent_decode_kernel(
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     scratch = [
-        swizzled_smem((ROWS, head_dim), cdt),  # queries (the next item's load after the last QK)
+        swizzled_smem((ROWS, head_dim), cdt),  # queries
         swizzled_smem((num_stages, bk, head_dim), cdt),
         swizzled_smem((num_stages, bk, head_dim), cdt),
-        plgpu.SMEM((ROWS, head_dim), cdt),  # output stage: unswizzled (rows from any offset)
+        # output stage, unswizzled (rows from any offset), which also receives the next item's
+        # queries while the current item runs
+        plgpu.SMEM((ROWS, head_dim), cdt),
         plgpu.Barrier(num_barriers=1),
         plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
