@@ -22,6 +22,12 @@ token-major ([T, Hq, D], as `mosaic_gpu`'s token-major decode), the single-warpg
 The work items are the non-empty blocks in order (an XLA prefix sum compacts them); items are
 dealt round-robin, not balanced by length (the hardware's block scheduler balances the
 one-program-per-item launch dynamically; this launch does not).
+
+Measured on the H200 (`decode_attention_persistent_probe.json`): slower than the default launch in
+every case probed, +4 to +24% (batches 32-256, contexts 512 and 2048). Two independent programs
+per SM, scheduled by the hardware, already overlap one's start and end with the other's
+streaming; this pipeline adds a cursor branch and scalar loads to every tile and cannot start an
+item before its queries are in. Kept as an option (`persistent`, off) for ablations.
 """
 
 from __future__ import annotations
