@@ -640,7 +640,7 @@ def _build_kernel(
         o_smem = kvn_smem = None
         if write_kv:  # unswizzled: the token's new K and V rows (loaded at any row offset)
             *scratch, kvn_smem = scratch
-        if token_major and not stage_in_kv:  # an unswizzled buffer stages rows at any offset
+        if token_major:  # an unswizzled buffer stages rows written at any offset
             *scratch, o_smem = scratch
         if quantized:
             meta_ref, pt_ref, ks_ref, vs_ref, q_ref, k_ref, v_ref, o_ref, lse_ref = ins
@@ -648,8 +648,6 @@ def _build_kernel(
         else:
             meta_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref = ins
             q_smem, k_smem, v_smem, lse_smem, *bars = scratch
-            if stage_in_kv:  # the K stages' memory, once every tile is consumed, stages outputs
-                k_smem, o_smem = k_smem
             ks_ref = vs_ref = kc_smem = vc_smem = None
         q_bar, k_bar, v_bar, *ws_bars = bars
         k_free = v_free = kc_full = vc_full = None
@@ -992,17 +990,9 @@ def _build_kernel(
                 plgpu.barrier_wait(k_free.at[slot])
                 plgpu.barrier_wait(v_free.at[slot])
 
-    # Token-major outputs are staged in an unswizzled [64, D] buffer; in the bf16 single-warpgroup
-    # pipeline that buffer shares the K stages' memory (`stage_in_kv`: outputs are staged only
-    # after the last tile), which saves 16 KB: two programs per SM then fit with 3 stages. (Not
-    # under the GPU interpreter, which has no ref unions: same values, separate buffers.)
-    stage_in_kv = bool(token_major) and not quantized and not warp_specialized and not interpret
-    k_stages = swizzled_smem((num_stages, bk, head_dim), kv_dtype)
-    if stage_in_kv:
-        k_stages = plgpu.RefUnion(k_stages, plgpu.SMEM((ROWS, head_dim), cdt))
     scratch = [
         swizzled_smem((consumers, ROWS, head_dim), cdt),
-        k_stages,
+        swizzled_smem((num_stages, bk, head_dim), kv_dtype),
         swizzled_smem((num_stages, bk, head_dim), kv_dtype),
         *([swizzled_smem((conv_stages, bk, head_dim), cdt)] * 2 if convert_in_producer else []),
         *(
@@ -1021,8 +1011,8 @@ def _build_kernel(
         scratch += [plgpu.Barrier(num_barriers=conv_stages, **frees)] * 2
     elif warp_specialized:
         scratch += [plgpu.Barrier(num_barriers=num_stages, **frees)] * 2
-    if token_major and not stage_in_kv:
-        scratch.append(plgpu.SMEM((ROWS, head_dim), cdt))  # o_smem: unswizzled, any rows
+    if token_major:
+        scratch.append(plgpu.SMEM((ROWS, head_dim), cdt))  # o_smem: unswizzled, any row range
     if write_kv:
         scratch.append(plgpu.SMEM((2, head_dim), cdt))  # kvn_smem: the token's new K and V rows
     if token_major:
