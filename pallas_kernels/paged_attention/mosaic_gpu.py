@@ -176,8 +176,8 @@ def ragged_paged_attention_mgpu(
     no more tokens than sequences) with one context split write its outputs in token order from
     the kernel (False: through the per-block layout and a gather, as other batches).
     `prefetch_page_ids` reads a refill's page ids from the page table a tile before the refill is
-    issued, instead of right before its copies (off: no faster on the H200, e2e_llama3_8b_
-    prefetch_page_ids.json). `persistent` = n > 0 serves a decode-only batch that has one
+    issued, instead of right before its copies (off: no faster on the H200,
+    `e2e_llama3_8b_prefetch_page_ids.json`). `persistent` = n > 0 serves a decode-only batch that has one
     context split (and no `new_kv`, bf16 pages) with n programs per SM that each stream several
     (block, KV head) items, their K/V pipeline running on across items (`persistent.py`); 0: one
     program per item. `early_exit`: a program's last output stores are waited for only until

@@ -80,6 +80,7 @@ def build_persistent_decode_kernel(
     ([T * Hq, D] bf16,). `meta` as `mosaic_gpu._query_blocks` (+ the padding token each block
     zeroes, column 6); `work` from `work_list`."""
     from pallas_kernels.paged_attention.mosaic_gpu import (
+        NEG,
         _apply_soft_cap,
         _causal_mask,
         _online_softmax,
@@ -215,7 +216,7 @@ def build_persistent_decode_kernel(
                 return step
 
             acc = cast(jnp.zeros((ROWS, head_dim), jnp.float32), layout)
-            m_i = cast(jnp.full((ROWS,), -1e30, jnp.float32), layout.reduce(1))
+            m_i = cast(jnp.full((ROWS,), NEG, jnp.float32), layout.reduce(1))
             l_i = cast(jnp.zeros((ROWS,), jnp.float32), layout.reduce(1))
             carry = (acc, m_i, l_i, cur)
             if sliding_window is None:  # leading tiles the (one) query sees whole: no masking
