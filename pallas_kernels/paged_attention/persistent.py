@@ -230,7 +230,13 @@ def build_persistent_decode_kernel(
             @pl.when(has_next)
             def _():  # the next item's queries move from the output stage to the query buffer
                 plgpu.barrier_wait(q_bar.at[0])
-                q_smem[...] = o_smem[...]
+                # (in the wgmma layout: jax 0.10's Mosaic cannot store its default strided
+                # layout of an unswizzled load into the swizzled buffer)
+                q_smem[...] = (
+                    o_smem[...]
+                    if interpret
+                    else plgpu.load(o_smem, (), layout=layout, optimized=False)
+                )
                 plgpu.commit_smem()
 
             l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
