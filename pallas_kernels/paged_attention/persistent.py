@@ -26,8 +26,10 @@ one-program-per-item launch dynamically; this launch does not).
 Measured on the H200 (`decode_attention_persistent_probe.json`): slower than the default launch in
 every case probed, +4 to +24% (batches 32-256, contexts 512 and 2048). Two independent programs
 per SM, scheduled by the hardware, already overlap one's start and end with the other's
-streaming; this pipeline adds a cursor branch and scalar loads to every tile and cannot start an
-item before its queries are in. Kept as an option (`persistent`, off) for ablations.
+streaming; this pipeline adds a cursor branch and scalar loads to every tile and a shared-memory
+round trip of the queries between items. Kept as an option (`persistent`, off) for ablations.
+(Timed at c9bcc46; the query move's load layout changed after, for jax 0.10's Mosaic, and was
+checked on the GPU but not timed again.)
 """
 
 from __future__ import annotations
