@@ -122,6 +122,18 @@ def _causal_mask(iota, shape, *, row0, base, q_pos0, kv_len, group, sliding_wind
     return mask
 
 
+def _kv_tile_range(q_pos0, n_valid, kv_len, block_kv, sliding_window):
+    """Tiles [t_lo, t_hi) of `block_kv` keys that a block of `n_valid` queries from position
+    `q_pos0` reads: up to its last query's causal bound, from its first query's window start."""
+    kv_end = jnp.minimum(kv_len, q_pos0 + n_valid)
+    if sliding_window is None:
+        kv_start = jnp.int32(0)
+    else:
+        kv_start = jnp.maximum(q_pos0 - sliding_window + 1, 0)
+    t_lo = lax.div(kv_start, jnp.int32(block_kv))
+    return t_lo, lax.div(kv_end + block_kv - 1, jnp.int32(block_kv))
+
+
 def _online_softmax(s, acc, m_i, l_i, mask=None):
     """One tile's flash-attention update in the log2 domain: scores s [rows, bk] fp32 (masked to
     NEG where `mask` is False) -> (probabilities p, acc rescaled, new row max, new row sum)."""
@@ -666,13 +678,7 @@ def _build_kernel(
         q_row0 = meta_ref[blk, 4]  # 8-aligned row of the token-major queries the block loads
         shift = meta_ref[blk, 5]  # block row of its first query (row r is token (r-shift)//group)
 
-        kv_end = jnp.minimum(kv_len, q_pos0 + n_valid)  # causal bound of the block's last query
-        if sliding_window is None:
-            kv_start = jnp.int32(0)
-        else:
-            kv_start = jnp.maximum(q_pos0 - sliding_window + 1, 0)
-        t_lo = lax.div(kv_start, jnp.int32(bk))
-        t_hi = lax.div(kv_end + bk - 1, jnp.int32(bk))
+        t_lo, t_hi = _kv_tile_range(q_pos0, n_valid, kv_len, bk, sliding_window)
         per = lax.div(t_hi - t_lo + num_splits - 1, jnp.int32(num_splits))
         my_lo = t_lo + split * per
         n_tiles = jnp.maximum(jnp.minimum(t_hi, my_lo + per) - my_lo, 0)

@@ -85,6 +85,7 @@ def build_persistent_decode_kernel(
         NEG,
         _apply_soft_cap,
         _causal_mask,
+        _kv_tile_range,
         _online_softmax,
     )
 
@@ -115,16 +116,11 @@ def build_persistent_decode_kernel(
             blk = work_ref[1 + lax.div(k, jnp.int32(num_kv_heads))]
             head = lax.rem(k, jnp.int32(num_kv_heads))
             q_pos0, n_valid, kv_len = meta_ref[blk, 1], meta_ref[blk, 2], meta_ref[blk, 3]
-            kv_end = jnp.minimum(kv_len, q_pos0 + n_valid)
-            if sliding_window is None:
-                kv_start = jnp.int32(0)
-            else:
-                kv_start = jnp.maximum(q_pos0 - sliding_window + 1, 0)
-            t_lo = lax.div(kv_start, jnp.int32(bk))
+            t_lo, t_hi = _kv_tile_range(q_pos0, n_valid, kv_len, bk, sliding_window)
             # (>= 1: a query without keys reads one tile, all masked, and outputs zeros)
-            n_tiles = jnp.maximum(lax.div(kv_end + bk - 1, jnp.int32(bk)) - t_lo, 1)
+            n_tiles = jnp.maximum(t_hi - t_lo, 1)
             last_page = jnp.maximum(lax.div(kv_len - 1, jnp.int32(page_size)), 0)
-            return dict(blk=blk, head=head, seq=meta_ref[blk, 0], q_pos0=q_pos0, kv_len=kv_len,
+            return dict(head=head, seq=meta_ref[blk, 0], q_pos0=q_pos0, kv_len=kv_len,
                         q_row0=meta_ref[blk, 4], shift=meta_ref[blk, 5], t_lo=t_lo,
                         n_tiles=n_tiles, last_page=last_page)  # fmt: skip
 
