@@ -243,19 +243,34 @@ def test_async_schedule_off_never_feeds_placeholders_and_matches(model, prompts)
 
 
 def test_compiler_options_reach_each_kinds_compile(model, prompts):
-    """Per-kind XLA options reach the warm-up compiles (an option XLA does not know, set for
-    "sample" only, fails the warm-up naming it); a kind's entry overrides "all"'s and None drops
-    one; known options, a bool among them, leave the tokens unchanged."""
+    """Per-kind and per-bucket XLA options reach the warm-up compiles (an option XLA does not
+    know, set for "sample" only, fails the warm-up naming it; set for mixed steps of >= 64
+    tokens, only a bucket that large fails); a kind's entry overrides "all"'s, a size entry the
+    kind's (smallest bound first), and None drops one; known options, a bool among them, leave
+    the tokens unchanged."""
     engine = Engine(EngineConfig(model="preset:tiny", **SMALL), *model)
     runner = engine.runner
-    assert runner._compiler_options("decode") == {"xla_gpu_enable_command_buffer": ""}  # default
-    assert runner._compiler_options("mixed") == {}
+    cmdbuf = {"xla_gpu_enable_command_buffer": ""}
+    assert runner._compiler_options("decode") == cmdbuf  # the defaults
+    assert runner._compiler_options("decode", 32) == cmdbuf
+    for rows in (64, 128, 255):
+        assert runner._compiler_options("decode", rows) == {
+            **cmdbuf, "xla_gpu_experimental_force_split_k": 1}  # fmt: skip
+    assert runner._compiler_options("decode", 256) == cmdbuf
+    assert runner._compiler_options("mixed", 64) == {}
     runner.compiler_options = {"all": {"xla_gpu_graph_min_graph_size": 7},
                                "sample": {"xla_gpu_graph_min_graph_size": None, "xla_bogus": 1}}  # fmt: skip
     assert runner._compiler_options("mixed") == {"xla_gpu_graph_min_graph_size": 7}
     assert runner._compiler_options("sample") == {"xla_bogus": 1}
     with pytest.raises(Exception, match="xla_bogus"):
         runner.warmup()
+    assert runner.token_buckets[-1] == 64 and runner.token_buckets[0] < 64
+    runner.compiler_options = {"mixed>=64": {"xla_bogus_big": 1}}
+    assert runner._compiler_options("mixed", runner.token_buckets[-2]) == {}
+    with pytest.raises(Exception, match="xla_bogus_big"):
+        runner.warmup()
+    runner.compiler_options = {"mixed>=65": {"xla_bogus_big": 1}}  # no bucket that large
+    runner.warmup()
     # known options compile; a bool stays a bool (XLA refuses the string "false" for one)
     runner.compiler_options = {"all": {"xla_gpu_graph_min_graph_size": 7,
                                        "xla_gpu_enable_triton_gemm": False}}  # fmt: skip
@@ -264,6 +279,8 @@ def test_compiler_options_reach_each_kinds_compile(model, prompts):
     (base,) = run(make_engine(model), prompts[:1], [greedy(5)])
     assert seq.output_token_ids == base.output_token_ids
     for bad, match in (({"decodes": {}}, "compiler_options.decodes"),
-                       ({"decode": {"gpu_x": "1"}}, "compiler_options.decode")):  # fmt: skip
+                       ({"decode": {"gpu_x": "1"}}, "compiler_options.decode"),
+                       ({"sample>=8": {}}, r"compiler_options.sample>=8: a size bound"),
+                       ({"decode>=many": {}}, r"compiler_options.decode>=many")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
             EngineConfig(model="preset:tiny", compiler_options=bad)

@@ -13,6 +13,26 @@ DATA_PARALLEL_BACKENDS = ("auto", "process", "thread")
 ALLOCATIONS = ("on_demand", "reserve_max")
 # Which warm-up executables an entry of `compiler_options` applies to ("all": every one).
 EXECUTABLE_KINDS = ("all", "mixed", "decode", "sample")
+# Kinds whose executables are bucketed by a size (decode: rows, mixed: tokens), so that an entry
+# "KIND>=N" applies to that kind's buckets of at least N.
+SIZED_KINDS = ("mixed", "decode")
+
+
+def compiler_options_key(key: str) -> tuple[str, int | None]:
+    """An `engine.compiler_options` key -> (kind, least bucket size or None): "decode" ->
+    ("decode", None), "decode>=64" -> ("decode", 64); a ValueError names a bad key."""
+    kind, sep, bound = str(key).partition(">=")
+    kind = kind.strip()
+    if kind not in EXECUTABLE_KINDS:
+        raise ValueError(f"engine.compiler_options.{key} is unknown: the executable kinds are "
+                         f"{', '.join(EXECUTABLE_KINDS)}, or KIND>=N for "
+                         f"{' and '.join(SIZED_KINDS)} buckets of size >= N")  # fmt: skip
+    if not sep:
+        return kind, None
+    if kind not in SIZED_KINDS or not bound.strip().isdigit() or int(bound) < 1:
+        raise ValueError(f"engine.compiler_options.{key}: a size bound needs a bucketed kind "
+                         f"({', '.join(SIZED_KINDS)}) and an int >= 1, as in decode>=64")  # fmt: skip
+    return kind, int(bound)
 
 
 @dataclass
@@ -40,15 +60,26 @@ class EngineConfig:
     # Tuning keywords of the Pallas attention kernel, for ablations (used when the kernel runs),
     # e.g. {split_decode_rows: false, num_stages: 3}; keys: ATTENTION_OPTIONS.
     attention_options: dict[str, Any] = field(default_factory=dict)
-    # XLA compiler options of the warm-up executables, by kind (EXECUTABLE_KINDS; a kind's entry
-    # overrides "all"): XLA_FLAGS per executable, values as on the XLA_FLAGS command line; null
-    # drops an option (XLA's own default). The default turns CUDA graphs (XLA command buffers) off
-    # for the decode scans: with the buckets of a serving engine compiled (12 decode executables
-    # for 8-256 sequences), the 8B decode step on the H200 was 0.5-2.4% faster without them at
-    # 11 of 12 batch x context rows and throughput was within 0.7%
-    # (experiments/results/h200/e2e_llama3_8b_command_buffers.json).
+    # XLA compiler options of the warm-up executables, by kind (EXECUTABLE_KINDS) and, for the
+    # bucketed kinds, by bucket size ("decode>=64": decode scans of >= 64 rows; "mixed>=N": mixed
+    # steps of >= N tokens): XLA_FLAGS per executable, values as on the XLA_FLAGS command line;
+    # null drops an option (XLA's own default). Precedence: "all", then the kind's entry, then its
+    # size entries that apply, smallest bound first. The defaults, for the decode scans:
+    # - no CUDA graphs (XLA command buffers): with the buckets of a serving engine compiled (12
+    #   decode executables for 8-256 sequences), the 8B decode step on the H200 was 0.5-2.4%
+    #   faster without them at 11 of 12 batch x context rows and throughput was within 0.7%
+    #   (experiments/results/h200/e2e_llama3_8b_command_buffers.json);
+    # - no split-K in XLA's Triton GEMMs at 64-255 rows: split-K writes fp32 partial sums that
+    #   the next fusion reads back (~23 MB per layer at 64 rows), and without it the 8B step was
+    #   2.2-3.4% faster at 64 and 128 rows; at 8-32 rows split-K was 2-5% faster (fewer rows than
+    #   SMs to spread), at 256 rows within 0.5% (experiments/results/h200/
+    #   e2e_llama3_8b_split_k.json).
     compiler_options: dict[str, dict[str, Any]] = field(
-        default_factory=lambda: {"decode": {"xla_gpu_enable_command_buffer": ""}}
+        default_factory=lambda: {
+            "decode": {"xla_gpu_enable_command_buffer": ""},
+            "decode>=64": {"xla_gpu_experimental_force_split_k": 1},
+            "decode>=256": {"xla_gpu_experimental_force_split_k": None},
+        }
     )
     num_logprobs: int = 0  # top-k logprobs computed on device (static; requests may ask <= this)
     # Threads compiling warm-up buckets at once (0: one per core, at most one per bucket). On the
@@ -81,9 +112,7 @@ class EngineConfig:
                 raise ValueError(f"engine.attention_options.{key} is unknown: the Pallas kernel's "
                                  f"options are {', '.join(ATTENTION_OPTIONS)}")  # fmt: skip
         for kind, options in self.compiler_options.items():
-            if kind not in EXECUTABLE_KINDS:
-                raise ValueError(f"engine.compiler_options.{kind} is unknown: the executable "
-                                 f"kinds are {', '.join(EXECUTABLE_KINDS)}")  # fmt: skip
+            compiler_options_key(kind)
             if not isinstance(options, dict) or not all(str(k).startswith("xla_") for k in options):
                 raise ValueError(f"engine.compiler_options.{kind} must map XLA option names "
                                  f"(xla_...) to values, got {options!r}")  # fmt: skip

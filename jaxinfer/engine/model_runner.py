@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.engine.config import compiler_options_key
 from jaxinfer.engine.sampler import SamplingBatch, sample
 from jaxinfer.kv.cache import SCRATCH_PAGE, KVCache, PageTable, init_kv_cache
 from jaxinfer.models.batch import RaggedBatch
@@ -285,7 +286,7 @@ class ModelRunner:
                 t = time.perf_counter()
                 low = fn.lower(*args, **static)
                 lower_s += time.perf_counter() - t
-                options = self._compiler_options(key[0])
+                options = self._compiler_options(key[0], key[1] if key[0] != "sample" else None)
                 compiled[key] = pool.submit(low.compile, options or None)
             for key, future in compiled.items():
                 self._executables[key] = future.result()
@@ -302,11 +303,21 @@ class ModelRunner:
             else:
                 jax.block_until_ready(self._executables[key](*args))
 
-    def _compiler_options(self, kind: str) -> dict[str, str | bool | int | float]:
-        """XLA options of one executable kind: "all"'s, overridden by the kind's own; a None value
-        drops the option (XLA's default). Values keep their type: XLA rejects a bool option given
-        as the string 'true'."""
+    def _compiler_options(
+        self, kind: str, size: int | None = None
+    ) -> dict[str, str | bool | int | float]:
+        """XLA options of one executable of `kind` (bucket `size`: rows of a decode scan, tokens
+        of a mixed step): "all"'s, overridden by the kind's own, then by each "KIND>=N" entry with
+        N <= size, smallest N first; a None value drops the option (XLA's default). Values keep
+        their type: XLA rejects a bool option given as the string 'true'."""
         merged = {**self.compiler_options.get("all", {}), **self.compiler_options.get(kind, {})}
+        bounded = []
+        for key, options in self.compiler_options.items():
+            k, least = compiler_options_key(key)
+            if k == kind and least is not None and size is not None and size >= least:
+                bounded.append((least, options))
+        for _, options in sorted(bounded, key=lambda b: b[0]):
+            merged.update(options)
         return {k: v for k, v in merged.items() if v is not None}
 
     def _warmup_calls(self):
