@@ -242,6 +242,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--async-schedule", type=int, choices=[0, 1], default=1,
                     help="engine.async_schedule (1: dispatch each mixed step before reading the "
                          "previous one's tokens)")  # fmt: skip
+    ap.add_argument("--decode-buckets", type=int, nargs="+", default=None,
+                    help="engine decode_buckets: row buckets of the decode scans (default: the "
+                         "engine's)")  # fmt: skip
     ap.add_argument("--max-num-seqs", type=int, default=None,
                     help="engine max_num_seqs (default: the largest --batches)")  # fmt: skip
     ap.add_argument("--num-pages", type=int, default=None,
@@ -703,6 +706,8 @@ def engine_options(args, workloads: dict[str, list[WorkloadRequest]]) -> dict:
     options["compiler_options"] = compiler
     if args.kv_dtype != "auto":
         options["kv_dtype"] = args.kv_dtype
+    if args.decode_buckets:
+        options["decode_buckets"] = list(args.decode_buckets)
     return options
 
 

@@ -204,6 +204,8 @@ def run_write_case(*, q_lens, ctx_lens, page_size=16, num_kv_heads=2, group=4, h
         ([1, 1, 1, 0], [200, 1, 64, 0], 8, {}),
         ([1, 1, 1], [10, 90, 33], 3, dict(num_splits=1, token_major_decode=False)),
         ([1, 1, 1], [63, 64, 129], 4, dict(num_splits=2, shared_pool=False, page_size=64)),
+        # one sequence (a decode bucket of one row): the default splits, one tile each
+        ([1], [600], 4, dict(page_size=64)),
     ],
 )
 def test_kernel_writes_new_kv(q_lens, ctx_lens, group, kw):
@@ -392,6 +394,9 @@ def test_compiled_kernel_on_gpu(head_dim, fp8):
                    head_dim=head_dim, interpret=False, pad_tokens=1)  # fmt: skip
     run_write_case(q_lens=[1, 1, 1], ctx_lens=[5000, 64, 0], page_size=16, num_kv_heads=2,
                    group=3, head_dim=head_dim, interpret=False, shared_pool=False)  # fmt: skip
+    # one sequence alone (a decode bucket of one row): ~33 splits of one tile
+    run_write_case(q_lens=[1], ctx_lens=[int(rng.integers(1500, 2100))], page_size=64,
+                   num_kv_heads=8, group=4, head_dim=head_dim, interpret=False)  # fmt: skip
     # page ids read a tile ahead of their refills (option, off by default)
     run_case(q_lens=[1] * 3, ctx_lens=[3000, 700, 64], page_size=16, num_kv_heads=8, group=4,
              head_dim=head_dim, interpret=False, prefetch_page_ids=True)  # fmt: skip

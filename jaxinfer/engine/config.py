@@ -52,6 +52,9 @@ class EngineConfig:
     allocation: str = "on_demand"
     chunked_prefill: bool = True
     decode_steps: int = 8  # decode steps per jitted call when the batch is decode-only
+    # Row buckets of the decode scans (each compiled at warm-up; a decode batch runs in the
+    # smallest that holds it; max_num_seqs is always one). Empty: powers of two from 8.
+    decode_buckets: list[int] = field(default_factory=list)
     async_decode: bool = True  # dispatch the next decode scan before reading the previous one
     # dispatch each mixed step before reading the previous one's sampled tokens (they are fed
     # from the device), so host scheduling and post-processing overlap device work
@@ -123,6 +126,8 @@ class EngineConfig:
                 raise bad(key, "an int >= 1")
         if self.decode_steps < 1:
             raise bad("decode_steps", "an int >= 1")
+        if not all(isinstance(b, int) and 1 <= b <= self.max_num_seqs for b in self.decode_buckets):
+            raise bad("decode_buckets", f"a list of ints in [1, max_num_seqs={self.max_num_seqs}]")
         if self.num_pages < 2:
             raise bad("num_pages", "an int >= 2 (page 0 is the scratch page)")
         if self.max_num_batched_tokens < self.max_num_seqs:

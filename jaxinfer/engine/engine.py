@@ -101,6 +101,7 @@ class Engine:
                 decode_steps=config.decode_steps,
                 num_logprobs=config.num_logprobs,
                 chunked_prefill=config.chunked_prefill,
+                decode_buckets=tuple(config.decode_buckets),
             ),
             backend=config.attention_backend,
             kv_dtype=config.kv_dtype,

@@ -50,6 +50,9 @@ class RunnerShapes:
     num_logprobs: int = 0  # top-k logprobs computed per row (static)
     # Without chunked prefill one whole prompt (up to max_model_len) may exceed the token budget.
     chunked_prefill: bool = True
+    # Row buckets of the decode scans (ascending; max_num_seqs is added): () = powers of two
+    # from 8 (or max_num_seqs, if smaller).
+    decode_buckets: tuple[int, ...] = ()
 
     @property
     def max_step_tokens(self) -> int:
@@ -171,6 +174,8 @@ class ModelRunner:
         self._no_prev: jax.Array | None = None
         self.token_buckets = _pow2_buckets(min(16, shapes.max_step_tokens), shapes.max_step_tokens)
         self.seq_buckets = _pow2_buckets(min(8, shapes.max_num_seqs), shapes.max_num_seqs)
+        if shapes.decode_buckets:
+            self.seq_buckets = tuple(sorted({*shapes.decode_buckets, shapes.max_num_seqs}))
 
     # -- batch building (host) ---------------------------------------------------------------
     def build_mixed(self, tokens: list[list[int]], contexts: list[int], pages: list[list[int]]):
