@@ -242,6 +242,23 @@ def test_async_schedule_off_never_feeds_placeholders_and_matches(model, prompts)
     assert got[True] == got[False]
 
 
+def test_warmup_errors_name_the_executable_and_settings(model):
+    """A warm-up lowering failure names the bucket, the attention settings and the XLA options;
+    a shared-memory overflow (Mosaic's message on the GPU) adds which options to lower."""
+    engine = Engine(EngineConfig(model="preset:tiny", **SMALL), *model)
+    runner = engine.runner
+    runner.backend = "bogus"  # tracing the first executable (the largest decode scan) fails
+    runner.attention_options = (("num_stages", 3),)
+    with pytest.raises(RuntimeError, match=r"could not lower the decode scan of 8 rows") as err:
+        runner.warmup()
+    text = str(err.value)
+    assert "attention backend must be one of" in text and "'num_stages': 3" in text
+    assert "attention_backend='bogus'" in text and isinstance(err.value.__cause__, ValueError)
+    smem = ValueError("Requested 232560 bytes, which exceeds available shared memory (232448)")
+    msg = str(runner._warmup_error(("mixed", 64, 64), "lower", smem))
+    assert "mixed step of 64 tokens" in msg and "lower engine.attention_options num_stages" in msg
+
+
 def test_compiler_options_reach_each_kinds_compile(model, prompts):
     """Per-kind and per-bucket XLA options reach the warm-up compiles (an option XLA does not
     know, set for "sample" only, fails the warm-up naming it; set for mixed steps of >= 64
@@ -262,12 +279,12 @@ def test_compiler_options_reach_each_kinds_compile(model, prompts):
                                "sample": {"xla_gpu_graph_min_graph_size": None, "xla_bogus": 1}}  # fmt: skip
     assert runner._compiler_options("mixed") == {"xla_gpu_graph_min_graph_size": 7}
     assert runner._compiler_options("sample") == {"xla_bogus": 1}
-    with pytest.raises(Exception, match="xla_bogus"):
+    with pytest.raises(RuntimeError, match=r"could not compile the sampler: (?s:.*)xla_bogus"):
         runner.warmup()
     assert runner.token_buckets[-1] == 64 and runner.token_buckets[0] < 64
     runner.compiler_options = {"mixed>=64": {"xla_bogus_big": 1}}
     assert runner._compiler_options("mixed", runner.token_buckets[-2]) == {}
-    with pytest.raises(Exception, match="xla_bogus_big"):
+    with pytest.raises(RuntimeError, match=r"mixed step of 64 tokens: (?s:.*)xla_bogus_big"):
         runner.warmup()
     runner.compiler_options = {"mixed>=65": {"xla_bogus_big": 1}}  # no bucket that large
     runner.warmup()

@@ -287,14 +287,21 @@ class ModelRunner:
         workers = max_workers or min(len(calls), os.cpu_count() or 1)
         lower_s, compiled = 0.0, {}
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            for key, fn, args, static in calls:
-                t = time.perf_counter()
-                low = fn.lower(*args, **static)
-                lower_s += time.perf_counter() - t
-                options = self._compiler_options(key[0], key[1] if key[0] != "sample" else None)
-                compiled[key] = pool.submit(low.compile, options or None)
-            for key, future in compiled.items():
-                self._executables[key] = future.result()
+            key = None
+            try:
+                for key, fn, args, static in calls:
+                    t = time.perf_counter()
+                    low = fn.lower(*args, **static)
+                    lower_s += time.perf_counter() - t
+                    compiled[key] = pool.submit(low.compile, self._options_of(key) or None)
+                key = None
+                for key, future in compiled.items():
+                    self._executables[key] = future.result()
+            except Exception as e:  # name what failed; compiles not yet started are dropped
+                pool.shutdown(wait=False, cancel_futures=True)
+                if key is None:
+                    raise
+                raise self._warmup_error(key, "compile" if key in compiled else "lower", e) from e
         self.warmup_stats = {"executables": len(calls), "lower_s": round(lower_s, 2),
                              "lower_and_compile_s": round(time.perf_counter() - t0, 2),
                              "compile_threads": workers}  # fmt: skip
@@ -307,6 +314,30 @@ class ModelRunner:
                 jax.block_until_ready(self.run_decode(*args[2:], key[2]))
             else:
                 jax.block_until_ready(self._executables[key](*args))
+
+    def _options_of(self, key: tuple) -> dict[str, str | bool | int | float]:
+        """XLA options of the warm-up executable `key` (its kind, and its bucket size if any)."""
+        return self._compiler_options(key[0], key[1] if key[0] != "sample" else None)
+
+    def _warmup_error(self, key: tuple, stage: str, err: BaseException) -> RuntimeError:
+        """The error of a warm-up executable that failed to lower or compile, naming it and the
+        engine settings that shape it (a failing option is then found without a debugger)."""
+        kind = key[0]
+        if kind == "decode":
+            what = f"decode scan of {key[1]} rows ({key[2]} steps)"
+        elif kind == "mixed":
+            what = f"mixed step of {key[1]} tokens"
+        else:
+            what = "sampler"
+        msg = (f"warm-up could not {stage} the {what}: {type(err).__name__}: {err}\n"
+               f"  engine.attention_backend={self.backend!r}, engine.attention_options="
+               f"{dict(self.attention_options)}, XLA options of this executable "
+               f"(engine.compiler_options)={self._options_of(key)}")  # fmt: skip
+        if "shared memory" in str(err):
+            msg += ("\n  the attention kernel's buffers exceed an SM's shared memory: lower "
+                    "engine.attention_options num_stages or block_kv, or leave them out (the "
+                    "kernel's defaults fit)")  # fmt: skip
+        return RuntimeError(msg)
 
     def _compiler_options(
         self, kind: str, size: int | None = None
