@@ -64,6 +64,8 @@ PREFILL = dict(num_tokens=256, num_seqs=4, max_q_len=128)  # prefill blocks (and
         (SMALL_DECODE, {}),
         (DECODE, dict(new_kv=True)),  # the kernel writes the new K/V (pages as refs)
         (SMALL_DECODE, dict(new_kv=True, shared_pool=True, group=3)),
+        (SMALL_DECODE, dict(new_kv=True, dynamic_splits=True)),  # each block's split count read
+        (PREFILL, dict(dynamic_splits=True)),  # (the decode rows' launch)
         (DECODE, dict(persistent=2)),
         (DECODE, dict(early_exit=True, prefetch_page_ids=True)),
         (DECODE, dict(warp_specialized=True, num_stages=4)),

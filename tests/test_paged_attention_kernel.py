@@ -96,6 +96,58 @@ def test_decode_page_sizes_and_splits(page_size, ctx_lens, num_splits):
              warp_specialized=False)  # fmt: skip
 
 
+def test_dynamic_num_splits_fill_one_wave():
+    from pallas_kernels.paged_attention.mosaic_gpu import dynamic_num_splits
+
+    # 132 SMs, 8 KV heads: 33 programs per wave and KV head; a decode bucket of 8 rows has 5
+    # splits statically (ceil(264 / 64)): 8 active sequences use 4, one uses all 5
+    got = [int(dynamic_num_splits(jnp.int32(n), 8, 5, 132)) for n in (8, 6, 3, 1, 0)]
+    assert got == [4, 5, 5, 5, 5]
+    assert int(dynamic_num_splits(jnp.int32(40), 8, 3, 132)) == 1
+
+
+# With `dynamic_splits`, a launch keeps its static split count as the grid and each block uses
+# only the splits one wave holds for the blocks that have queries: fewer than the launch's with
+# many active sequences (the later splits find no tiles), all of them with one.
+@pytest.mark.parametrize(
+    "q_lens,ctx_lens,write,used,launch",
+    [
+        # 20 SMs, 2 KV heads: 20 programs per wave and head. 8 sequences (+ the padding row):
+        # ceil(40 / 18) = 3 splits statically, 20 // 8 = 2 used
+        ([1] * 8, [300, 129, 64, 700, 1, 0, 33, 250], False, 2, 3),
+        ([1, 0, 0, 0], [900, 0, 5, 0], False, 4, 4),  # one active block: all of ceil(40 / 10)
+        ([1] * 8, [300, 129, 64, 700, 1, 0, 33, 250], True, 2, 3),  # the kernel writes new K/V
+    ],
+)
+def test_dynamic_splits(monkeypatch, q_lens, ctx_lens, write, used, launch):
+    from pallas_kernels import _compat
+    from pallas_kernels.paged_attention import mosaic_gpu
+
+    monkeypatch.setattr(_compat, "num_sms", lambda default=132: 20)
+    picked, cols = [], []
+    pick, build = mosaic_gpu.dynamic_num_splits, mosaic_gpu._build_kernel
+
+    def spy_pick(*a):
+        picked.append(int(pick(*a)))
+        return pick(*a)
+
+    def spy_build(**kw):
+        cols.append((kw["num_splits"], kw["splits_col"]))
+        return build(**kw)
+
+    monkeypatch.setattr(mosaic_gpu, "dynamic_num_splits", spy_pick)
+    monkeypatch.setattr(mosaic_gpu, "_build_kernel", spy_build)
+    case = run_write_case if write else run_case
+    case(q_lens=q_lens, ctx_lens=ctx_lens, page_size=16, num_kv_heads=2, group=4, head_dim=64,
+         dynamic_splits=True, pad_tokens=0)  # fmt: skip
+    assert picked == [used] and cols == [(launch, 6)], (picked, cols)
+    # an explicit split count is kept as it is
+    picked.clear(), cols.clear()
+    case(q_lens=q_lens, ctx_lens=ctx_lens, page_size=16, num_kv_heads=2, group=4, head_dim=64,
+         dynamic_splits=True, num_splits=2, pad_tokens=0)  # fmt: skip
+    assert picked == [] and cols == [(2, None)], (picked, cols)
+
+
 # Decode-only batches with one split write token-major outputs from the kernel when there are no
 # more tokens than sequences (the engine's decode scans): sequences without a token (q_len 0) in
 # the middle and at the end, padding tokens (NaN queries) whose rows must come out zero, real
