@@ -210,6 +210,15 @@ def test_xla_options_flag_types_values_and_layers_on_engine_defaults(bench):
         "compiler_options"]["decode"] == {"xla_gpu_enable_command_buffer": ""}  # fmt: skip
     with pytest.raises(SystemExit):
         bench.parse_args(["--smoke", "--out", "/tmp/x.json", "--xla-options", "decode:oops"])
+    # per-bucket entries and the decode buckets reach the engine's options
+    args = bench.parse_args(["--smoke", "--out", "/tmp/x.json", "--decode-buckets", "1", "2",
+                             "--xla-options", "decode>=64:xla_gpu_experimental_force_split_k=2"])  # fmt: skip
+    options = bench.engine_options(args, {})
+    assert options["decode_buckets"] == [1, 2]
+    assert options["compiler_options"]["decode>=64"] == {"xla_gpu_experimental_force_split_k": 2}
+    assert "decode_buckets" not in bench.engine_options(
+        bench.parse_args(["--smoke", "--out", "/tmp/x.json"]), {}
+    )  # the engine's own default
 
 
 def test_trace_summary_accounts_device_time_by_kind_of_work(tmp_path):

@@ -704,10 +704,11 @@ def _build_kernel(
         shift = meta_ref[blk, 5]  # block row of its first query (row r is token (r-shift)//group)
 
         t_lo, t_hi = _kv_tile_range(q_pos0, n_valid, kv_len, bk, sliding_window)
-        # splits this block uses: all of the launch's, or (dynamic) its metadata's count, the
-        # later splits then finding no tiles
-        used = jnp.int32(num_splits) if splits_col is None else meta_ref[blk, splits_col]
-        per = lax.div(t_hi - t_lo + used - 1, used)
+        if splits_col is None:  # tiles per split: all of the launch's splits share the tiles
+            per = lax.div(t_hi - t_lo + num_splits - 1, jnp.int32(num_splits))
+        else:  # (dynamic) the block's metadata says how many share them; later ones find none
+            used = meta_ref[blk, splits_col]
+            per = lax.div(t_hi - t_lo + used - 1, used)
         my_lo = t_lo + split * per
         n_tiles = jnp.maximum(jnp.minimum(t_hi, my_lo + per) - my_lo, 0)
         last_page = jnp.maximum(lax.div(kv_len - 1, jnp.int32(page_size)), 0)
