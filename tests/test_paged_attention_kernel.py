@@ -449,6 +449,10 @@ def test_compiled_kernel_on_gpu(head_dim, fp8):
     # one sequence alone (a decode bucket of one row): ~33 splits of one tile
     run_write_case(q_lens=[1], ctx_lens=[int(rng.integers(1500, 2100))], page_size=64,
                    num_kv_heads=8, group=4, head_dim=head_dim, interpret=False)  # fmt: skip
+    # option dynamic_splits: 7 sequences (+ an empty row) x 8 KV heads launch 5 splits, use 4
+    run_write_case(q_lens=[1] * 7, ctx_lens=list(rng.integers(1000, 2100, 7)), page_size=64,
+                   num_kv_heads=8, group=4, head_dim=head_dim, interpret=False,
+                   dynamic_splits=True)  # fmt: skip
     # page ids read a tile ahead of their refills (option, off by default)
     run_case(q_lens=[1] * 3, ctx_lens=[3000, 700, 64], page_size=16, num_kv_heads=8, group=4,
              head_dim=head_dim, interpret=False, prefetch_page_ids=True)  # fmt: skip
