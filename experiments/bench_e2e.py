@@ -757,6 +757,16 @@ def speedups(throughput_rows: list[dict]) -> dict[str, float]:
     }
 
 
+def cache_entries(path: str) -> int | None:
+    """Files in the JAX compilation cache directory `path` (None: no cache). Recorded at the start
+    of a run: a warm-up measured over a non-empty cache (a reused directory on a machine whose
+    /tmp outlived an earlier run) is not a cold one."""
+    if not path:
+        return None
+    root = Path(path)
+    return sum(1 for p in root.rglob("*") if p.is_file()) if root.is_dir() else 0
+
+
 def error_row(e: BaseException, **key) -> dict:
     traceback.print_exc()
     return {**key, "error": f"{type(e).__name__}: {e}"[:1000]}
@@ -768,6 +778,7 @@ def main(argv=None) -> dict:
         return {}
     args = parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_MEM_FRACTION)
+    cached_at_start = cache_entries(args.compile_cache)
     if args.compile_cache:
         jax.config.update("jax_compilation_cache_dir", args.compile_cache)
     console = Console(width=150)
@@ -822,6 +833,7 @@ def main(argv=None) -> dict:
     options = engine_options(args, workloads)
     result["env"] = {k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_FLAGS")}
     result["env"]["compile_cache"] = args.compile_cache or None
+    result["env"]["compile_cache_entries_at_start"] = cached_at_start
     result["env"]["python"] = sys.executable
     result["env"]["hf_python"] = args.hf_python
     result["engine"] = {"model": f"preset:{args.preset}", **options}

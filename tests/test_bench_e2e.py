@@ -43,6 +43,7 @@ def test_smoke_run_writes_schema_with_zero_compiles_after_warmup(bench, tmp_path
     assert "--smoke" in r["command"]
     assert r["errors"] == []
     assert r["warmup_s"] > 0 and r["compiles_after_warmup"] == 0
+    assert r["env"]["compile_cache_entries_at_start"] is None  # no cache: a cold warm-up
 
     decode = r["decode"]
     assert {(d["batch"], d["context"]) for d in decode} == {(1, 16), (4, 16), (1, 40), (4, 40)}
@@ -75,6 +76,15 @@ def test_smoke_run_writes_schema_with_zero_compiles_after_warmup(bench, tmp_path
     assert kinds["matmul"] > 0 and "idle" in kinds
     busy = sum(v for k, v in kinds.items() if k != "idle")
     assert busy == pytest.approx(pd["device_ms_per_step"], rel=0.01, abs=1e-3)
+
+
+def test_cache_entries_say_whether_a_warmup_could_be_warm(bench, tmp_path):
+    assert bench.cache_entries("") is None
+    assert bench.cache_entries(str(tmp_path / "absent")) == 0
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a").write_text("x")
+    (tmp_path / "sub" / "b").write_text("y")
+    assert bench.cache_entries(str(tmp_path)) == 2
 
 
 def test_roofline_reads_weights_once_and_kv_of_the_mean_attended_length(bench):
