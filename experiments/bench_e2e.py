@@ -8,8 +8,10 @@ Parts (`--parts`; default all but profile, which `--profile DIR` adds; --smoke: 
 transformers part only where torch and transformers are installed):
 - transformers: `generate` of an identically shaped LlamaForCausalLM with random weights (torch
   eager, left padding, min_new_tokens = max_new_tokens) at each of --hf-batch-sizes on the first
-  --hf-num-requests requests of each --hf-workloads workload. It runs first, in a child process that exits before
-  jax touches the GPU, so the two never share the GPU's memory or a process's CUDA libraries.
+  --hf-num-requests requests of each --hf-workloads workload (a count per workload with
+  WORKLOAD=N); each batch generates its longest output, and tok/s counts the requested outputs.
+  It runs first, in a child process that exits before jax touches the GPU, so the two never share
+  the GPU's memory or a process's CUDA libraries.
 - decode: for each batch x context, the engine's own compiled `decode_loop` (a `lax.scan` of
   `decode_steps` steps, called through its ModelRunner) on a batch whose sequences hold `context`
   tokens of K/V on shuffled pages. See METHODS for what is timed.
@@ -228,7 +230,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--min-timed-s", type=float, default=None,
                     help="decode: scans per timing grow until one timing lasts this long")  # fmt: skip
     ap.add_argument("--hf-batch-sizes", type=int, nargs="+", default=None)
-    ap.add_argument("--hf-num-requests", type=int, default=None)
+    ap.add_argument("--hf-num-requests", nargs="+", default=None, metavar="[WORKLOAD=]N",
+                    help="requests timed through transformers: N for every --hf-workloads "
+                         "workload, WORKLOAD=N for one (e.g. 512 sharegpt=256); batch sizes "
+                         "above a workload's count are not run")  # fmt: skip
     ap.add_argument("--hf-workloads", default="fixed", help="workloads run through transformers")
     ap.add_argument("--hf-timeout-s", type=float, default=1200.0)
     ap.add_argument("--hf-python", default=sys.executable,
@@ -285,7 +290,29 @@ def parse_args(argv=None) -> argparse.Namespace:
         defaults["workloads"][w].name for w in keys["hf-workloads"] if w in keys["workloads"]
     ]
     args.profile_workload = defaults["workloads"]["fixed"]  # the 128/128 batch
+    args.hf_requests = hf_request_counts(ap, args.hf_num_requests, defaults)
     return args
+
+
+def hf_request_counts(ap, values, defaults) -> dict[str, int]:
+    """--hf-num-requests ("N" and/or "WORKLOAD=N" items) -> requests timed per workload name."""
+    if not isinstance(values, list):
+        values = [values]
+    fallback, per = None, {}
+    for item in map(str, values):
+        key, _, num = item.rpartition("=")
+        if not num.isdigit() or int(num) < 1:
+            ap.error(f"--hf-num-requests: {item!r} is not N or WORKLOAD=N with N a positive count")
+        if not key:
+            fallback = int(num)
+        elif key not in defaults["workloads"]:
+            ap.error(f"--hf-num-requests: unknown workload {key!r}; choose from "
+                     f"{', '.join(defaults['workloads'])}")  # fmt: skip
+        else:
+            per[key] = int(num)
+    if fallback is None:
+        fallback = defaults["hf_num_requests"]
+    return {wl.name: per.get(key, fallback) for key, wl in defaults["workloads"].items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -449,7 +476,7 @@ def hf_worker(job_path: str, out_path: str) -> None:
     rows = []
     for wl in job["workloads"]:
         prompts, out_lens = wl["prompts"], wl["output_lens"]
-        for b in job["batch_sizes"]:
+        for b in wl["batch_sizes"]:
             row = {"impl": "transformers", "workload": wl["name"], "batch_size": b,
                    "num_requests": len(prompts)}  # fmt: skip
             try:
@@ -490,12 +517,15 @@ def run_transformers(cfg: ModelConfig, args, workloads: dict[str, list[WorkloadR
     job = {
         "hf_config": config_to_hf(cfg, dtype=args.dtype),
         "dtype": args.dtype,
-        "batch_sizes": args.hf_batch_sizes,
         "workloads": [
             {
                 "name": name,
-                "prompts": [r.prompt_token_ids for r in reqs[: args.hf_num_requests]],
-                "output_lens": [r.output_len for r in reqs[: args.hf_num_requests]],
+                "prompts": [r.prompt_token_ids for r in reqs[: args.hf_requests[name]]],
+                "output_lens": [r.output_len for r in reqs[: args.hf_requests[name]]],
+                # a batch larger than the requests timed would repeat a smaller one's run
+                "batch_sizes": [
+                    b for b in args.hf_batch_sizes if b <= min(len(reqs), args.hf_requests[name])
+                ],
             }
             for name, reqs in workloads.items()
         ],

@@ -231,6 +231,40 @@ def test_xla_options_flag_types_values_and_layers_on_engine_defaults(bench):
     )  # the engine's own default
 
 
+def test_hf_request_counts_per_workload_and_batch_sizes_within_them(bench, monkeypatch):
+    def parse(*extra):
+        return bench.parse_args(["--smoke", "--out", "/tmp/x.json", *extra])
+
+    assert parse().hf_requests == {"fixed_16_8": 4, "sharegpt_like": 4}  # the smoke default
+    args = parse("--hf-num-requests", "3", "sharegpt=2", "--hf-batch-sizes", "1", "2", "3",
+                 "--hf-workloads", "fixed,sharegpt")  # fmt: skip
+    assert args.hf_requests == {"fixed_16_8": 3, "sharegpt_like": 2}
+    for bad in (["fixed=0"], ["nope=4"], ["x"], ["sharegpt="]):
+        with pytest.raises(SystemExit):
+            parse("--hf-num-requests", *bad)
+    # the worker's job: each workload's first N requests, batch sizes up to N (and the workload)
+    jobs = []
+
+    def fake_run(cmd, env, timeout):
+        job = json.loads(Path(cmd[-2]).read_text())
+        jobs.append(job)
+        Path(cmd[-1]).write_text(json.dumps({"info": {}, "rows": []}))
+        return SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    cfg = preset("tiny", param_dtype="float32", dtype="float32")
+    reqs = {name: bench.synthetic_requests(5, wl.prompt_len, wl.output_len,
+                                           vocab_size=cfg.vocab_size, seed=0)
+            for name, wl in (("fixed_16_8", bench.SMOKE["workloads"]["fixed"]),
+                             ("sharegpt_like", bench.SMOKE["workloads"]["sharegpt"]))}  # fmt: skip
+    bench.run_transformers(cfg, args, reqs)
+    (job,) = jobs
+    got = {w["name"]: (len(w["prompts"]), len(w["output_lens"]), w["batch_sizes"])
+           for w in job["workloads"]}  # fmt: skip
+    assert got == {"fixed_16_8": (3, 3, [1, 2, 3]), "sharegpt_like": (2, 2, [1, 2])}
+    assert job["workloads"][1]["prompts"] == [r.prompt_token_ids for r in reqs["sharegpt_like"][:2]]
+
+
 def test_trace_summary_accounts_device_time_by_kind_of_work(tmp_path):
     from jaxinfer.metrics.device_trace import kind_of
 
