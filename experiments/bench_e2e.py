@@ -151,13 +151,17 @@ def sharegpt_like(in_median: float, out_median: float, in_max: int, out_max: int
 # Sizes per mode; the corresponding flags override them.
 FULL = dict(
     preset="llama3-8b", dtype="bfloat16", batches=[1, 8, 32, 64, 128, 256], contexts=[512, 2048],
-    num_requests=1000, hf_batch_sizes=[64, 128, 256], hf_num_requests=256,
-    max_num_batched_tokens=4096, decode_steps=8, repeats=5, min_timed_s=0.2,
+    num_requests=1000, max_num_batched_tokens=4096,
+    # transformers' throughput still grew from batch 256 to 512 at 128/128
+    # (results/h200/e2e_llama3_8b.json); ShareGPT-like batches generate their longest output
+    hf_batch_sizes=["256", "512", "1000", "sharegpt=32,64"], hf_num_requests=["1000", "sharegpt=64"],
+    hf_workloads="fixed,sharegpt", decode_steps=8, repeats=5, min_timed_s=0.2,
     workloads={"fixed": fixed_workload(128, 128), "sharegpt": sharegpt_like(200, 150, 1024, 1024)},
 )  # fmt: skip
 SMOKE = dict(
     preset="tiny", dtype="float32", batches=[1, 4], contexts=[16, 40], num_requests=8,
-    hf_batch_sizes=[2, 4], hf_num_requests=4, max_num_batched_tokens=32, decode_steps=4,
+    hf_batch_sizes=[2, 4], hf_num_requests=4, hf_workloads="fixed", max_num_batched_tokens=32,
+    decode_steps=4,
     repeats=2, min_timed_s=0.005,
     workloads={"fixed": fixed_workload(16, 8), "sharegpt": sharegpt_like(12, 6, 32, 16)},
 )  # fmt: skip
@@ -229,12 +233,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--min-timed-s", type=float, default=None,
                     help="decode: scans per timing grow until one timing lasts this long")  # fmt: skip
-    ap.add_argument("--hf-batch-sizes", type=int, nargs="+", default=None)
+    ap.add_argument("--hf-batch-sizes", nargs="+", default=None, metavar="[WORKLOAD=]B[,B...]",
+                    help="transformers batch sizes: for every --hf-workloads workload, or "
+                         "WORKLOAD=B,B for one (e.g. 256 512 sharegpt=32,64)")  # fmt: skip
     ap.add_argument("--hf-num-requests", nargs="+", default=None, metavar="[WORKLOAD=]N",
                     help="requests timed through transformers: N for every --hf-workloads "
                          "workload, WORKLOAD=N for one (e.g. 512 sharegpt=256); batch sizes "
                          "above a workload's count are not run")  # fmt: skip
-    ap.add_argument("--hf-workloads", default="fixed", help="workloads run through transformers")
+    ap.add_argument("--hf-workloads", default=None,
+                    help="workloads run through transformers (default: fixed,sharegpt; --smoke: "
+                         "fixed)")  # fmt: skip
     ap.add_argument("--hf-timeout-s", type=float, default=1200.0)
     ap.add_argument("--hf-python", default=sys.executable,
                     help="interpreter of the transformers worker (one with torch); default: this "
@@ -290,29 +298,52 @@ def parse_args(argv=None) -> argparse.Namespace:
         defaults["workloads"][w].name for w in keys["hf-workloads"] if w in keys["workloads"]
     ]
     args.profile_workload = defaults["workloads"]["fixed"]  # the 128/128 batch
-    args.hf_requests = hf_request_counts(ap, args.hf_num_requests, defaults)
+    args.hf_requests = per_workload(ap, "--hf-num-requests", args.hf_num_requests, defaults,
+                                    _one_positive_int)  # fmt: skip
+    args.hf_batches = per_workload(ap, "--hf-batch-sizes", args.hf_batch_sizes, defaults,
+                                   _positive_ints)  # fmt: skip
     return args
 
 
-def hf_request_counts(ap, values, defaults) -> dict[str, int]:
-    """--hf-num-requests ("N" and/or "WORKLOAD=N" items) -> requests timed per workload name."""
-    if not isinstance(values, list):
+def _positive_ints(text: str) -> list[int]:
+    parts = text.split(",")
+    if not all(x.isdigit() and int(x) > 0 for x in parts):
+        raise ValueError(text)
+    return [int(x) for x in parts]
+
+
+def _one_positive_int(text: str) -> int:
+    values = _positive_ints(text)
+    if len(values) != 1:
+        raise ValueError(text)
+    return values[0]
+
+
+def per_workload(ap, flag: str, values, defaults, parse) -> dict:
+    """A flag's items ("V" for every workload, "WORKLOAD=V" for one) -> value per workload name.
+    Plain items join with commas (`--hf-batch-sizes 256 512` is `256,512`); workloads without an
+    item of their own take them."""
+    if not isinstance(values, list):  # the mode's default
         values = [values]
-    fallback, per = None, {}
+    plain, per = [], {}
     for item in map(str, values):
-        key, _, num = item.rpartition("=")
-        if not num.isdigit() or int(num) < 1:
-            ap.error(f"--hf-num-requests: {item!r} is not N or WORKLOAD=N with N a positive count")
-        if not key:
-            fallback = int(num)
-        elif key not in defaults["workloads"]:
-            ap.error(f"--hf-num-requests: unknown workload {key!r}; choose from "
+        key, _, text = item.rpartition("=")
+        if key and key not in defaults["workloads"]:
+            ap.error(f"{flag}: unknown workload {key!r} in {item!r}; choose from "
                      f"{', '.join(defaults['workloads'])}")  # fmt: skip
+        if key:
+            per[key] = text
         else:
-            per[key] = int(num)
-    if fallback is None:
-        fallback = defaults["hf_num_requests"]
-    return {wl.name: per.get(key, fallback) for key, wl in defaults["workloads"].items()}
+            plain.append(text)
+    out = {}
+    for key, wl in defaults["workloads"].items():
+        text = per.get(key, ",".join(plain))
+        try:
+            out[wl.name] = parse(text)
+        except (ValueError, TypeError):
+            ap.error(f"{flag}: {text!r} (for {key}) is not a positive count"
+                     f"{' list' if parse is _positive_ints else ''}")  # fmt: skip
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -473,6 +504,14 @@ def hf_worker(job_path: str, out_path: str) -> None:
         assert generated == new_tokens, (generated, new_tokens)
         return generated * len(prompts)
 
+    info = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "init_s": round(init_s, 2),
+        "torch_threads": torch.get_num_threads(),
+    }
     rows = []
     for wl in job["workloads"]:
         prompts, out_lens = wl["prompts"], wl["output_lens"]
@@ -502,15 +541,8 @@ def hf_worker(job_path: str, out_path: str) -> None:
                     torch.cuda.empty_cache()
             print(json.dumps(row), flush=True)
             rows.append(row)
-    info = {
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "attn_implementation": getattr(model.config, "_attn_implementation", None),
-        "init_s": round(init_s, 2),
-        "torch_threads": torch.get_num_threads(),
-    }
-    Path(out_path).write_text(json.dumps({"info": info, "rows": rows}))
+            # after every row: a parent that stops this worker (its timeout) keeps what finished
+            Path(out_path).write_text(json.dumps({"info": info, "rows": rows}))
 
 
 def run_transformers(cfg: ModelConfig, args, workloads: dict[str, list[WorkloadRequest]]) -> dict:
@@ -524,7 +556,7 @@ def run_transformers(cfg: ModelConfig, args, workloads: dict[str, list[WorkloadR
                 "output_lens": [r.output_len for r in reqs[: args.hf_requests[name]]],
                 # a batch larger than the requests timed would repeat a smaller one's run
                 "batch_sizes": [
-                    b for b in args.hf_batch_sizes if b <= min(len(reqs), args.hf_requests[name])
+                    b for b in args.hf_batches[name] if b <= min(len(reqs), args.hf_requests[name])
                 ],
             }
             for name, reqs in workloads.items()
@@ -537,7 +569,21 @@ def run_transformers(cfg: ModelConfig, args, workloads: dict[str, list[WorkloadR
         job_path, out_path = Path(tmp, "job.json"), Path(tmp, "rows.json")
         job_path.write_text(json.dumps(job))
         cmd = [args.hf_python, str(Path(__file__).resolve()), "--hf-worker", job_path, out_path]
-        proc = subprocess.run(list(map(str, cmd)), env=env, timeout=args.hf_timeout_s)
+        try:
+            proc = subprocess.run(list(map(str, cmd)), env=env, timeout=args.hf_timeout_s)
+        except subprocess.TimeoutExpired:
+            if not out_path.exists():
+                raise
+            done = json.loads(out_path.read_text())  # the rows finished before the timeout
+            finished = {(r["workload"], r["batch_size"]) for r in done["rows"]}
+            done["rows"] += [
+                {"impl": "transformers", "workload": w["name"], "batch_size": b,
+                 "num_requests": len(w["prompts"]),
+                 "error": f"not finished within --hf-timeout-s {args.hf_timeout_s:g}"}
+                for w in job["workloads"] for b in w["batch_sizes"]
+                if (w["name"], b) not in finished
+            ]  # fmt: skip
+            return done
         if proc.returncode != 0:
             raise RuntimeError(f"transformers worker exited with {proc.returncode} (output above)")
         return json.loads(out_path.read_text())

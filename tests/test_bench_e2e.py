@@ -231,25 +231,38 @@ def test_xla_options_flag_types_values_and_layers_on_engine_defaults(bench):
     )  # the engine's own default
 
 
-def test_hf_request_counts_per_workload_and_batch_sizes_within_them(bench, monkeypatch):
+def test_transformers_requests_and_batch_sizes_per_workload(bench, monkeypatch):
     def parse(*extra):
         return bench.parse_args(["--smoke", "--out", "/tmp/x.json", *extra])
 
-    assert parse().hf_requests == {"fixed_16_8": 4, "sharegpt_like": 4}  # the smoke default
+    smoke = parse()  # the mode's defaults, for every workload
+    assert smoke.hf_requests == {"fixed_16_8": 4, "sharegpt_like": 4}
+    assert smoke.hf_batches == {"fixed_16_8": [2, 4], "sharegpt_like": [2, 4]}
+    full = bench.parse_args(["--out", "/tmp/x.json"])
+    assert full.hf_requests == {"fixed_128_128": 1000, "sharegpt_like": 64}
+    assert full.hf_batches == {"fixed_128_128": [256, 512, 1000], "sharegpt_like": [32, 64]}
     args = parse("--hf-num-requests", "3", "sharegpt=2", "--hf-batch-sizes", "1", "2", "3",
-                 "--hf-workloads", "fixed,sharegpt")  # fmt: skip
+                 "sharegpt=1,2,5", "--hf-workloads", "fixed,sharegpt")  # fmt: skip
     assert args.hf_requests == {"fixed_16_8": 3, "sharegpt_like": 2}
-    for bad in (["fixed=0"], ["nope=4"], ["x"], ["sharegpt="]):
+    assert args.hf_batches == {"fixed_16_8": [1, 2, 3], "sharegpt_like": [1, 2, 5]}
+    bad = (["--hf-num-requests", "fixed=0"], ["--hf-num-requests", "nope=4"],
+           ["--hf-num-requests", "x"], ["--hf-num-requests", "sharegpt=1,2"],
+           ["--hf-batch-sizes", "fixed=2,-1"])  # fmt: skip
+    for extra in bad:
         with pytest.raises(SystemExit):
-            parse("--hf-num-requests", *bad)
-    # the worker's job: each workload's first N requests, batch sizes up to N (and the workload)
+            parse(*extra)
+
+    # the worker's job: each workload's first N requests, batch sizes up to N (and the workload);
+    # a worker stopped by the timeout leaves the rows it finished, the others become errors
     jobs = []
 
     def fake_run(cmd, env, timeout):
         job = json.loads(Path(cmd[-2]).read_text())
         jobs.append(job)
-        Path(cmd[-1]).write_text(json.dumps({"info": {}, "rows": []}))
-        return SimpleNamespace(returncode=0)
+        row = {"impl": "transformers", "workload": "fixed_16_8", "batch_size": 1,
+               "num_requests": 3, "output_tok_s": 5.0}  # fmt: skip
+        Path(cmd[-1]).write_text(json.dumps({"info": {"torch": "x"}, "rows": [row]}))
+        raise bench.subprocess.TimeoutExpired(cmd, timeout)
 
     monkeypatch.setattr(bench.subprocess, "run", fake_run)
     cfg = preset("tiny", param_dtype="float32", dtype="float32")
@@ -257,12 +270,20 @@ def test_hf_request_counts_per_workload_and_batch_sizes_within_them(bench, monke
                                            vocab_size=cfg.vocab_size, seed=0)
             for name, wl in (("fixed_16_8", bench.SMOKE["workloads"]["fixed"]),
                              ("sharegpt_like", bench.SMOKE["workloads"]["sharegpt"]))}  # fmt: skip
-    bench.run_transformers(cfg, args, reqs)
+    result = bench.run_transformers(cfg, args, reqs)
     (job,) = jobs
     got = {w["name"]: (len(w["prompts"]), len(w["output_lens"]), w["batch_sizes"])
            for w in job["workloads"]}  # fmt: skip
     assert got == {"fixed_16_8": (3, 3, [1, 2, 3]), "sharegpt_like": (2, 2, [1, 2])}
     assert job["workloads"][1]["prompts"] == [r.prompt_token_ids for r in reqs["sharegpt_like"][:2]]
+    assert [(r["workload"], r["batch_size"], "error" in r) for r in result["rows"]] == [
+        ("fixed_16_8", 1, False), ("fixed_16_8", 2, True), ("fixed_16_8", 3, True),
+        ("sharegpt_like", 1, True), ("sharegpt_like", 2, True),
+    ]  # fmt: skip
+    best = bench.best_transformers_rows(result)
+    assert [(r["workload"], r["batch_size"], "error" in r) for r in best] == [
+        ("fixed_16_8", 1, False), ("sharegpt_like", 1, True)
+    ]  # fmt: skip
 
 
 def test_trace_summary_accounts_device_time_by_kind_of_work(tmp_path):
