@@ -298,10 +298,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         defaults["workloads"][w].name for w in keys["hf-workloads"] if w in keys["workloads"]
     ]
     args.profile_workload = defaults["workloads"]["fixed"]  # the 128/128 batch
-    args.hf_requests = per_workload(ap, "--hf-num-requests", args.hf_num_requests, defaults,
-                                    _one_positive_int)  # fmt: skip
-    args.hf_batches = per_workload(ap, "--hf-batch-sizes", args.hf_batch_sizes, defaults,
-                                   _positive_ints)  # fmt: skip
+    wls = defaults["workloads"]
+    args.hf_requests = per_workload(ap, "--hf-num-requests", args.hf_num_requests,
+                                    defaults["hf_num_requests"], wls, _one_positive_int)  # fmt: skip
+    args.hf_batches = per_workload(ap, "--hf-batch-sizes", args.hf_batch_sizes,
+                                   defaults["hf_batch_sizes"], wls, _positive_ints)  # fmt: skip
     return args
 
 
@@ -319,28 +320,34 @@ def _one_positive_int(text: str) -> int:
     return values[0]
 
 
-def per_workload(ap, flag: str, values, defaults, parse) -> dict:
+def per_workload(ap, flag: str, values, default, workloads: dict, parse) -> dict:
     """A flag's items ("V" for every workload, "WORKLOAD=V" for one) -> value per workload name.
-    Plain items join with commas (`--hf-batch-sizes 256 512` is `256,512`); workloads without an
-    item of their own take them."""
-    if not isinstance(values, list):  # the mode's default
-        values = [values]
-    plain, per = [], {}
-    for item in map(str, values):
-        key, _, text = item.rpartition("=")
-        if key and key not in defaults["workloads"]:
-            ap.error(f"{flag}: unknown workload {key!r} in {item!r}; choose from "
-                     f"{', '.join(defaults['workloads'])}")  # fmt: skip
-        if key:
-            per[key] = text
-        else:
-            plain.append(text)
+    Plain items join with commas (`--hf-batch-sizes 256 512` is `256,512`) and apply to every
+    workload without an item of its own; with no plain item, the mode's `default` items fill in."""
+
+    def split(items) -> tuple[list[str], dict[str, str]]:
+        plain, per = [], {}
+        for item in map(str, items if isinstance(items, list) else [items]):
+            key, _, text = item.rpartition("=")
+            if key and key not in workloads:
+                ap.error(f"{flag}: unknown workload {key!r} in {item!r}; choose from "
+                         f"{', '.join(workloads)}")  # fmt: skip
+            if key:
+                per[key] = text
+            else:
+                plain.append(text)
+        return plain, per
+
+    plain, per = split(values)
+    if not plain:
+        default_plain, default_per = split(default)
+        plain, per = default_plain, {**default_per, **per}
     out = {}
-    for key, wl in defaults["workloads"].items():
+    for key, wl in workloads.items():
         text = per.get(key, ",".join(plain))
         try:
             out[wl.name] = parse(text)
-        except (ValueError, TypeError):
+        except ValueError:
             ap.error(f"{flag}: {text!r} (for {key}) is not a positive count"
                      f"{' list' if parse is _positive_ints else ''}")  # fmt: skip
     return out

@@ -245,6 +245,14 @@ def test_transformers_requests_and_batch_sizes_per_workload(bench, monkeypatch):
                  "sharegpt=1,2,5", "--hf-workloads", "fixed,sharegpt")  # fmt: skip
     assert args.hf_requests == {"fixed_16_8": 3, "sharegpt_like": 2}
     assert args.hf_batches == {"fixed_16_8": [1, 2, 3], "sharegpt_like": [1, 2, 5]}
+    # one workload's items alone: the others keep the mode's defaults
+    one = bench.parse_args(["--out", "/tmp/x.json", "--hf-batch-sizes", "sharegpt=64,128",
+                            "--hf-num-requests", "sharegpt=128"])  # fmt: skip
+    assert one.hf_batches == {"fixed_128_128": [256, 512, 1000], "sharegpt_like": [64, 128]}
+    assert one.hf_requests == {"fixed_128_128": 1000, "sharegpt_like": 128}
+    # plain items replace the defaults of every workload without its own
+    assert bench.parse_args(["--out", "/tmp/x.json", "--hf-batch-sizes", "128"]).hf_batches == {
+        "fixed_128_128": [128], "sharegpt_like": [128]}  # fmt: skip
     bad = (["--hf-num-requests", "fixed=0"], ["--hf-num-requests", "nope=4"],
            ["--hf-num-requests", "x"], ["--hf-num-requests", "sharegpt=1,2"],
            ["--hf-batch-sizes", "fixed=2,-1"])  # fmt: skip
