@@ -70,8 +70,9 @@ CLAIMS = (
         "--output-hi", "64", "--hf-batch-sizes", "8", "4", "--set", *SMOKE_ENGINE,
     )),
 )  # fmt: skip
-# The claim-3 workload. HF eager `generate` is slow (~2.1k tok/s at batch 128 on the H200,
-# results/h200/e2e_llama3_8b.json): one batch of all 128 requests, its best case offline.
+# The claim-3 workload. HF eager `generate` is slow (1.9-2.8k tok/s at batch 128 on the H200,
+# results/h200/e2e_llama3_8b_cc4f4be.json and earlier): one batch of all 128 requests, its best
+# case offline.
 VS_ARGS = (
     "--num-requests", "128", "--prompt-lo", "64", "--prompt-hi", "512", "--output-lo", "16",
     "--output-hi", "192", "--hf-batch-sizes", "128",

@@ -86,8 +86,8 @@ class EngineConfig:
     )
     num_logprobs: int = 0  # top-k logprobs computed on device (static; requests may ask <= this)
     # Threads compiling warm-up buckets at once (0: one per core, at most one per bucket). On the
-    # H200 the 8B engine's 10 buckets took 169 s one after another and 65 s with 0
-    # (experiments/results/h200/e2e_llama3_8b.json).
+    # H200 the 8B engine's warm-up with 0 takes 43-66 s from an empty compilation cache
+    # (experiments/results/h200/e2e_llama3_8b*.json); one bucket after another took minutes.
     compile_workers: int = 0
     data_parallel: int = 1  # engine replicas, one per device, behind one request queue
     # How replicas run: "process" (a worker process per GPU, each loading the model itself; with

@@ -3,7 +3,8 @@
 Decode multiplies a few activation rows by every weight matrix, so it is bound by reading the
 weights: the kernel is a weight stream. Why it exists: XLA's GEMVs for the 8B model's decode run
 at ~4.1 TB/s for gate/up and down but ~3.3 TB/s for QKV and O at batch 1, and the QKV GEMM at
-batch 64 at ~2.2 TB/s (`experiments/results/h200/e2e_llama3_8b.json`, `profile_decode`).
+batch 64 at ~2.2 TB/s (`profile_decode` of the end-to-end run of that time, commit 99b3e78; since
+replaced by newer runs of `experiments/results/h200/e2e_llama3_8b.json`).
 
 How the work is cut
 -------------------
