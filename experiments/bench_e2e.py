@@ -303,6 +303,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                                     defaults["hf_num_requests"], wls, _one_positive_int)  # fmt: skip
     args.hf_batches = per_workload(ap, "--hf-batch-sizes", args.hf_batch_sizes,
                                    defaults["hf_batch_sizes"], wls, _positive_ints)  # fmt: skip
+    if "transformers" in args.parts:
+        for name in args.hf_workload_names:
+            n = min(args.hf_requests[name], args.num_requests)
+            if not any(b <= n for b in args.hf_batches[name]):
+                ap.error(f"--hf-batch-sizes: none of {args.hf_batches[name]} fits the {n} "
+                         f"requests of {name} timed through transformers (--hf-num-requests, "
+                         "--num-requests)")  # fmt: skip
     return args
 
 
@@ -548,8 +555,11 @@ def hf_worker(job_path: str, out_path: str) -> None:
                     torch.cuda.empty_cache()
             print(json.dumps(row), flush=True)
             rows.append(row)
-            # after every row: a parent that stops this worker (its timeout) keeps what finished
-            Path(out_path).write_text(json.dumps({"info": info, "rows": rows}))
+            # after every row: a parent that stops this worker (its timeout) keeps what finished;
+            # written aside and renamed, so a stop mid-write leaves the previous rows whole
+            tmp = Path(f"{out_path}.tmp")
+            tmp.write_text(json.dumps({"info": info, "rows": rows}))
+            tmp.replace(out_path)
 
 
 def run_transformers(cfg: ModelConfig, args, workloads: dict[str, list[WorkloadRequest]]) -> dict:

@@ -251,14 +251,16 @@ def test_transformers_requests_and_batch_sizes_per_workload(bench, monkeypatch):
     assert one.hf_batches == {"fixed_128_128": [256, 512, 1000], "sharegpt_like": [64, 128]}
     assert one.hf_requests == {"fixed_128_128": 1000, "sharegpt_like": 128}
     # plain items replace the defaults of every workload without its own
-    assert bench.parse_args(["--out", "/tmp/x.json", "--hf-batch-sizes", "128"]).hf_batches == {
-        "fixed_128_128": [128], "sharegpt_like": [128]}  # fmt: skip
+    assert bench.parse_args(["--out", "/tmp/x.json", "--hf-batch-sizes", "32"]).hf_batches == {
+        "fixed_128_128": [32], "sharegpt_like": [32]}  # fmt: skip
     bad = (["--hf-num-requests", "fixed=0"], ["--hf-num-requests", "nope=4"],
            ["--hf-num-requests", "x"], ["--hf-num-requests", "sharegpt=1,2"],
            ["--hf-batch-sizes", "fixed=2,-1"])  # fmt: skip
     for extra in bad:
         with pytest.raises(SystemExit):
             parse(*extra)
+    with pytest.raises(SystemExit):  # no batch size fits the requests timed: refused, not skipped
+        parse("--hf-num-requests", "3", "--hf-batch-sizes", "4", "8")
 
     # the worker's job: each workload's first N requests, batch sizes up to N (and the workload);
     # a worker stopped by the timeout leaves the rows it finished, the others become errors
