@@ -68,6 +68,8 @@ PREFILL = dict(num_tokens=256, num_seqs=4, max_q_len=128)  # prefill blocks (and
         (PREFILL, dict(dynamic_splits=True)),  # (the decode rows' launch)
         (DECODE, dict(persistent=2)),
         (DECODE, dict(early_exit=True, prefetch_page_ids=True)),
+        (DECODE, dict(early_k_refill=True)),  # K refilled after its scores, V after P @ V
+        (SMALL_DECODE, dict(new_kv=True, early_k_refill=True)),
         (DECODE, dict(warp_specialized=True, num_stages=4)),
         (DECODE, dict(kv_dtype=FP8)),  # producer converts fp8 tiles to f16
         (SMALL_DECODE, dict(kv_dtype=FP8, warp_specialized=False)),

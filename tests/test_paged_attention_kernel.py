@@ -304,6 +304,33 @@ def test_page_ids_prefetched_for_refills(page_size, ctx_lens, kw):
                        prefetch_page_ids=True, **kw)  # fmt: skip
 
 
+# K refilled right after its tile's scores (before softmax and P @ V), V after them: several tiles
+# per block and per split (refills of both), pages smaller and larger than a tile, group 3 (rows
+# shifted), prefetched page ids, and the kernel writing the new K/V (its last tile's K refill then
+# waits for those rows). With a producer warpgroup or fp8 pages the option changes nothing.
+@pytest.mark.parametrize(
+    "page_size,group,ctx_lens,kw",
+    [
+        (64, 4, [600, 64, 129, 0], dict(num_splits=1)),
+        (16, 3, [333, 40, 95], dict(num_splits=2)),
+        (128, 4, [900, 7], dict(num_splits=1, prefetch_page_ids=True, num_stages=3)),
+    ],
+)
+def test_early_k_refill(page_size, group, ctx_lens, kw):
+    q_lens = [1] * len(ctx_lens)
+    run_case(q_lens=q_lens, ctx_lens=ctx_lens, page_size=page_size, num_kv_heads=2, group=group,
+             head_dim=64, early_k_refill=True, **kw)  # fmt: skip
+    run_write_case(q_lens=q_lens, ctx_lens=ctx_lens, page_size=page_size, group=group,
+                   early_k_refill=True, **kw)  # fmt: skip
+
+
+def test_early_k_refill_moot_with_a_producer_or_fp8():
+    run_case(q_lens=[1, 1], ctx_lens=[500, 70], page_size=32, num_kv_heads=2, group=4,
+             head_dim=64, early_k_refill=True, warp_specialized=True, num_splits=1)  # fmt: skip
+    run_case(q_lens=[1, 1], ctx_lens=[500, 70], page_size=64, num_kv_heads=2, group=4,
+             head_dim=64, early_k_refill=True, fp8=True, num_splits=1)  # fmt: skip
+
+
 # Persistent decode launch: a few programs stream every (block, KV head) item, the K/V pipeline
 # crossing from one item into the next. The SM count is pinned so that each program takes several
 # items: items with one tile (the pipeline issues tiles two items ahead), holes and padding tokens,
@@ -456,6 +483,14 @@ def test_compiled_kernel_on_gpu(head_dim, fp8):
     # page ids read a tile ahead of their refills (option, off by default)
     run_case(q_lens=[1] * 3, ctx_lens=[3000, 700, 64], page_size=16, num_kv_heads=8, group=4,
              head_dim=head_dim, interpret=False, prefetch_page_ids=True)  # fmt: skip
+    # option early_k_refill: K refilled after its scores; one split and several, and the kernel
+    # writing the new K/V (the last tile's K refill waits for those rows)
+    run_case(q_lens=[1] * 41, ctx_lens=list(rng.integers(0, 700, 41)), page_size=64,
+             num_kv_heads=8, group=4, head_dim=head_dim, interpret=False, pad_tokens=1,
+             early_k_refill=True)  # fmt: skip
+    run_write_case(q_lens=[1] * 5, ctx_lens=list(rng.integers(300, 2100, 5)), page_size=64,
+                   num_kv_heads=8, group=4, head_dim=head_dim, interpret=False,
+                   early_k_refill=True)  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -19,7 +19,8 @@ BACKENDS = ("auto", "xla", "pallas", "cudnn")
 # ignore them.
 KERNEL_OPTIONS = ("split_decode_rows", "num_splits", "num_stages", "warp_specialized", "block_kv",
                   "num_consumers", "fp8_load", "token_major_decode", "prefetch_page_ids",
-                  "persistent", "early_exit", "dynamic_splits", "fused_kv_write")  # fmt: skip
+                  "persistent", "early_exit", "dynamic_splits", "early_k_refill",
+                  "fused_kv_write")  # fmt: skip
 # Options the caller acts on, not the kernel: `fused_kv_write` (true, false or a token limit) lets
 # a decode step's kernel write the new K/V itself (`new_kv`) instead of an XLA scatter before it
 # (jaxinfer.models.attention.write_kv_and_attend).

@@ -180,6 +180,7 @@ def ragged_paged_attention_mgpu(
     persistent: int = 0,
     early_exit: bool = False,
     dynamic_splits: bool = False,
+    early_k_refill: bool = False,
     v_page_offset: int = 0,
     new_kv: tuple[jax.Array, jax.Array] | None = None,
     interpret: bool | None = None,
@@ -209,8 +210,13 @@ def ragged_paged_attention_mgpu(
     the rest find no tiles and add nothing. A decode bucket of 8 rows then runs 4 splits with 8
     sequences and 5 with one, where the static count gives 5 to both: on the H200 (8B, batch 8 x
     2048) 4 splits were 2.5% faster per step and 1 sequence was 1.0-1.2% slower with 4
-    (`e2e_llama3_8b_num_splits.json`). Off by default: not yet run on the GPU. `interpret` runs the kernel under the GPU
-    interpreter (default: when there is no GPU).
+    (`e2e_llama3_8b_num_splits.json`). Off by default: on the GPU it was 1.3% faster at batch 8 x
+    2048 and within 0.5% elsewhere (`e2e_llama3_8b_dynamic_splits.json`). `early_k_refill`
+    (bf16 pages, one warpgroup without a producer: the decode default): a K slot is refilled as
+    soon as the scores of its tile are computed, before the softmax and the P @ V product, instead
+    of together with the V slot after them, so the next K copy starts about half a tile's work
+    earlier; not yet run on the GPU. `interpret` runs the kernel under the GPU interpreter
+    (default: when there is no GPU).
 
     `new_kv` = (k, v), each [T, Hkv, D]: this step's keys (rope applied) and values, which the
     kernel writes into the pages itself (decode-only batches, `fused_kv_write_reason`): token t of
@@ -278,7 +284,8 @@ def ragged_paged_attention_mgpu(
     launch = dict(num_kv_heads=num_kv_heads, group=group, kv_dtype=jnp.dtype(k_pages.dtype),
                   soft_cap=soft_cap, sliding_window=sliding_window, fp8_load=fp8_load,
                   v_page_offset=v_page_offset, prefetch_page_ids=bool(prefetch_page_ids),
-                  early_exit=bool(early_exit), interpret=interpret)  # fmt: skip
+                  early_exit=bool(early_exit), early_k_refill=bool(early_k_refill),
+                  interpret=interpret)  # fmt: skip
     dynamic = bool(dynamic_splits) and num_splits is None  # (an explicit count stays fixed)
     write_kv = new_kv is not None
     plan0, take0 = parts[0]
@@ -483,7 +490,7 @@ def _resolve_splits(plan, num_blocks, num_kv_heads) -> int:
 def _launch(plan, meta, qt, page_table, k_pages, v_pages, k_scales, v_scales, *, num_kv_heads,
             group, kv_dtype, soft_cap, sliding_window, fp8_load, v_page_offset, interpret,
             token_major=0, write_kv=False, prefetch_page_ids=False, early_exit=False,
-            dynamic_splits=False):  # fmt: skip
+            dynamic_splits=False, early_k_refill=False):  # fmt: skip
     """One kernel launch over `meta`'s blocks; returns [nb, Hkv, q_rows, D] (splits combined), or
     with `token_major` = T (decode blocks, one split) the outputs in token order, [T * Hq, D].
     With `write_kv` the kernel also writes each token's K/V rows (the query layout's rows `group`
@@ -521,6 +528,7 @@ def _launch(plan, meta, qt, page_table, k_pages, v_pages, k_scales, v_scales, *,
         v_page_offset=v_page_offset,
         prefetch_page_ids=prefetch_page_ids,
         early_exit=early_exit,
+        early_k_refill=early_k_refill,
         token_major=token_major,
         splits_col=splits_col,
         row_stride=plan.row_stride,
@@ -623,6 +631,7 @@ def _build_kernel(
     v_page_offset,
     prefetch_page_ids,
     early_exit,
+    early_k_refill,
     token_major,
     splits_col,
     row_stride,
@@ -634,6 +643,8 @@ def _build_kernel(
         raise ValueError("the kernel writes new K/V only in the single-warpgroup bf16 decode")
     bk = block_kv
     num_q_heads = num_kv_heads * group
+    # K's refill right after its scores (bf16, no producer warpgroup: else the option is moot)
+    early_k = bool(early_k_refill) and not warp_specialized and not quantized
     # FP8 with a producer warpgroup: it also converts tiles to f16, off the consumer's path.
     convert_in_producer = quantized and warp_specialized
     conv_stages = 2 if head_dim <= 128 else 1  # f16 copies of head dim 256 tiles are big
@@ -773,6 +784,14 @@ def _build_kernel(
                     out = jnp.where(cols >= c * page_size, scale_ref[page, head], out)
             return out
 
+        def wait_for_new_kv(i):
+            """A writer's new K/V rows land before its last tile (which holds them) loads."""
+            if write_kv:
+
+                @pl.when(writer & (i + num_stages == n_tiles - 1))
+                def _():
+                    plgpu.wait_smem_to_gmem(0)
+
         def make_step(w, masked):
             q_w = q_smem.at[w]
             r0 = w * ROWS  # this consumer's first query row in the block
@@ -803,6 +822,13 @@ def _build_kernel(
                     s = mma(q_w, k_smem.at[slot], transpose_b=True)  # [64, bk] scores, fp32
                     if warp_specialized:
                         plgpu.barrier_arrive(k_free.at[slot])
+                    if early_k:  # the scores are in registers: the K slot is free
+
+                        @pl.when(i + num_stages < n_tiles)
+                        def _refill_k():
+                            wait_for_new_kv(i)
+                            issue_k(i + num_stages, slot, refill_pages)
+
                 if quantized:
                     s = s * col_scales(ks_ref, tile, shape, 0)
                 s = _apply_soft_cap(s, soft_cap)
@@ -845,13 +871,9 @@ def _build_kernel(
 
                     @pl.when(i + num_stages < n_tiles)
                     def _refill():
-                        if write_kv:  # a writer's new K/V rows land before its last tile loads
-
-                            @pl.when(writer & (i + num_stages == n_tiles - 1))
-                            def _():
-                                plgpu.wait_smem_to_gmem(0)
-
-                        issue_k(i + num_stages, slot, refill_pages)
+                        wait_for_new_kv(i)
+                        if not early_k:
+                            issue_k(i + num_stages, slot, refill_pages)
                         issue_v(i + num_stages, slot, refill_pages)
 
                 return acc, m_new, l_i
