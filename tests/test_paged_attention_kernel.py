@@ -307,7 +307,7 @@ def test_page_ids_prefetched_for_refills(page_size, ctx_lens, kw):
 # K refilled right after its tile's scores (before softmax and P @ V), V after them: several tiles
 # per block and per split (refills of both), pages smaller and larger than a tile, group 3 (rows
 # shifted), prefetched page ids, and the kernel writing the new K/V (its last tile's K refill then
-# waits for those rows). With a producer warpgroup or fp8 pages the option changes nothing.
+# waits for those rows). With a producer warpgroup or fp8 pages the kernel ignores the option.
 @pytest.mark.parametrize(
     "page_size,group,ctx_lens,kw",
     [
@@ -322,13 +322,6 @@ def test_early_k_refill(page_size, group, ctx_lens, kw):
              head_dim=64, early_k_refill=True, **kw)  # fmt: skip
     run_write_case(q_lens=q_lens, ctx_lens=ctx_lens, page_size=page_size, group=group,
                    early_k_refill=True, **kw)  # fmt: skip
-
-
-def test_early_k_refill_moot_with_a_producer_or_fp8():
-    run_case(q_lens=[1, 1], ctx_lens=[500, 70], page_size=32, num_kv_heads=2, group=4,
-             head_dim=64, early_k_refill=True, warp_specialized=True, num_splits=1)  # fmt: skip
-    run_case(q_lens=[1, 1], ctx_lens=[500, 70], page_size=64, num_kv_heads=2, group=4,
-             head_dim=64, early_k_refill=True, fp8=True, num_splits=1)  # fmt: skip
 
 
 # Persistent decode launch: a few programs stream every (block, KV head) item, the K/V pipeline
