@@ -42,6 +42,10 @@ BENCH = Path(__file__).resolve().parent / "bench_e2e.py"
 PROVENANCE = ("device", "jax", "python", "commit")
 
 
+def _sets_out(argv: list[str]) -> bool:
+    return any(a == "--out" or a.startswith("--out=") for a in argv)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -69,7 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             variants[name] = shlex.split(rest)
         except ValueError as e:
             ap.error(f"--variant {name}: {e}")
-        if "--out" in variants[name]:
+        if _sets_out(variants[name]):
             ap.error(f"--variant {name}: --out is set per run by this script")
     if len(variants) < 2:
         ap.error("give at least two --variant (the first is the base)")
@@ -77,7 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.common_args = shlex.split(args.common)
     except ValueError as e:
         ap.error(f"--common: {e}")
-    if "--out" in args.common_args:
+    if _sets_out(args.common_args):
         ap.error("--common: --out is set per run by this script")
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
@@ -232,11 +236,16 @@ def main(argv=None) -> dict:
         wall = time.perf_counter() - t0
         if out.exists():  # bench_e2e writes after every row: a failed run keeps what it finished
             runs[name] = json.loads(out.read_text())
-        if rc == 0:
+        if rc == 0 and out.exists():
             done.write_text(commands[name] + "\n")
         else:
             runs.setdefault(name, {}).setdefault("errors", []).append(
-                {"part": "run", "error": f"exit {rc} after {wall:.0f} s; see {name}.log"}
+                {
+                    "part": "run",
+                    "error": f"exit {rc} after {wall:.0f} s"
+                    + ("" if out.exists() else ", no results file")
+                    + f"; see {name}.log",
+                }
             )
         console.print(f"{name}: rc={rc} {wall:.0f} s warmup_s={runs.get(name, {}).get('warmup_s')}")
         write()

@@ -68,6 +68,7 @@ def test_bad_variants_are_refused(ab, tmp_path):
                 ["--variant", "a", "--variant", "b="], ["--variant", "a=", "--variant", "b=--out y"],
                 ["--variant", "a b=", "--variant", "c="],
                 ["--variant", "a=", "--variant", "b=", "--common", "--out z"],
+                ["--variant", "a=", "--variant", "b=--out=y"],
                 ["--variant", "a=", "--variant", "b=", "--rounds", "0"]):  # fmt: skip
         with pytest.raises(SystemExit):
             ab.parse_args(out + bad)
