@@ -3,23 +3,15 @@ the base, records provenance and commands, and resumes without rerunning finishe
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
+import experiment_scripts
 import pytest
-
-SCRIPT = Path(__file__).resolve().parent.parent / "experiments" / "ab_e2e.py"
 
 
 @pytest.fixture(scope="module")
 def ab():
-    spec = importlib.util.spec_from_file_location("ab_e2e", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return experiment_scripts.load("ab_e2e")
 
 
 def _run(variant_rows, **extra):

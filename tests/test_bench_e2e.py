@@ -6,27 +6,22 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import experiment_scripts
 import jax.numpy as jnp
 import pytest
 
 from jaxinfer.metrics.device_trace import hlo_category, summarize_trace
 from jaxinfer.models.presets import preset
 
-SCRIPT = Path(__file__).resolve().parent.parent / "experiments" / "bench_e2e.py"
 HAS_TORCH = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_e2e", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return experiment_scripts.load("bench_e2e")
 
 
 def test_smoke_run_writes_schema_with_zero_compiles_after_warmup(bench, tmp_path, monkeypatch):

@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "experiments" / "bench_mixed_attention.py"
+import experiment_scripts
 
 
 def test_smoke_checks_both_kernel_configurations(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_mixed_attention", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = experiment_scripts.load("bench_mixed_attention")
     out = tmp_path / "mixed.json"
     module.main(["--smoke", "--no-timing", "--out", str(out)])
     result = json.loads(out.read_text())

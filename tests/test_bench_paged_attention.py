@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
+import experiment_scripts
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "experiments" / "bench_paged_attention.py"
 ROW_KEYS = {"impl", "batch", "context", "q_heads", "kv_heads", "head_dim", "page_size", "kv_dtype"}
 TIMED_KEYS = {"time_ms", "kv_TBps", "rel_err"}
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_paged_attention", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return experiment_scripts.load("bench_paged_attention")
 
 
 def test_smoke_run_writes_schema_and_matches_reference(bench, tmp_path):

@@ -2,28 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shutil
-import sys
 from pathlib import Path
 
+import experiment_scripts
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU_RESULTS = ROOT / "experiments" / "results" / "cpu"
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-claims_table = _load("claims_table")
+claims_table = experiment_scripts.load("claims_table")
 
 
 def test_cpu_column_is_what_the_cpu_results_say():
@@ -88,7 +79,7 @@ def test_h200_claim_configs_share_one_engine_and_validate(tmp_path: Path):
     from jaxinfer.experiment.run import load_run_config
     from jaxinfer.experiment.sweep import plan_sweep
 
-    driver = _load("run_claims_h200")
+    driver = experiment_scripts.load("run_claims_h200")
     driver.check_shared_engine()  # raises SystemExit when an executable-shaping key differs
     for claim in driver.CLAIMS:
         if claim.name == "vs_transformers":

@@ -59,16 +59,11 @@ def test_bad_inputs_name_the_problem():
 
 
 def test_benchmark_smoke_writes_rows_that_match(tmp_path):
-    import importlib.util
     import json
-    import sys
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "experiments" / "bench_skinny_matmul.py"
-    spec = importlib.util.spec_from_file_location("bench_skinny_matmul", script)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    import experiment_scripts
+
+    module = experiment_scripts.load("bench_skinny_matmul")
     out = tmp_path / "skinny.json"
     module.main(["--smoke", "--out", str(out), "--min-loop-ms", "0.1", "--repeats", "1"])
     result = json.loads(out.read_text())

@@ -4,29 +4,21 @@ with clear errors for what it lacks."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import random
-import sys
-from pathlib import Path
 
+import experiment_scripts
 import jax
 import pytest
 
 from jaxinfer.models.presets import preset
 from jaxinfer.models.spec import is_spec, param_specs
 
-SCRIPT = Path(__file__).resolve().parent.parent / "experiments" / "throughput_bound.py"
-
 
 @pytest.fixture(scope="module")
 def tb():
-    spec = importlib.util.spec_from_file_location("throughput_bound", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return experiment_scripts.load("throughput_bound")
 
 
 @pytest.mark.parametrize("name", ["llama3-8b", "llama3-70b", "mistral-7b", "tiny"])
