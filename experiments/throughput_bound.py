@@ -36,6 +36,9 @@ from jaxinfer.models.config import ModelConfig  # noqa: E402
 from jaxinfer.models.presets import preset  # noqa: E402
 from jaxinfer.provenance import provenance  # noqa: E402
 
+# bytes per K/V element (FP8 pools' per-page scales are left out: a few bytes per 64-token page)
+KV_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+
 
 def layer_weights(cfg: ModelConfig) -> int:
     """Weights of the dense layers' matmuls (q, k, v, o, gate, up, down), all layers."""
@@ -113,9 +116,18 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--workload {args.workload!r}: the file has {sorted(res['workloads'])}")
     spec = res["workloads"][args.workload]
     n = spec["num_requests"]
-    counts = workload_counts(_lengths(spec, "prompt_len", n), _lengths(spec, "output_len", n))
+    try:
+        counts = workload_counts(_lengths(spec, "prompt_len", n), _lengths(spec, "output_len", n))
+    except ValueError as e:
+        raise SystemExit(f"--workload {args.workload}: {e}") from None
     cfg = preset(res["preset"])
-    kv_itemsize = {"bfloat16": 2, "float16": 2, "float32": 4}[res.get("dtype", "bfloat16")]
+    kv_dtype = (res.get("engine") or {}).get("kv_dtype", "auto")
+    kv_dtype = res.get("dtype", "bfloat16") if kv_dtype == "auto" else kv_dtype
+    if kv_dtype not in KV_ITEMSIZE:
+        raise SystemExit(
+            f"{args.results}: K/V dtype {kv_dtype!r} is not one of {sorted(KV_ITEMSIZE)}"
+        )
+    kv_itemsize = KV_ITEMSIZE[kv_dtype]
     rows = [
         t for t in res["throughput"] if t["impl"] == "jaxinfer" and t["workload"] == args.workload
     ]
@@ -126,7 +138,7 @@ def main(argv=None) -> dict:
     # measured per-step small kernels (fusions, K/V writes) at the largest traced decode batch
     small = None
     prof = [p for p in res.get("profile_decode", []) if "kinds_ms_per_step" in p]
-    if prof and "steps" in measured:
+    if prof and "steps" in measured and "decode_steps" in res.get("engine", {}):
         p = max(prof, key=lambda r: r["batch"])
         per_step_ms = sum(p["kinds_ms_per_step"].get(k, 0.0) for k in ("fusion", "kv_write"))
         decode_steps = measured["steps"]["decode_scans"] * res["engine"]["decode_steps"]

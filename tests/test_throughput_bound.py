@@ -97,6 +97,10 @@ def test_main_reads_a_results_file(tb, tmp_path):
     assert b["measured_over_bound"] == pytest.approx(16000 / b["output_tok_s"], abs=1e-4)
     assert 15000 < b["output_tok_s"] < 30000  # the 8B shape at 699 TFLOP/s: about 21k
     assert out["source"]["commit"] == "abc"
+    # an FP8 K/V pool reads half the bytes
+    src.write_text(json.dumps(_results(engine={"decode_steps": 8, "kv_dtype": "float8_e4m3fn"})))
+    (b8,) = tb.main(["--results", str(src), "--gemm-tflops", "699"])["bounds"]
+    assert b8["decode_kv_bytes"] * 2 == b["decode_kv_bytes"]
 
 
 @pytest.mark.parametrize(
@@ -105,6 +109,20 @@ def test_main_reads_a_results_file(tb, tmp_path):
         ({"preset": None}, [], "no 'preset'"),
         ({}, ["--workload", "sharegpt_like"], "--workload 'sharegpt_like'"),
         ({"throughput": []}, [], "no jaxinfer throughput row"),
+        ({"engine": {"kv_dtype": "int4"}}, [], "K/V dtype 'int4'"),
+        (
+            {
+                "workloads": {
+                    "fixed_128_128": {
+                        "prompt_len": {"median": 200},
+                        "output_len": 128,
+                        "num_requests": 10,
+                    }
+                }
+            },
+            [],
+            "only fixed lengths",
+        ),
     ],
 )
 def test_main_names_what_the_file_lacks(tb, tmp_path, over, args, match):
