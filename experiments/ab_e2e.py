@@ -1,8 +1,8 @@
 """Back-to-back A/B of `bench_e2e.py` variants on one machine, merged into one results file.
 
-The same benchmark command moves by 2-3% between machines (`docs/gpu.md`), more than most of
-the effects an ablation looks for, so variants are only comparable when they run back to back on
-one machine, and interleaved (A B A B ...) so that drift lands on all of them. This runs
+The same benchmark command moves by up to ~4% between machines (`docs/performance.md`), more
+than most of the effects an ablation looks for, so variants are only comparable when they run
+back to back on one machine, and interleaved (A B A B ...) so that drift lands on all of them. This runs
 `bench_e2e.py` once per (round, variant), each in a process of its own (its own engine and
 compiles; pass `--compile-cache ''` in `--common` for cold ones), and writes ONE JSON:
 
@@ -15,7 +15,10 @@ compiles; pass `--compile-cache ''` in `--common` for cold ones), and writes ONE
 
     python3 experiments/ab_e2e.py --out $OUT/ab.json --rounds 2 \\
         --common "--parts decode --batches 1 8 --contexts 512 2048 --compile-cache ''" \\
-        --variant base= --variant dyn="--attention-options dynamic_splits=true"
+        --variant base= --variant gather="--attention-options token_major_decode=false"
+
+A variant may run another checkout's code (`--tree before=/path/to/checkout@COMMIT`): a before/after
+A/B of a change on one machine.
 
 An interrupted A/B resumes: each finished run's JSON stays in `--work` (default: a folder next to
 `--out`) with a marker, and is not run again. Each run's console output goes to `<work>/<run>.log`;
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import shlex
 import statistics
 import subprocess
@@ -59,6 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="folder of the runs' JSON and logs (default: <out stem>_runs next to "
                          "--out); finished runs found there are not run again")  # fmt: skip
     ap.add_argument("--python", default=sys.executable, help="interpreter of the runs")
+    ap.add_argument("--tree", action="append", default=[], metavar="NAME=PATH[@COMMIT]",
+                    help="variant NAME runs the bench_e2e.py of another checkout at PATH (its "
+                         "code: a before/after A/B), recording COMMIT as its commit")  # fmt: skip
     ap.add_argument("--timeout-s", type=float, default=None, help="per run")
     args = ap.parse_args(argv)
     variants = {}
@@ -86,6 +93,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
     args.variants = variants
+    args.trees = {}
+    for item in args.tree:
+        name, sep, rest = item.partition("=")
+        path, _, commit = rest.partition("@")
+        if (
+            not sep
+            or name not in variants
+            or not (Path(path) / "experiments/bench_e2e.py").exists()
+        ):
+            ap.error(f"--tree {item!r}: expected NAME=PATH[@COMMIT] naming a --variant and a "
+                     "checkout with experiments/bench_e2e.py")  # fmt: skip
+        args.trees[name] = (Path(path).resolve(), commit or None)
     if args.work is None:
         args.work = args.out.with_name(args.out.stem + "_runs")
     return args
@@ -97,7 +116,24 @@ def run_plan(args) -> list[tuple[str, str, int]]:
 
 
 def run_command(args, variant: str, out: Path) -> list[str]:
-    return [args.python, str(BENCH), "--out", str(out), *args.common_args, *args.variants[variant]]
+    bench = BENCH
+    if variant in args.trees:
+        bench = args.trees[variant][0] / "experiments" / "bench_e2e.py"
+    return [args.python, str(bench), "--out", str(out), *args.common_args, *args.variants[variant]]
+
+
+def run_env(args, variant: str) -> dict[str, str] | None:
+    """The environment of a variant's runs: another tree's code first on the path, its commit."""
+    if variant not in args.trees:
+        return None
+    path, commit = args.trees[variant]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(path), os.environ.get("PYTHONPATH", "")]),
+    }
+    if commit:
+        env["JAXINFER_COMMIT"] = commit
+    return env
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -229,7 +265,7 @@ def main(argv=None) -> dict:
         with open(args.work / f"{name}.log", "w") as log:
             try:
                 proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                      timeout=args.timeout_s)  # fmt: skip
+                                      timeout=args.timeout_s, env=run_env(args, variant))  # fmt: skip
                 rc = proc.returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"

@@ -12,7 +12,7 @@ so no speed-up is expected there: the CPU run checks the plumbing only.
 
 `--backend process` runs every replica count (1 included) as worker processes, one per GPU
 (`engine.data_parallel_backend=process`); this process then initialises JAX only after the runs,
-for the provenance fields. `--backend thread` runs the replicas as threads of this process.
+for the provenance fields.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--attention-backend", default="auto")
-    ap.add_argument("--backend", default="process", choices=["thread", "process"],
+    ap.add_argument("--backend", default="process", choices=["process"],
                     help="engine.data_parallel_backend")  # fmt: skip
     ap.add_argument("--cpu-devices", type=int, default=0, help="force this many CPU devices")
     ap.add_argument("--compile-workers", type=int, default=0,
@@ -81,12 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     setup = functools.partial(trim_buckets, max_num_seqs=args.max_num_seqs) if args.trim_buckets \
         else None  # fmt: skip
-    if args.backend == "thread":
-        import jax
-
-        num_devices = len(jax.devices())
-    else:  # do not touch a GPU here: the workers need them
-        num_devices = max(args.replicas)
+    num_devices = max(args.replicas)  # do not touch a GPU here: the workers need them
     result = {"engine": engine_kw, "trim_buckets": args.trim_buckets, "backend": args.backend,
               "workload": {"num_requests": args.num_requests, "input_len": args.input_len,
                            "output_len": args.output_len, "arrivals": "all at t=0"},

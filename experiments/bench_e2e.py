@@ -392,8 +392,8 @@ def kv_bytes_per_step(cfg: ModelConfig, kv, batch: int, context: int, steps: int
 
 def time_decode(llm: LLM, batch: int, context: int, pages: np.ndarray, args) -> dict:
     """One decode row on the engine's runner (see METHODS["decode"])."""
-    runner, cfg, k = llm.engine.runner, llm.engine.cfg, args.decode_steps
-    need = math.ceil((context + k) / runner.shapes.page_size)
+    runner, cfg, k = llm.engine.runner, llm.engine.model_config, args.decode_steps
+    need = math.ceil((context + k) / runner.config.page_size)
     if batch * need > len(pages):
         raise ValueError(f"{batch} x {need} pages exceed the pool ({len(pages)} usable)")
     rng = np.random.default_rng(batch * 100_003 + context)
@@ -405,7 +405,7 @@ def time_decode(llm: LLM, batch: int, context: int, pages: np.ndarray, args) -> 
         pages[: batch * need].reshape(batch, need).tolist(),
     )
     sb = SamplingBatch.build([SamplingParams()] * batch, list(range(batch)), [context + 1] * batch,
-                             rows)  # fmt: skip
+                             rows, put=runner.put)  # fmt: skip
 
     def scans(n: int) -> float:
         t0 = time.perf_counter()
@@ -672,15 +672,15 @@ def profile_engine(llm: LLM, reqs: list[WorkloadRequest], log_dir: Path, decode_
 def profile_decode(llm: LLM, batch: int, context: int, pages: np.ndarray, log_dir: Path,
                    args) -> dict:  # fmt: skip
     """Trace `--profile-decode-scans` back-to-back decode scans of one decode row (as timed)."""
-    runner, cfg = llm.engine.runner, llm.engine.cfg
-    need = math.ceil((context + args.decode_steps) / runner.shapes.page_size)
+    runner, cfg = llm.engine.runner, llm.engine.model_config
+    need = math.ceil((context + args.decode_steps) / runner.config.page_size)
     rng = np.random.default_rng(batch)
     table, state, rows = runner.build_decode(
         rng.integers(0, cfg.vocab_size, batch).tolist(), [context] * batch, [2**30] * batch,
         [[]] * batch, pages[: batch * need].reshape(batch, need).tolist(),
     )  # fmt: skip
     sb = SamplingBatch.build([SamplingParams()] * batch, list(range(batch)), [context + 1] * batch,
-                             rows)  # fmt: skip
+                             rows, put=runner.put)  # fmt: skip
     jax.block_until_ready(runner.run_decode(table, state, sb, args.decode_steps))
     n = max(1, args.profile_decode_scans)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -719,7 +719,7 @@ def workload_stats(reqs: list[WorkloadRequest]) -> dict:
 
 def trimmed_buckets(runner, batches: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(token buckets from the one holding max_num_seqs up, decode buckets of measured batches)."""
-    s = runner.shapes
+    s = runner.config
     low = pick_bucket(runner.token_buckets, min(s.max_num_seqs, s.max_step_tokens))
     tokens = tuple(b for b in runner.token_buckets if b >= low)
     seqs = sorted({pick_bucket(runner.seq_buckets, b) for b in batches} | {runner.seq_buckets[-1]})
@@ -806,7 +806,10 @@ def engine_options(args, workloads: dict[str, list[WorkloadRequest]]) -> dict:
 
 def resolved_backend(llm: LLM) -> str:
     """The attention backend the engine's setting stands for on this device and cache."""
-    cfg, pages = llm.engine.cfg, llm.engine.runner.kv.pages  # [L, num_pages, 2, page, Hkv, D]
+    cfg, pages = (
+        llm.engine.model_config,
+        llm.engine.runner.kv.pages,
+    )  # [L, num_pages, 2, page, Hkv, D]
     q = jax.ShapeDtypeStruct((1, cfg.num_heads, cfg.head_dim), pages.dtype)
     pool = jax.ShapeDtypeStruct((pages.shape[1], *pages.shape[3:]), pages.dtype)
     try:
@@ -833,7 +836,7 @@ def build_engine(args, options: dict) -> tuple[LLM, dict]:
         "compiles": compile_count() - compiles,
         "token_buckets": list(runner.token_buckets),
         "decode_buckets": list(runner.seq_buckets),
-        "pages_per_seq": runner.shapes.pages_per_seq,
+        "pages_per_seq": runner.config.pages_per_seq,
         "kv_pool_gib": round(sum(x.nbytes for x in jax.tree.leaves(runner.kv)) / 2**30, 2),
         "weights_gib": round(sum(x.nbytes for x in jax.tree.leaves(runner.params)) / 2**30, 2),
     }

@@ -8,7 +8,7 @@
    point the largest relative difference of every numeric metric between the two runs (token
    counts should match exactly; timings differ by noise: the point runs once in each).
 2. Data parallel: `experiments/bench_data_parallel.py --replicas 1 N --backend B` in a child
-   process (8B shape by default) for each B in `--dp-backends` (worker processes, threads): output
+   process (8B shape by default) for each B in `--dp-backends` (worker processes): output
    tok/s of one engine replica per GPU behind one queue against one GPU.
 
 Each part runs in a child process, so this one never holds GPU memory. The result file records
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="one string added to bench_data_parallel.py, e.g. '--max-num-seqs 512'",
     )
-    ap.add_argument("--dp-backends", default="process,thread",
+    ap.add_argument("--dp-backends", default="process",
                     help="engine.data_parallel_backend values to run; the first is recorded as "
                          "`data_parallel`, the others as `data_parallel_<backend>`")  # fmt: skip
     ap.add_argument("--timeout-s", type=float, default=600.0, help="per child process")
@@ -150,9 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(parts) - {"sweeps", "data_parallel"})
     if unknown:
         ap.error(f"--parts: unknown {unknown}; choose from sweeps, data_parallel")
-    bad_backends = sorted(set(args.dp_backends.split(",")) - {"process", "thread"})
+    bad_backends = sorted(set(args.dp_backends.split(",")) - {"process"})
     if bad_backends or not args.dp_backends:
-        ap.error(f"--dp-backends: unknown {bad_backends}; choose from process, thread")
+        ap.error(f"--dp-backends: unknown {bad_backends}; choose from process")
     if args.gpus < 2:
         ap.error(f"--gpus {args.gpus}: a multi-GPU run needs at least 2")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (device KINDS.md)

@@ -32,16 +32,19 @@ def reset_gpu_interpreter() -> None:
     reset_gpu_interpret_mode_state()
 
 
-def default_interpret() -> bool:
-    """Kernels interpret by default wherever there is no GPU to compile for."""
-    return jax.default_backend() != "gpu"
+def default_interpret(device: jax.Device | None = None) -> bool:
+    """Kernels interpret by default wherever there is no GPU to compile for: when `device` (None:
+    `jax.devices()[0]`) is not a GPU."""
+    device = jax.devices()[0] if device is None else device
+    return device.platform != "gpu"
 
 
-def num_sms(default: int = 132) -> int:
-    """Streaming multiprocessors of the first GPU (132 on an H100/H200 SXM); `default` elsewhere."""
+def num_sms(device: jax.Device | None = None, default: int = 132) -> int:
+    """Streaming multiprocessors of `device` (None: `jax.devices()[0]`; 132 on an H100/H200 SXM);
+    `default` where the device does not say (a CPU)."""
     try:
-        dev = jax.devices()[0]
-        return int(getattr(dev, "core_count", None) or default)
+        device = jax.devices()[0] if device is None else device
+        return int(getattr(device, "core_count", None) or default)
     except Exception:  # no device info: fall back
         return default
 

@@ -4,6 +4,8 @@ the base, records provenance and commands, and resumes without rerunning finishe
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import experiment_scripts
 import pytest
@@ -93,3 +95,23 @@ def test_smoke_ab_runs_merges_and_resumes(ab, tmp_path):
     assert (work / "steps2_r0.log").stat().st_mtime_ns > redo.st_mtime_ns
     assert (work / "steps2_r0.done").exists()
     assert again["runs"]["base_r0"] == result["runs"]["base_r0"]
+
+
+def test_a_variant_runs_another_checkouts_code(ab, tmp_path, capsys):
+    """`--tree NAME=PATH@COMMIT`: that variant's runs use PATH's bench_e2e.py, PATH first on the
+    import path and COMMIT as the recorded commit; a tree without the script is refused."""
+    root = Path(ab.__file__).resolve().parents[1]
+    out = ["--out", str(tmp_path / "ab.json"), "--variant", "before=", "--variant", "after="]
+    args = ab.parse_args([*out, "--tree", f"before={root}@abc123"])
+    assert ab.run_command(args, "before", tmp_path / "x.json")[1] == str(
+        root / "experiments" / "bench_e2e.py"
+    )
+    env = ab.run_env(args, "before")
+    assert (
+        env["PYTHONPATH"].split(os.pathsep)[0] == str(root) and env["JAXINFER_COMMIT"] == "abc123"
+    )
+    assert ab.run_env(args, "after") is None
+    for bad in (f"nope={root}", f"before={tmp_path}"):
+        with pytest.raises(SystemExit):
+            ab.parse_args([*out, "--tree", bad])
+        assert "expected NAME=PATH[@COMMIT]" in capsys.readouterr().err, bad

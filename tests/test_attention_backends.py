@@ -1,7 +1,9 @@
 """The model's paged forward on the Mosaic kernel (GPU interpreter on CPU) against the XLA path.
 
 An engine run on the interpreted kernel takes minutes, so this checks what the engine calls: a
-chunked-prefill step then a decode step of the shipped model over a bf16 page pool.
+chunked-prefill step then a decode step over a bf16 page pool, of a one-layer random model of the
+kernel's shapes (head dim 64, 2 query heads per KV head; the interpreter's time grows with
+layers). `tests/test_gpu_engine.py` runs the whole engine on the compiled kernel.
 """
 
 from __future__ import annotations
@@ -12,22 +14,29 @@ import numpy as np
 import pytest
 
 from jaxinfer.engine.config import EngineConfig
-from jaxinfer.engine.loading import load_model
 from jaxinfer.kv.cache import init_kv_cache
-from jaxinfer.models.attention import paged_attention
+from jaxinfer.models.attention import AttentionConfig, write_kv_and_attend
 from jaxinfer.models.batch import build_ragged_batch
 from jaxinfer.models.dense import forward_paged
+from jaxinfer.models.presets import preset
+from jaxinfer.models.spec import init_params
+
+
+def load_model(seed: int = 0):
+    cfg = preset("tiny", hidden_size=128, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=64,
+                 param_dtype="bfloat16", dtype="bfloat16")  # fmt: skip
+    return cfg, init_params(cfg, jax.random.key(seed))
 
 
 def test_pallas_backend_matches_xla_through_prefill_and_decode():
-    cfg, params = load_model("tiny")[:2]
+    cfg, params = load_model()
     rng = np.random.default_rng()
     p1, p2 = [list(rng.integers(1, cfg.vocab_size, n)) for n in (21, 7)]
     hidden = {}
     for backend in ("xla", "pallas"):
         kv = init_kv_cache(cfg, 48, 16, dtype="bfloat16")
         step = jax.jit(lambda p, b, kv, backend=backend: forward_paged(
-            p, cfg, b, kv, attention_backend=backend))  # fmt: skip
+            p, cfg, b, kv, attention=AttentionConfig(backend)))  # fmt: skip
         prefill = build_ragged_batch([p1, p2], [0, 0], [[5, 2], [7]], num_tokens=32, num_seqs=4,
                                      pages_per_seq=4, max_q_len=32)  # fmt: skip
         h1, kv = step(params, prefill, kv)
@@ -54,7 +63,7 @@ def test_decode_step_writes_kv_in_the_kernel(monkeypatch):
         return launch(*a, **kw)
 
     monkeypatch.setattr(mosaic_gpu, "_launch", spy)
-    cfg, params = load_model("tiny")[:2]
+    cfg, params = load_model()
     rng = np.random.default_rng()
     p1, p2 = [list(rng.integers(1, cfg.vocab_size, n)) for n in (21, 16)]
     prefill = build_ragged_batch([p1, p2], [0, 0], [[5, 2], [7]], num_tokens=48, num_seqs=4,
@@ -67,16 +76,15 @@ def test_decode_step_writes_kv_in_the_kernel(monkeypatch):
     out = {}
     for fused in (True, False):
         step = jax.jit(lambda p, b, kv, fused=fused: forward_paged(
-            p, cfg, b, kv, attention_backend="pallas",
-            attention_options=(("fused_kv_write", fused),)))  # fmt: skip
+            p, cfg, b, kv, attention=AttentionConfig("pallas", (("fused_kv_write", fused),))))  # fmt: skip
         writes.clear()
         h, kv = step(params, decode, jax.tree.map(jnp.copy, kv0))
         assert writes and set(writes) == {fused}, writes  # (the layer is traced once)
         out[fused] = np.asarray(h[:2], np.float32), np.asarray(kv.pages[:, 1:], np.float32)
     # a decode step past the token limit (an int option) scatters first
     writes.clear()
-    forward_paged(params, cfg, decode, jax.tree.map(jnp.copy, kv0), attention_backend="pallas",
-                  attention_options=(("fused_kv_write", 7),))  # fmt: skip
+    forward_paged(params, cfg, decode, jax.tree.map(jnp.copy, kv0),
+                  attention=AttentionConfig("pallas", (("fused_kv_write", 7),)))  # fmt: skip
     assert writes and not any(writes), writes
     np.testing.assert_array_equal(out[True][1], out[False][1])
     np.testing.assert_allclose(out[True][0], out[False][0], rtol=1e-5, atol=1e-5)
@@ -90,7 +98,7 @@ def test_decode_step_writes_kv_in_the_kernel(monkeypatch):
 def test_mixed_step_and_kernel_options():
     """A step mixing a decode token and a prompt chunk (the kernel's two launches) against XLA,
     after an XLA prefill; kernel options reach the kernel (a bad value raises there)."""
-    cfg, params = load_model("tiny")[:2]
+    cfg, params = load_model()
     rng = np.random.default_rng()
     p1, p2 = [list(rng.integers(1, cfg.vocab_size, n)) for n in (21, 9)]
     prefill = build_ragged_batch([p1], [0], [[5, 2]], num_tokens=32, num_seqs=4, pages_per_seq=4,
@@ -102,15 +110,16 @@ def test_mixed_step_and_kernel_options():
     hidden = {}
     for backend in ("xla", "pallas"):
         step = jax.jit(lambda p, b, kv, backend=backend: forward_paged(
-            p, cfg, b, kv, attention_backend=backend))  # fmt: skip
+            p, cfg, b, kv, attention=AttentionConfig(backend)))  # fmt: skip
         h, _ = step(params, mixed, jax.tree.map(jnp.copy, kv))
         hidden[backend] = np.asarray(h[:10], np.float32)
     out, ref = hidden["pallas"], hidden["xla"]
     assert np.isfinite(out).all()
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
     with pytest.raises(ValueError, match="block_kv"):
-        forward_paged(params, cfg, mixed, kv, attention_backend="pallas",
-                      attention_options=(("block_kv", 96),))  # fmt: skip
+        forward_paged(
+            params, cfg, mixed, kv, attention=AttentionConfig("pallas", (("block_kv", 96),))
+        )
 
 
 def test_backend_option_is_validated():
@@ -119,7 +128,10 @@ def test_backend_option_is_validated():
     with pytest.raises(ValueError, match=r"attention_options\.num_warps"):
         EngineConfig(model="preset:tiny", attention_options={"num_warps": 4})
     assert EngineConfig(attention_options={"split_decode_rows": False}).attention_options
-    cfg, _ = load_model("tiny")[:2]
+    cfg, _ = load_model()
     kv = init_kv_cache(cfg, 4, 16, dtype="float32")
     with pytest.raises(ValueError, match="bf16 or fp8"):
-        paged_attention(None, kv, 0, None, backend="pallas")
+        write_kv_and_attend(None, None, None, kv, 0, None, None, None,
+                            attention=AttentionConfig("pallas"))  # fmt: skip
+    with pytest.raises(ValueError, match="attention backend"):
+        AttentionConfig("flash")

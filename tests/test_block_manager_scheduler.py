@@ -16,8 +16,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from jaxinfer.engine.block_manager import SCRATCH_PAGE, BlockManager
+from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.request import SamplingParams, SeqStatus, Sequence
-from jaxinfer.engine.scheduler import POLICIES, Scheduler, SchedulerConfig
+from jaxinfer.engine.scheduler import POLICIES, Scheduler
 
 RUNNING, WAITING, PREEMPTED = SeqStatus.RUNNING, SeqStatus.WAITING, SeqStatus.PREEMPTED
 
@@ -36,12 +37,20 @@ def expected_outputs(seq: Sequence) -> list[int]:
     return [fake_token(seq.seq_id, p + i) for i in range(seq.sampling.max_tokens)]
 
 
+def sched_config(scheduler="fcfs", max_num_seqs=32, max_num_batched_tokens=512,
+                 chunked_prefill=True, max_model_len=1024, **kw) -> EngineConfig:  # fmt: skip
+    """The engine config the scheduler reads (its fields in the scheduler's order)."""
+    return EngineConfig(scheduler=scheduler, max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=max_num_batched_tokens,
+                        chunked_prefill=chunked_prefill, max_model_len=max_model_len, **kw)  # fmt: skip
+
+
 # -- the simulated engine loop ---------------------------------------------------------------------
-def simulate(specs, cfg: SchedulerConfig, num_pages: int, page_size: int, allocation: str):
+def simulate(specs, cfg: EngineConfig, num_pages: int, page_size: int, allocation: str):
     """specs: (arrival_step, prompt_len, max_tokens, priority), seq_id = index. Checks every step."""
     bm = BlockManager(num_pages, page_size, allocation)
     sch = Scheduler(cfg, bm)
-    policy = POLICIES[cfg.policy]
+    policy = POLICIES[cfg.scheduler]
     seqs = [make_seq(i, p, m, float(a), pr) for i, (a, p, m, pr) in enumerate(specs)]
     kv: dict[tuple[int, int], tuple[int, int, int]] = {}  # (page, slot) -> (seq_id, pos, token)
     first_admission: dict[int, float] = {}  # seq_id -> first scheduled step, in admission order
@@ -141,7 +150,7 @@ def simulate(specs, cfg: SchedulerConfig, num_pages: int, page_size: int, alloca
             assert seq.output_token_ids == expected_outputs(seq)
             assert seq.scheduled_time is not None and seq.scheduled_time >= seq.arrival_time
     assert preemptions == sum(s.num_preemptions for s in seqs)
-    if cfg.policy in ("fcfs", "static"):  # seq_id order == arrival order in `specs`
+    if cfg.scheduler in ("fcfs", "static"):  # seq_id order == arrival order in `specs`
         assert list(first_admission) == sorted(first_admission)
     return seqs, preemptions
 
@@ -171,7 +180,7 @@ def run_case(
 ):
     largest = max(p + m for _, p, m, _ in specs)
     num_pages = 1 + max(1, math.ceil(largest * capacity_scale / page_size))
-    cfg = SchedulerConfig(policy, max_num_seqs, budget, chunked, max_model_len)
+    cfg = sched_config(policy, max_num_seqs, budget, chunked, max_model_len)
     seqs, preemptions = simulate(specs, cfg, num_pages, page_size, allocation)
     event("preempted" if preemptions else "no preemption")
     event(f"{sum(s.status is SeqStatus.FAILED for s in seqs) * 4 // len(seqs)}/4 rejected")
@@ -364,7 +373,7 @@ def test_block_manager_bad_args():
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [
-        ({"policy": "lifo"}, "policy"),
+        ({"scheduler": "lifo"}, "scheduler"),
         ({"max_num_seqs": 0}, "max_num_seqs"),
         ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
         ({"max_num_seqs": 8, "max_num_batched_tokens": 4}, "max_num_batched_tokens"),
@@ -373,8 +382,8 @@ def test_block_manager_bad_args():
     ],
 )
 def test_config_validation_names_the_field(kwargs, name):
-    with pytest.raises(ValueError, match=f"SchedulerConfig.{name}="):
-        SchedulerConfig(**kwargs)
+    with pytest.raises(ValueError, match=f"engine.{name}="):
+        sched_config(**kwargs)
 
 
 def step(sch: Scheduler, now: float, finish_at: dict | None = None):
@@ -391,7 +400,7 @@ def step(sch: Scheduler, now: float, finish_at: dict | None = None):
 
 def test_add_rejects_what_can_never_run():
     bm = BlockManager(num_pages=5, page_size=4)  # 16 token slots
-    sch = Scheduler(SchedulerConfig(max_model_len=32), bm)
+    sch = Scheduler(sched_config(max_model_len=32), bm)
     too_long, too_big, empty, ok = (
         make_seq(0, 30, 3),
         make_seq(1, 10, 10),
@@ -407,7 +416,7 @@ def test_add_rejects_what_can_never_run():
 
 
 def test_chunked_prefill_splits_a_long_prompt():
-    sch = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8), BlockManager(32, 4))
+    sch = Scheduler(sched_config(max_num_seqs=2, max_num_batched_tokens=8), BlockManager(32, 4))
     sch.add(make_seq(0, 20, 2))
     steps = [step(sch, float(t))[0] for t in range(5)]
     assert steps == [[(0, 8)], [(0, 8)], [(0, 4)], [(0, 1)], []]
@@ -415,7 +424,7 @@ def test_chunked_prefill_splits_a_long_prompt():
 
 
 def test_unchunked_long_prompt_runs_alone():
-    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, chunked_prefill=False)
+    cfg = sched_config(max_num_seqs=4, max_num_batched_tokens=8, chunked_prefill=False)
     sch = Scheduler(cfg, BlockManager(64, 4))
     sch.add(make_seq(0, 3, 3))
     sch.add(make_seq(1, 20, 1))  # longer than the budget
@@ -425,7 +434,7 @@ def test_unchunked_long_prompt_runs_alone():
 
 
 def test_decode_first_then_prefill_under_budget():
-    sch = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=6), BlockManager(64, 4))
+    sch = Scheduler(sched_config(max_num_seqs=4, max_num_batched_tokens=6), BlockManager(64, 4))
     sch.add(make_seq(0, 4, 5))
     assert step(sch, 0.0)[0] == [(0, 4)]
     sch.add(make_seq(1, 10, 5))
@@ -439,7 +448,7 @@ def test_decode_first_then_prefill_under_budget():
 
 def test_preemption_victim_is_last_in_policy_order_and_resumes():
     # 4 pages of 2 tokens; two sequences of 3-token prompts grow until they collide.
-    cfg = SchedulerConfig(policy="priority", max_num_seqs=2, max_num_batched_tokens=8)
+    cfg = sched_config(scheduler="priority", max_num_seqs=2, max_num_batched_tokens=8)
     bm = BlockManager(5, 2)
     sch = Scheduler(cfg, bm)
     low, high = make_seq(0, 3, 4, priority=5), make_seq(1, 3, 4, priority=1)
@@ -463,7 +472,7 @@ def test_preemption_victim_is_last_in_policy_order_and_resumes():
 
 
 def test_preempted_goes_to_front_of_waiting():
-    cfg = SchedulerConfig(policy="fcfs", max_num_seqs=2, max_num_batched_tokens=16)
+    cfg = sched_config(scheduler="fcfs", max_num_seqs=2, max_num_batched_tokens=16)
     sch = Scheduler(cfg, BlockManager(5, 2))
     a, b, c = make_seq(0, 3, 4, 0.0), make_seq(1, 3, 4, 0.0), make_seq(2, 1, 1, 2.0)
     sch.add(a)
@@ -477,7 +486,7 @@ def test_preempted_goes_to_front_of_waiting():
 
 
 def test_static_admits_only_when_idle():
-    cfg = SchedulerConfig(policy="static", max_num_seqs=2, max_num_batched_tokens=64)
+    cfg = sched_config(scheduler="static", max_num_seqs=2, max_num_batched_tokens=64)
     sch = Scheduler(cfg, BlockManager(64, 4))
     sch.add(make_seq(0, 4, 1))
     sch.add(make_seq(1, 4, 3))
@@ -491,7 +500,7 @@ def test_static_admits_only_when_idle():
 def test_static_batch_fills_over_several_steps_of_the_token_budget():
     # 4 prompts of 6 tokens under an 8-token budget: the batch of max_num_seqs=3 needs 3 steps to
     # admit; the 4th request waits for the whole batch although slots and budget are free.
-    cfg = SchedulerConfig(policy="static", max_num_seqs=3, max_num_batched_tokens=8)
+    cfg = sched_config(scheduler="static", max_num_seqs=3, max_num_batched_tokens=8)
     sch = Scheduler(cfg, BlockManager(64, 4))
     for i in range(4):
         sch.add(make_seq(i, 6, 2 if i == 0 else 4))
@@ -507,7 +516,7 @@ def test_static_batch_fills_over_several_steps_of_the_token_budget():
 
 
 def test_static_batch_member_aborted_before_admission_is_dropped():
-    cfg = SchedulerConfig(policy="static", max_num_seqs=3, max_num_batched_tokens=8)
+    cfg = sched_config(scheduler="static", max_num_seqs=3, max_num_batched_tokens=8)
     sch = Scheduler(cfg, BlockManager(64, 4))
     seqs = [make_seq(i, 6, 3) for i in range(4)]
     for s in seqs:
@@ -520,7 +529,7 @@ def test_static_batch_member_aborted_before_admission_is_dropped():
 
 def test_abort_and_fail_free_pages():
     bm = BlockManager(16, 4)
-    sch = Scheduler(SchedulerConfig(), bm)
+    sch = Scheduler(sched_config(), bm)
     a, b, c = make_seq(0, 5, 5), make_seq(1, 5, 5), make_seq(2, 5, 5)
     for s in (a, b, c):
         sch.add(s)
@@ -535,7 +544,7 @@ def test_abort_and_fail_free_pages():
 
 def test_forced_preemption_keeps_the_token_stream():
     specs = [(0, 6, 10, 0), (0, 7, 10, 0), (1, 5, 10, 0), (2, 9, 8, 0)]
-    cfg = SchedulerConfig("fcfs", 4, 16, True, 64)
+    cfg = sched_config("fcfs", 4, 16, True, 64)
     seqs, preemptions = simulate(specs, cfg, num_pages=9, page_size=4, allocation="on_demand")
     assert preemptions > 0 and any(s.num_preemptions for s in seqs)
     roomy, none = simulate(specs, cfg, num_pages=64, page_size=4, allocation="on_demand")

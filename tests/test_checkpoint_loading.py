@@ -186,17 +186,6 @@ def test_config_flags_follow_architecture(hf_models):
     assert cfgs["llama_sharded"].eos_token_ids == (2,)
 
 
-@pytest.mark.parametrize("name", ["llama_sharded", "qwen3_tied"])
-def test_scan_layout_stacks_layers(hf_models, name):
-    path, sd = hf_models[name]
-    _, params = load_hf_model(path, dtype="float32", layer_loop="scan")
-    expected = expected_params(sd, read_config(path))
-    expected["layers"] = {
-        k: np.stack([layer[k] for layer in expected["layers"]]) for k in expected["layers"][0]
-    }
-    assert_tree_equal(params, expected)
-
-
 def test_bf16_cast_and_mesh_placement(hf_models):
     path, sd = hf_models["llama_bias"]
     mesh = make_mesh()
@@ -219,7 +208,7 @@ def test_bf16_cast_and_mesh_placement(hf_models):
 
 def test_two_way_tensor_parallel_load_of_fused_projections(hf_models, run_on_cpu_devices):
     """On a 2-way `model` mesh the fused q/k/v (split by KV head) and gate/up (split on F) params
-    hold the same values as a single-device load, per layer and stacked (scan)."""
+    hold the same values as a single-device load."""
     path, _ = hf_models["llama_bias"]
     code = f"""
         import jax, numpy as np
@@ -227,18 +216,16 @@ def test_two_way_tensor_parallel_load_of_fused_projections(hf_models, run_on_cpu
         from jaxinfer.checkpoint import load_hf_model
         from jaxinfer.parallel.sharding import make_mesh
         mesh = make_mesh({{"data": 1, "model": 2}})
-        for loop in ("unrolled", "scan"):
-            _, single = load_hf_model({str(path)!r}, layer_loop=loop)
-            _, sharded = load_hf_model({str(path)!r}, layer_loop=loop, mesh=mesh)
-            layer = sharded["layers"] if loop == "scan" else sharded["layers"][0]
-            lead = (None,) if loop == "scan" else ()
-            for name, spec in (("w_qkv", (None, "model", None, None)),
-                               ("b_qkv", ("model", None, None)),
-                               ("w_gate_up", (None, None, "model")),
-                               ("b_gate_up", (None, "model"))):
-                assert layer[name].sharding.spec == P(*lead, *spec), (loop, name)
-            for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(single), strict=True):
-                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        _, single = load_hf_model({str(path)!r})
+        _, sharded = load_hf_model({str(path)!r}, mesh=mesh)
+        layer = sharded["layers"][0]
+        for name, spec in (("w_qkv", (None, "model", None, None)),
+                           ("b_qkv", ("model", None, None)),
+                           ("w_gate_up", (None, None, "model")),
+                           ("b_gate_up", (None, "model"))):
+            assert layer[name].sharding.spec == P(*spec), name
+        for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(single), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         print("ok")
         """
     run_on_cpu_devices(code, 2)
@@ -406,8 +393,8 @@ def test_default_rope_and_defaults():
     assert cfg.head_dim == 32 // 4 and cfg.num_kv_heads == 4
     assert cfg.eos_token_ids == (5, 6)
     assert cfg.dtype == cfg.param_dtype == "float16"
-    mixed = config_from_hf(hf_dict(), dtype="bfloat16", param_dtype="float32", layer_loop="scan")
-    assert (mixed.dtype, mixed.param_dtype, mixed.layer_loop) == ("bfloat16", "float32", "scan")
+    mixed = config_from_hf(hf_dict(), dtype="bfloat16", param_dtype="float32")
+    assert (mixed.dtype, mixed.param_dtype) == ("bfloat16", "float32")
 
 
 @pytest.mark.parametrize(
@@ -445,12 +432,16 @@ def test_hidden_act_must_be_silu():
 
 @pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "Qwen3ForCausalLM"])
 def test_qwen_sliding_window(arch):
-    # Only from layer 1 on: mixed full/sliding layers are not representable.
+    # Only from layer 1 on: per-layer attention types (as transformers derives them).
     mixed = hf_dict(arch, use_sliding_window=True, sliding_window=8, max_window_layers=1)
-    with pytest.raises(UnsupportedModelError, match="sliding"):
-        config_from_hf(mixed)
+    cfg = config_from_hf(mixed)
+    assert cfg.layer_types == ("full_attention", "sliding_attention")
+    assert cfg.layer(0).sliding_window is None and cfg.layer(1).sliding_window == 8
+    # Listed sliding layers without use_sliding_window: transformers applies no window; refused.
     with pytest.raises(UnsupportedModelError, match="sliding_attention"):
         config_from_hf(hf_dict(arch, layer_types=["full_attention", "sliding_attention"]))
+    with pytest.raises(UnsupportedModelError, match="chunked"):
+        config_from_hf(hf_dict(arch, layer_types=["chunked_attention"] * 2))
     # Declared but disabled (what real Qwen2.5 configs ship): full attention.
     off = config_from_hf(hf_dict(arch, use_sliding_window=False, sliding_window=32768))
     assert off.sliding_window is None
@@ -472,10 +463,9 @@ def test_model_type_fallback():
 # --- orbax --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layer_loop", ["unrolled", "scan"])
-def test_orbax_round_trip(hf_models, tmp_path, layer_loop):
+def test_orbax_round_trip(hf_models, tmp_path):
     path, _ = hf_models["qwen3_tied"]
-    cfg, params = load_hf_model(path, dtype="bfloat16", layer_loop=layer_loop)
+    cfg, params = load_hf_model(path, dtype="bfloat16")
     cfg = cfg.replace(
         rope_scaling=Llama3RopeScaling(2.0, 1.0, 4.0, 16), eos_token_ids=(3, 4), bos_token_id=1
     )

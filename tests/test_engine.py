@@ -11,6 +11,7 @@ from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.llm import LLM
 from jaxinfer.engine.request import SamplingParams
 from jaxinfer.generate import greedy_generate
+from jaxinfer.models.attention import AttentionConfig
 from jaxinfer.models.presets import preset
 from jaxinfer.models.spec import init_params
 
@@ -247,13 +248,13 @@ def test_warmup_errors_name_the_executable_and_settings(model):
     a shared-memory overflow (Mosaic's message on the GPU) adds which options to lower."""
     engine = Engine(EngineConfig(model="preset:tiny", **SMALL), *model)
     runner = engine.runner
-    runner.backend = "bogus"  # tracing the first executable (the largest decode scan) fails
-    runner.attention_options = (("num_stages", 3),)
+    # the kernel on fp32 pages: tracing the first executable (the largest decode scan) fails
+    runner.attention = AttentionConfig("pallas", (("block_kv", 96), ("num_stages", 3)))
     with pytest.raises(RuntimeError, match=r"could not lower the decode scan of 8 rows") as err:
         runner.warmup()
     text = str(err.value)
-    assert "attention backend must be one of" in text and "'num_stages': 3" in text
-    assert "attention_backend='bogus'" in text and isinstance(err.value.__cause__, ValueError)
+    assert "reads bf16 or fp8" in text and "'num_stages': 3" in text
+    assert "attention_backend='pallas'" in text and isinstance(err.value.__cause__, ValueError)
     smem = ValueError("Requested 232560 bytes, which exceeds available shared memory (232448)")
     msg = str(runner._warmup_error(("mixed", 64, 64), "lower", smem))
     assert "mixed step of 64 tokens" in msg and "lower engine.attention_options num_stages" in msg
@@ -275,21 +276,21 @@ def test_compiler_options_reach_each_kinds_compile(model, prompts):
             **cmdbuf, "xla_gpu_experimental_force_split_k": 1}  # fmt: skip
     assert runner._compiler_options("decode", 256) == cmdbuf
     assert runner._compiler_options("mixed", 64) == {}
-    runner.compiler_options = {"all": {"xla_gpu_graph_min_graph_size": 7},
+    runner.config.compiler_options = {"all": {"xla_gpu_graph_min_graph_size": 7},
                                "sample": {"xla_gpu_graph_min_graph_size": None, "xla_bogus": 1}}  # fmt: skip
     assert runner._compiler_options("mixed") == {"xla_gpu_graph_min_graph_size": 7}
     assert runner._compiler_options("sample") == {"xla_bogus": 1}
     with pytest.raises(RuntimeError, match=r"could not compile the sampler: (?s:.*)xla_bogus"):
         runner.warmup()
     assert runner.token_buckets[-1] == 64 and runner.token_buckets[0] < 64
-    runner.compiler_options = {"mixed>=64": {"xla_bogus_big": 1}}
+    runner.config.compiler_options = {"mixed>=64": {"xla_bogus_big": 1}}
     assert runner._compiler_options("mixed", runner.token_buckets[-2]) == {}
     with pytest.raises(RuntimeError, match=r"mixed step of 64 tokens: (?s:.*)xla_bogus_big"):
         runner.warmup()
-    runner.compiler_options = {"mixed>=65": {"xla_bogus_big": 1}}  # no bucket that large
+    runner.config.compiler_options = {"mixed>=65": {"xla_bogus_big": 1}}  # no bucket that large
     runner.warmup()
     # known options compile; a bool stays a bool (XLA refuses the string "false" for one)
-    runner.compiler_options = {"all": {"xla_gpu_graph_min_graph_size": 7,
+    runner.config.compiler_options = {"all": {"xla_gpu_graph_min_graph_size": 7,
                                        "xla_gpu_enable_triton_gemm": False}}  # fmt: skip
     runner.warmup()
     (seq,) = run(engine, prompts[:1], [greedy(5)])

@@ -30,7 +30,7 @@ from jaxinfer.checkpoint import (
     save_hf_model,
 )
 from jaxinfer.models.config import Llama3RopeScaling, ModelConfig
-from jaxinfer.models.dense import forward, stack_layers, unstack_layers
+from jaxinfer.models.dense import forward
 from jaxinfer.models.spec import init_params
 
 TOL = 1e-4
@@ -73,6 +73,13 @@ CONFIGS = {
     "llama-bias": ModelConfig(**BASE, qkv_bias=True, o_bias=True, mlp_bias=True, bos_token_id=3),
     "mistral-window": ModelConfig(**BASE, sliding_window=5, eos_token_ids=(2,)),
     "qwen2-window": ModelConfig(**BASE, qkv_bias=True, sliding_window=6, tie_word_embeddings=True),
+    # per-layer attention types (transformers' `layer_types`): a window in the middle layer only
+    "qwen2-mixed": ModelConfig(
+        **{**BASE, "num_layers": 3},
+        qkv_bias=True,
+        sliding_window=4,
+        layer_types=("full_attention", "sliding_attention", "full_attention"),
+    ),
 }
 ARCH = {
     "llama3.1": "LlamaForCausalLM",
@@ -81,6 +88,7 @@ ARCH = {
     "llama-bias": "LlamaForCausalLM",
     "mistral-window": "MistralForCausalLM",
     "qwen2-window": "Qwen2ForCausalLM",
+    "qwen2-mixed": "Qwen2ForCausalLM",
 }
 
 
@@ -103,7 +111,7 @@ def assert_trees_equal(got, want):
 
 
 def load_options_erased(cfg: ModelConfig) -> ModelConfig:
-    return cfg.replace(param_dtype="float32", dtype="float32", layer_loop="unrolled")
+    return cfg.replace(param_dtype="float32", dtype="float32")
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -187,7 +195,7 @@ def test_config_json_read_by_transformers(exported):
     else:
         assert hf.sliding_window == cfg.sliding_window
         kind = "full_attention" if cfg.sliding_window is None else "sliding_attention"
-        assert hf.layer_types == [kind] * cfg.num_layers
+        assert hf.layer_types == (list(cfg.layer_types) or [kind] * cfg.num_layers)
 
 
 def test_v4_and_v5_rope_fields_each_suffice(exported):
@@ -218,27 +226,15 @@ def test_transformers_logits_match_forward(exported):
     np.testing.assert_allclose(ours, theirs, atol=TOL, rtol=0, err_msg=name)
 
 
-def test_scan_layout_exports_the_same_files(tmp_path):
-    cfg = CONFIGS["llama-bias"].replace(layer_loop="scan")
-    params = random_params(cfg, 11)
-    assert isinstance(params["layers"], dict)
-    save_hf_model(tmp_path / "scan", cfg, params, dtype="float32")
-    unrolled = {**params, "layers": unstack_layers(params["layers"])}
-    save_hf_model(
-        tmp_path / "unrolled", cfg.replace(layer_loop="unrolled"), unrolled, dtype="float32"
-    )
-    a, b = (
-        load_file(tmp_path / "scan" / "model.safetensors"),
-        load_file(tmp_path / "unrolled" / "model.safetensors"),
-    )
-    assert sorted(a) == sorted(b)
-    for k in a:
-        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
-    got_cfg, got = load_hf_model(tmp_path / "scan", dtype="float32", layer_loop="scan")
-    assert got_cfg == cfg
-    assert_trees_equal(got, params)
-    _, got_unrolled = load_hf_model(tmp_path / "scan", dtype="float32")
-    assert_trees_equal(got_unrolled, unrolled)
+def test_each_layer_keeps_its_attention_type():
+    """The mixed config's middle layer really slides: all-full or all-sliding give other logits."""
+    cfg = CONFIGS["qwen2-mixed"]
+    params = random_params(cfg, 3)
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (1, 17)))
+    mixed = np.asarray(forward(params, cfg, tokens))
+    for uniform in ("full_attention", "sliding_attention"):
+        other = np.asarray(forward(params, cfg.replace(layer_types=(uniform,) * 3), tokens))
+        assert np.abs(other - mixed).max() > 1e-3, uniform
 
 
 def test_bf16_export_holds_rounded_values(tmp_path):
@@ -347,10 +343,9 @@ def test_params_must_match_config(tmp_path):
     bad = {**params, "embed": params["embed"][:-1]}
     with pytest.raises(ValueError, match="param embed has shape"):
         save_hf_model(tmp_path / "c", cfg, bad)
-    stacked = {**params, "layers": stack_layers(params["layers"])}
-    stacked["layers"]["w_qkv"] = stacked["layers"]["w_qkv"][:1]
-    with pytest.raises(ValueError, match=r"param layers\.w_qkv has shape"):
-        save_hf_model(tmp_path / "d", cfg, stacked)
+    short = {**params, "layers": params["layers"][:1]}
+    with pytest.raises(ValueError, match=r"a tuple of 2 per-layer dicts"):
+        save_hf_model(tmp_path / "d", cfg, short)
     assert list(tmp_path.iterdir()) == []
 
 

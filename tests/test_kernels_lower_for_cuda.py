@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.matmul.skinny_mgpu import skinny_matmul
 from pallas_kernels.paged_attention.mosaic_gpu import ragged_paged_attention_mgpu
 
 BF16, FP8 = jnp.bfloat16, jnp.float8_e4m3fn
@@ -64,12 +63,6 @@ PREFILL = dict(num_tokens=256, num_seqs=4, max_q_len=128)  # prefill blocks (and
         (SMALL_DECODE, {}),
         (DECODE, dict(new_kv=True)),  # the kernel writes the new K/V (pages as refs)
         (SMALL_DECODE, dict(new_kv=True, shared_pool=True, group=3)),
-        (SMALL_DECODE, dict(new_kv=True, dynamic_splits=True)),  # each block's split count read
-        (PREFILL, dict(dynamic_splits=True)),  # (the decode rows' launch)
-        (DECODE, dict(persistent=2)),
-        (DECODE, dict(early_exit=True, prefetch_page_ids=True)),
-        (DECODE, dict(early_k_refill=True)),  # K refilled after its scores, V after P @ V
-        (SMALL_DECODE, dict(new_kv=True, early_k_refill=True)),
         (DECODE, dict(warp_specialized=True, num_stages=4)),
         (DECODE, dict(kv_dtype=FP8)),  # producer converts fp8 tiles to f16
         (SMALL_DECODE, dict(kv_dtype=FP8, warp_specialized=False)),
@@ -90,10 +83,3 @@ def test_shared_memory_overflow_is_caught_when_lowering():
     # engine then fails at warm-up, and so does this lowering, with the same message
     with pytest.raises(ValueError, match="exceeds available shared memory"):
         lower_attention(**PREFILL, num_stages=3)
-
-
-def test_skinny_matmul_lowers_for_cuda():
-    x = jax.ShapeDtypeStruct((8, 4096), BF16)
-    w = jax.ShapeDtypeStruct((4096, 1024), BF16)
-    fn = jax.jit(lambda a, b: skinny_matmul(a, b, interpret=False))
-    assert "mosaic_gpu" in fn.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()

@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     options = engine_options(args)
     model = options.pop("model")
     llm = LLM(model, **options)
-    vocab = min(4096, llm.engine.cfg.vocab_size)
+    vocab = min(4096, llm.engine.model_config.vocab_size)
     prompts = workload(args.num_requests, vocab, args.seed, args.prompt_lo, args.prompt_hi)
     if args.output_lo is None:
         output_lens = [args.output_len] * args.num_requests

@@ -4,8 +4,7 @@ A config.json means whatever transformers reads it to mean, so a key that is abs
 default of the transformers config class named by `architectures` (e.g. Mistral's 4096-token
 sliding window, Qwen3's head_dim of 128), not ModelConfig's own defaults. The keys that fix the
 model's size have no sensible default and are required. Anything we would silently compute
-differently from transformers (other RoPE variants, partial rotary, mixed sliding/full layers,
-non-SiLU activations) is refused with UnsupportedModelError instead of loading a subtly wrong model.
+differently from transformers (other RoPE variants, partial rotary, non-SiLU activations) is refused with UnsupportedModelError instead of loading a subtly wrong model.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxinfer.checkpoint.errors import CheckpointError, UnsupportedModelError
-from jaxinfer.models.config import LayerLoop, Llama3RopeScaling, ModelConfig
+from jaxinfer.models.config import Llama3RopeScaling, ModelConfig
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
@@ -138,11 +137,11 @@ def _rope(hf: Mapping[str, Any], max_pos: int, source: str):
     )
 
 
-def _qwen_sliding_window(hf: Mapping[str, Any], d: _ClassDefaults, n_layers: int, source: str):
-    """Qwen2/3 sliding window: only a uniform setting maps onto ModelConfig.sliding_window.
+def _qwen_layer_types(hf: Mapping[str, Any], d: _ClassDefaults, n_layers: int, source: str):
+    """Qwen2/3: (sliding window or None, per-layer attention types, () when all are alike).
 
     transformers turns `use_sliding_window` + `max_window_layers` into per-layer `layer_types`
-    (sliding from layer max_window_layers on); we have one attention kind for all layers.
+    (sliding from layer max_window_layers on) unless the config lists them itself.
     """
     window = _get(hf, "sliding_window", d.sliding_window) if hf.get("use_sliding_window") else None
     layer_types = hf.get("layer_types")
@@ -157,16 +156,17 @@ def _qwen_sliding_window(hf: Mapping[str, Any], d: _ClassDefaults, n_layers: int
             f"{source}: layer_types has {len(layer_types)} entries for {n_layers} layers"
         )
     kinds = set(layer_types)
+    unknown = sorted(kinds - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise UnsupportedModelError(f"{source}: layer_types {unknown} are not supported")
     if kinds == {"full_attention"}:
-        return None
-    if kinds == {"sliding_attention"} and window is not None:
-        return int(window)
-    raise UnsupportedModelError(
-        f"{source}: per-layer attention types {sorted(kinds)} (use_sliding_window="
-        f"{hf.get('use_sliding_window')!r}, sliding_window={hf.get('sliding_window')!r}, "
-        f"max_window_layers={hf.get('max_window_layers')!r}) are not supported: jaxinfer applies "
-        "one attention kind (full, or one sliding window) to every layer"
-    )
+        return None, ()
+    if window is None:
+        raise UnsupportedModelError(
+            f"{source}: layer_types lists sliding_attention layers but use_sliding_window="
+            f"{hf.get('use_sliding_window')!r} (no window applies in transformers)"
+        )
+    return int(window), (() if kinds == {"sliding_attention"} else tuple(layer_types))
 
 
 def _token_ids(value: Any, key: str, source: str) -> tuple[int, ...]:
@@ -184,7 +184,6 @@ def config_from_hf(
     *,
     dtype: str = "bfloat16",
     param_dtype: str | None = None,
-    layer_loop: LayerLoop = "unrolled",
     source: str = "config.json",
 ) -> ModelConfig:
     """ModelConfig for a Hugging Face config.json dict.
@@ -216,7 +215,7 @@ def config_from_hf(
 
     attention_bias = bool(_get(hf, "attention_bias", False))
     qkv_bias = o_bias = mlp_bias = qk_norm = False
-    sliding_window = None
+    sliding_window, layer_types = None, ()
     if arch == "LlamaForCausalLM":
         qkv_bias = o_bias = attention_bias
         mlp_bias = bool(_get(hf, "mlp_bias", False))
@@ -225,11 +224,11 @@ def config_from_hf(
         sliding_window = hf.get("sliding_window", d.sliding_window)
     elif arch == "Qwen2ForCausalLM":
         qkv_bias = True  # Qwen2Attention: bias on q/k/v, never on o.
-        sliding_window = _qwen_sliding_window(hf, d, num_layers, source)
+        sliding_window, layer_types = _qwen_layer_types(hf, d, num_layers, source)
     else:  # Qwen3ForCausalLM
         qkv_bias = o_bias = attention_bias
         qk_norm = True
-        sliding_window = _qwen_sliding_window(hf, d, num_layers, source)
+        sliding_window, layer_types = _qwen_layer_types(hf, d, num_layers, source)
 
     eos = _token_ids(hf.get("eos_token_id", d.eos_token_id), "eos_token_id", source)
     bos = hf.get("bos_token_id", d.bos_token_id)
@@ -256,9 +255,9 @@ def config_from_hf(
             mlp_bias=mlp_bias,
             qk_norm=qk_norm,
             sliding_window=None if sliding_window is None else int(sliding_window),
+            layer_types=layer_types,
             param_dtype=param_dtype if param_dtype is not None else dtype,
             dtype=dtype,
-            layer_loop=layer_loop,
             bos_token_id=bos,
             eos_token_ids=eos,
         )

@@ -32,7 +32,7 @@ from tokenizers import Tokenizer
 
 from jaxinfer.checkpoint.errors import CheckpointError
 from jaxinfer.checkpoint.hf_config import config_from_hf
-from jaxinfer.models.config import LayerLoop, ModelConfig
+from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.spec import Params, ParamSpec, param_specs
 from jaxinfer.parallel.sharding import named_sharding
 
@@ -156,25 +156,6 @@ def _fused_to_ours(rule: _Fused, shape: tuple[int, ...], dtype: Any, raws) -> ja
 @functools.lru_cache(maxsize=256)
 def _fuser(rule: _Fused, shape: tuple[int, ...], dtype: Any, sharding: Any):
     return jax.jit(lambda *raws: _fused_to_ours(rule, shape, dtype, raws), out_shardings=sharding)
-
-
-@functools.lru_cache(maxsize=256)
-def _stacked_writer(rule: _Rule | _Fused, shape: tuple[int, ...], dtype: Any, sharding: Any):
-    """buf[i] = converted(raws), updating the donated stacked buffer in place."""
-
-    def write(buf, i, *raws):
-        if isinstance(rule, _Rule):
-            x = _to_ours(rule, shape, dtype, raws[0])
-        else:
-            x = _fused_to_ours(rule, shape, dtype, raws)
-        return jax.lax.dynamic_update_index_in_dim(buf, x, i, axis=0)
-
-    return jax.jit(write, donate_argnums=0, out_shardings=sharding)
-
-
-@functools.lru_cache(maxsize=256)
-def _zeros(shape: tuple[int, ...], dtype: Any, sharding: Any):
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -320,17 +301,6 @@ class _Loader:
         raws = self._raws(rule, prefix, spec.shape, spec.axes, param)
         return _fuser(rule, spec.shape, spec.dtype, out_sh)(*raws).block_until_ready()
 
-    def load_stacked(self, rule: _Rule | _Fused, num_layers: int, spec: ParamSpec, param: str):
-        """A [layers, ...] array filled layer by layer on device (scan layout)."""
-        shape, axes = spec.shape[1:], spec.axes[1:]
-        out_sh = named_sharding(self.mesh, spec.axes, spec.shape) if self.mesh is not None else None
-        buf = _zeros(spec.shape, spec.dtype, out_sh)()
-        write = _stacked_writer(rule, shape, spec.dtype, out_sh)
-        for i in range(num_layers):
-            raws = self._raws(rule, f"model.layers.{i}.", shape, axes, f"{param}[{i}]")
-            buf = write(buf, np.int32(i), *raws).block_until_ready()
-        return buf
-
 
 def _layer_rule(key: str) -> _Rule | _Fused:
     if key not in _LAYER_RULES:
@@ -341,9 +311,14 @@ def _layer_rule(key: str) -> _Rule | _Fused:
 def load_hf_params(path: PathLike, cfg: ModelConfig, mesh: Any = None) -> Params:
     """Params for `cfg` from the safetensors files in `path`, placed on `mesh` when given.
 
-    `cfg` must describe the checkpoint (normally from `config_from_hf`); its dtypes and
-    `layer_loop` decide the result's dtypes and layer layout.
+    `cfg` must describe the checkpoint (normally from `config_from_hf`); its dtypes decide the
+    result's. With `cfg.weight_format` the plain weights are loaded, then quantized on the device.
     """
+    if cfg.weight_format is not None:
+        from jaxinfer.quant.transform import quantize_params
+
+        plain = load_hf_params(path, cfg.replace(weight_format=None), mesh)
+        return quantize_params(cfg, plain, mesh)
     directory = _checkpoint_dir(path)
     specs = param_specs(cfg)
     params: Params = {}
@@ -356,22 +331,15 @@ def load_hf_params(path: PathLike, cfg: ModelConfig, mesh: Any = None) -> Params
                 raise NotImplementedError(f"no Hugging Face tensor mapping for param {key!r}")
             rule = _TOP_RULES[key]
             params[key] = loader.load(rule, rule.hf_name, spec, key)
-        if cfg.layer_loop == "scan":
-            params["layers"] = {}
-            for key, spec in specs["layers"].items():
-                params["layers"][key] = loader.load_stacked(
-                    _layer_rule(key), cfg.num_layers, spec, f"layers.{key}"
+        params["layers"] = tuple(
+            {
+                key: loader.load_layer(
+                    _layer_rule(key), f"model.layers.{i}.", spec, f"layers[{i}].{key}"
                 )
-        else:
-            params["layers"] = tuple(
-                {
-                    key: loader.load_layer(
-                        _layer_rule(key), f"model.layers.{i}.", spec, f"layers[{i}].{key}"
-                    )
-                    for key, spec in layer.items()
-                }
-                for i, layer in enumerate(specs["layers"])
-            )
+                for key, spec in layer.items()
+            }
+            for i, layer in enumerate(specs["layers"])
+        )
     return params
 
 
@@ -393,7 +361,6 @@ def load_hf_config(
     *,
     dtype: str = "bfloat16",
     param_dtype: str | None = None,
-    layer_loop: LayerLoop = "unrolled",
 ) -> ModelConfig:
     """ModelConfig of a HF checkpoint dir; eos ids are config.json's then generation_config.json's.
 
@@ -408,7 +375,6 @@ def load_hf_config(
         _read_json(config_path),
         dtype=dtype,
         param_dtype=param_dtype,
-        layer_loop=layer_loop,
         source=str(config_path),
     )
     eos = list(cfg.eos_token_ids)
@@ -421,11 +387,10 @@ def load_hf_model(
     *,
     dtype: str = "bfloat16",
     param_dtype: str | None = None,
-    layer_loop: LayerLoop = "unrolled",
     mesh: Any = None,
 ) -> tuple[ModelConfig, Params]:
     """(config, params) of a HF checkpoint directory; see `load_hf_config`, `load_hf_params`."""
-    cfg = load_hf_config(path, dtype=dtype, param_dtype=param_dtype, layer_loop=layer_loop)
+    cfg = load_hf_config(path, dtype=dtype, param_dtype=param_dtype)
     return cfg, load_hf_params(path, cfg, mesh)
 
 

@@ -41,7 +41,7 @@ _NP_DTYPES = {
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
 }
 # Fields of ModelConfig that are load options rather than properties of the checkpoint.
-_LOAD_OPTIONS = ("param_dtype", "dtype", "layer_loop")
+_LOAD_OPTIONS = ("param_dtype", "dtype")
 
 
 def _architecture(cfg: ModelConfig) -> str:
@@ -54,8 +54,10 @@ def _architecture(cfg: ModelConfig) -> str:
             "architecture among Llama, Mistral, Qwen2, Qwen3 represents this config)"
         )
 
-    if cfg.ffn != "dense":
-        raise refuse("ffn", "only dense MLP blocks are supported")
+    if set(cfg.ffn_kinds) - {"dense"}:
+        raise refuse("ffn_kinds", "only dense MLP blocks are supported")
+    if cfg.weight_format is not None:
+        raise refuse("weight_format", "quantized weights are not exported")
     if cfg.qk_norm:
         # Qwen3: `attention_bias` puts a bias on all of q, k, v and o; the MLP has none.
         if cfg.qkv_bias != cfg.o_bias:
@@ -68,6 +70,8 @@ def _architecture(cfg: ModelConfig) -> str:
         if cfg.mlp_bias:
             raise refuse("mlp_bias", "Qwen2 (qkv_bias without o_bias) has no MLP bias")
         return "Qwen2ForCausalLM"
+    if cfg.layer_types:
+        raise refuse("layer_types", "per-layer attention types need Qwen2 (qkv_bias) or Qwen3")
     if cfg.sliding_window is not None:
         # Mistral: no biases anywhere (its modules hard-code bias=False).
         for field in ("qkv_bias", "o_bias", "mlp_bias"):
@@ -112,8 +116,16 @@ def _eos_value(cfg: ModelConfig) -> int | list[int] | None:
 
 
 def _qwen_window_fields(cfg: ModelConfig) -> dict[str, Any]:
-    """One attention kind for every layer, spelled so v4 and v5 Qwen2/3 configs agree."""
+    """Per-layer attention types, spelled so v4 and v5 Qwen2/3 configs agree where v4 can (it
+    has only `max_window_layers`: sliding from that layer on)."""
     n = cfg.num_layers
+    if cfg.layer_types:
+        return {
+            "use_sliding_window": True,
+            "sliding_window": int(cfg.sliding_window),
+            "max_window_layers": cfg.layer_types.index("sliding_attention"),
+            "layer_types": list(cfg.layer_types),
+        }
     if cfg.sliding_window is None:
         return {
             "use_sliding_window": False,
@@ -133,7 +145,6 @@ def _without_load_options(cfg: ModelConfig) -> ModelConfig:
     return cfg.replace(
         param_dtype="float32",
         dtype="float32",
-        layer_loop="unrolled",
         eos_token_ids=tuple(int(t) for t in cfg.eos_token_ids),
     )
 
@@ -143,7 +154,7 @@ def config_to_hf(cfg: ModelConfig, *, dtype: str = "bfloat16") -> dict[str, Any]
 
     Raises ValueError (naming the field) for configs no supported HF architecture represents, and
     checks that `config_from_hf` reads the result back to `cfg` (up to the load options
-    param_dtype, dtype and layer_loop).
+    param_dtype and dtype).
     """
     if dtype not in _NP_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(_NP_DTYPES)}; got {dtype!r}")
@@ -243,23 +254,17 @@ def _check_keys(got: Mapping[str, Any], want: Mapping[str, Any], where: str) -> 
 
 
 def hf_state_dict(cfg: ModelConfig, params: Mapping[str, Any], dtype: str = "bfloat16"):
-    """{HF tensor name: host array in HF layout and `dtype`}, built one tensor at a time.
-
-    `params["layers"]` may be a tuple of per-layer dicts or one dict of layer-stacked arrays (the
-    scan layout), whatever `cfg.layer_loop` says.
-    """
+    """{HF tensor name: host array in HF layout and `dtype`}, built one tensor at a time."""
     if dtype not in _NP_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(_NP_DTYPES)}; got {dtype!r}")
     np_dtype = _NP_DTYPES[dtype]
     if not isinstance(params, Mapping) or "layers" not in params:
         raise ValueError("params must be a dict with a 'layers' entry")
     layers = params["layers"]
-    stacked = isinstance(layers, Mapping)
-    specs = param_specs(cfg.replace(layer_loop="unrolled"))
-    layer_spec = specs["layers"][0]
+    specs = param_specs(cfg)
     _check_keys(params, specs, "")
-    if not stacked and len(layers) != cfg.num_layers:
-        raise ValueError(f"params have {len(layers)} layers, the config {cfg.num_layers}")
+    if isinstance(layers, Mapping) or len(layers) != cfg.num_layers:
+        raise ValueError(f"params['layers'] must be a tuple of {cfg.num_layers} per-layer dicts")
 
     out: dict[str, np.ndarray] = {}
     for key, spec in specs.items():
@@ -267,21 +272,10 @@ def hf_state_dict(cfg: ModelConfig, params: Mapping[str, Any], dtype: str = "bfl
             continue
         rule = _TOP_RULES[key]
         out[rule.hf_name] = _to_hf_layout(rule, spec, _host(params[key], spec, key, np_dtype), key)
-    if stacked:
-        _check_keys(layers, layer_spec, "['layers']")
+    for i, (layer, layer_spec) in enumerate(zip(layers, specs["layers"], strict=True)):
+        _check_keys(layer, layer_spec, f"['layers'][{i}]")
         for key, spec in layer_spec.items():
-            got, want = tuple(getattr(layers[key], "shape", ())), (cfg.num_layers, *spec.shape)
-            if got != want:
-                raise ValueError(f"param layers.{key} has shape {got}, expected {want}")
-    else:
-        for i, layer in enumerate(layers):
-            _check_keys(layer, layer_spec, f"['layers'][{i}]")
-    for i in range(cfg.num_layers):
-        for key, spec in layer_spec.items():
-            if stacked:
-                param, leaf = f"layers.{key}[{i}]", layers[key][i]  # sliced on device
-            else:
-                param, leaf = f"layers[{i}].{key}", layers[i][key]
+            param, leaf = f"layers[{i}].{key}", layer[key]
             host = _host(leaf, spec, param, np_dtype)
             parts, axis = layer_parts(key, spec)
             pieces = [host]

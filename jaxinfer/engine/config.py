@@ -1,16 +1,21 @@
-"""Engine configuration (a plain dataclass: omegaconf builds it from YAML, code builds it directly)."""
+"""Engine configuration (a plain dataclass: omegaconf builds it from YAML, code builds it directly).
+
+The one configuration of an engine: the scheduler, block manager and model runner read it (and
+its derived sizes, `max_step_tokens`, `pages_per_seq`) rather than copies of its fields.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxinfer.engine.block_manager import ALLOCATION_POLICIES
+from jaxinfer.engine.scheduler import POLICIES
 from jaxinfer.kv.cache import KV_DTYPES
 from jaxinfer.models.attention import ATTENTION_BACKENDS, ATTENTION_OPTIONS
 
-SCHEDULERS = ("fcfs", "priority", "shortest_first", "static")
-DATA_PARALLEL_BACKENDS = ("auto", "process", "thread")
-ALLOCATIONS = ("on_demand", "reserve_max")
+DATA_PARALLEL_BACKENDS = ("auto", "process")
 # Which warm-up executables an entry of `compiler_options` applies to ("all": every one).
 EXECUTABLE_KINDS = ("all", "mixed", "decode", "sample")
 # Kinds whose executables are bucketed by a size (decode: rows, mixed: tokens), so that an entry
@@ -55,6 +60,10 @@ class EngineConfig:
     # Row buckets of the decode scans (each compiled at warm-up; a decode batch runs in the
     # smallest that holds it; max_num_seqs is always one). Empty: powers of two from 8.
     decode_buckets: list[int] = field(default_factory=list)
+    # The device mesh of one engine, {axis: size} over the first devices (e.g. {data: 1, model:
+    # 2}); axes: "data", "model", "expert". Empty: one device. Params are placed by their
+    # logical axes (jaxinfer.parallel.sharding.DEFAULT_RULES), the KV pages by KV head.
+    mesh: dict[str, int] = field(default_factory=dict)
     async_decode: bool = True  # dispatch the next decode scan before reading the previous one
     # dispatch each mixed step before reading the previous one's sampled tokens (they are fed
     # from the device), so host scheduling and post-processing overlap device work
@@ -67,16 +76,9 @@ class EngineConfig:
     # bucketed kinds, by bucket size ("decode>=64": decode scans of >= 64 rows; "mixed>=N": mixed
     # steps of >= N tokens): XLA_FLAGS per executable, values as on the XLA_FLAGS command line;
     # null drops an option (XLA's own default). Precedence: "all", then the kind's entry, then its
-    # size entries that apply, smallest bound first. The defaults, for the decode scans:
-    # - no CUDA graphs (XLA command buffers): with the buckets of a serving engine compiled (12
-    #   decode executables for 8-256 sequences), the 8B decode step on the H200 was 0.5-2.4%
-    #   faster without them at 11 of 12 batch x context rows and throughput was within 0.7%
-    #   (experiments/results/h200/e2e_llama3_8b_command_buffers.json);
-    # - no split-K in XLA's Triton GEMMs at 64-255 rows: split-K writes fp32 partial sums that
-    #   the next fusion reads back (~23 MB per layer at 64 rows), and without it the 8B step was
-    #   2.2-3.4% faster at 64 and 128 rows; at 8-32 rows split-K was 2-5% faster (fewer rows than
-    #   SMs to spread), at 256 rows within 0.5% (experiments/results/h200/
-    #   e2e_llama3_8b_split_k.json).
+    # size entries that apply, smallest bound first. The defaults are measured on the H200
+    # (docs/performance.md): decode scans without CUDA graphs (e2e_llama3_8b_command_buffers.json)
+    # and without split-K GEMMs at 64-255 rows (e2e_llama3_8b_split_k.json).
     compiler_options: dict[str, dict[str, Any]] = field(
         default_factory=lambda: {
             "decode": {"xla_gpu_enable_command_buffer": ""},
@@ -85,16 +87,12 @@ class EngineConfig:
         }
     )
     num_logprobs: int = 0  # top-k logprobs computed on device (static; requests may ask <= this)
-    # Threads compiling warm-up buckets at once (0: one per core, at most one per bucket). On the
-    # H200 the 8B engine's warm-up with 0 takes 43-66 s from an empty compilation cache
-    # (experiments/results/h200/e2e_llama3_8b*.json); one bucket after another took minutes.
+    # Threads compiling warm-up buckets at once (0: one per core, at most one per bucket).
     compile_workers: int = 0
-    data_parallel: int = 1  # engine replicas, one per device, behind one request queue
-    # How replicas run: "process" (a worker process per GPU, each loading the model itself; with
-    # data_parallel=1 that is one worker), "thread" (one process, a host thread per replica; their
-    # host work shares the GIL), or "auto": processes when data_parallel > 1, else this process.
-    # On two H200s (8B, 128/128): 1.96x one GPU with processes, 1.40x with threads
-    # (experiments/results/h200x2/multi_gpu_dp_process.json, data_parallel_threads.json).
+    # Engine replicas behind one request queue, a worker process per GPU each loading the model
+    # itself (`data_parallel.py`). "auto" serves data_parallel=1 in this process; "process"
+    # always uses workers (one worker for data_parallel=1, to compare like with like).
+    data_parallel: int = 1
     data_parallel_backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -102,8 +100,8 @@ class EngineConfig:
             return ValueError(f"engine.{key}={getattr(self, key)!r} is invalid: must be {allowed}")
 
         for key, allowed in (
-            ("scheduler", SCHEDULERS),
-            ("allocation", ALLOCATIONS),
+            ("scheduler", tuple(POLICIES)),
+            ("allocation", ALLOCATION_POLICIES),
             ("attention_backend", ATTENTION_BACKENDS),
             ("kv_dtype", KV_DTYPES),
             ("data_parallel_backend", DATA_PARALLEL_BACKENDS),
@@ -122,8 +120,17 @@ class EngineConfig:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise bad("dtype", "one of float32, bfloat16, float16")
         for key in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, key) < 1:
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise bad(key, "an int >= 1")
+        if not isinstance(self.chunked_prefill, bool):
+            raise bad("chunked_prefill", "true or false")
+        from jaxinfer.parallel.sharding import MESH_AXES
+
+        if not isinstance(self.mesh, dict) or any(
+            k not in MESH_AXES or not isinstance(v, int) or v < 1 for k, v in self.mesh.items()
+        ):
+            raise bad("mesh", f"a map of mesh axes ({', '.join(MESH_AXES)}) to sizes >= 1")
         if self.decode_steps < 1:
             raise bad("decode_steps", "an int >= 1")
         if not all(isinstance(b, int) and 1 <= b <= self.max_num_seqs for b in self.decode_buckets):
@@ -138,3 +145,16 @@ class EngineConfig:
             raise bad("data_parallel", "an int >= 1 (replicas, one per device)")
         if self.compile_workers < 0:
             raise bad("compile_workers", "an int >= 0 (0: one per core)")
+
+    @property
+    def max_step_tokens(self) -> int:
+        """Most tokens one mixed step may feed: the token budget, or with whole (unchunked)
+        prefills a whole prompt up to max_model_len."""
+        if self.chunked_prefill:
+            return self.max_num_batched_tokens
+        return max(self.max_num_batched_tokens, self.max_model_len)
+
+    @property
+    def pages_per_seq(self) -> int:
+        """Page-table columns: pages of a sequence of max_model_len tokens."""
+        return math.ceil(self.max_model_len / self.page_size)

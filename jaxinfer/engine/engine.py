@@ -2,17 +2,13 @@
 tokens, check stops, record metrics (host).
 
 A decode-only step that no waiting request could join (none waits, or the policy admits none
-while a batch runs) runs `decode_steps` tokens in one jitted scan; its tokens reach the host
-together, and their timestamps say so (that is what a streaming client would see).
-With `async_decode`, while no waiting request could join, the next scan is dispatched from the previous scan's
-final device state *before* the host reads and post-processes the previous scan's tokens, so host
-work overlaps device work. Pages for both scans are reserved up front; a sequence that finishes in
-scan N idles through scan N+1 (its row is masked on device or its tokens dropped on the host), and
-pages it frees are only rewritten by later device work, which the stream orders after N+1.
-With `async_schedule`, a mixed step is likewise dispatched before the previous mixed step's
-tokens are read: tokens it feeds that the host has not seen yet are placeholders -(row + 1) that
-the step reads from the previous step's device output (see docs/architecture.md).
-Bad requests fail on their own with an error naming the field; they never reach the device.
+while a batch runs) runs `decode_steps` rounds in one jitted scan; its tokens reach the host
+together, and their timestamps say so (that is what a streaming client would see). Everything
+else runs as a mixed step. Steps are dispatched before the previous one is read, so host work
+overlaps device work (`async_decode`, `async_schedule`); `inflight.py` holds that state and its
+invariants. With a proposer, decodes carry draft tokens that the step verifies
+(`proposer.py`). Bad requests fail on their own with an error naming the field; they never reach
+the device.
 """
 
 from __future__ import annotations
@@ -28,35 +24,15 @@ import numpy as np
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.compile_counter import compile_count
 from jaxinfer.engine.config import EngineConfig
-from jaxinfer.engine.model_runner import ModelRunner, RunnerShapes
+from jaxinfer.engine.inflight import UnreadMixed, UnreadScan, add_placeholder, fill_placeholder
+from jaxinfer.engine.model_runner import ModelRunner
+from jaxinfer.engine.proposer import Proposer
 from jaxinfer.engine.request import SamplingParams, SeqStatus, Sequence
 from jaxinfer.engine.sampler import SamplingBatch
-from jaxinfer.engine.scheduler import Scheduler, SchedulerConfig
+from jaxinfer.engine.scheduler import ScheduledSeq, Scheduler
 from jaxinfer.metrics import StepRecord
 from jaxinfer.models.config import ModelConfig
-
-
-@dataclass
-class _Inflight:
-    """A dispatched decode scan whose results the host has not read yet."""
-
-    seqs: list[Sequence]
-    outs: tuple  # device arrays: tokens, logprobs, top logprobs, top ids, live  ([K, rows, ...])
-    final: object  # DecodeState after the scan (device)
-    sb: SamplingBatch
-    rows: int
-    k: int
-
-
-@dataclass
-class _PendingMixed:
-    """A dispatched mixed step whose sampled tokens the host has not read yet (async scheduling).
-
-    Each sampling sequence already holds a placeholder -(row + 1) at `output_token_ids[index]`;
-    reading the step replaces it with the token (or voids it if the sequence ended meanwhile)."""
-
-    samplers: list[tuple[Sequence, int, int]]  # (seq, row in outs, index in output_token_ids)
-    outs: tuple  # device arrays: tokens, logprobs, top logprobs, top ids ([max_num_seqs, ...])
+from jaxinfer.parallel.sharding import EngineShardings
 
 
 @dataclass
@@ -69,53 +45,36 @@ class StepOutput:
 
 
 class Engine:
+    """One engine: `config` (EngineConfig) drives it, `model_config` (ModelConfig) describes
+    the model whose `params` it serves on the mesh `config.mesh` (params are placed there)."""
+
     def __init__(
         self,
         config: EngineConfig,
-        cfg: ModelConfig,
+        model_config: ModelConfig,
         params,
         tokenizer=None,
         clock: Callable[[], float] = time.perf_counter,
+        proposer: Proposer | None = None,
     ) -> None:
-        self.config, self.cfg, self.tokenizer, self.clock = config, cfg, tokenizer, clock
+        self.config, self.model_config, self.tokenizer, self.clock = (
+            config, model_config, tokenizer, clock
+        )  # fmt: skip
+        self.shardings = EngineShardings.for_config(config.mesh)
+        from jaxinfer.models.spec import param_shardings
+
+        params = jax.device_put(params, param_shardings(model_config, self.shardings.mesh))
         self.block_manager = BlockManager(config.num_pages, config.page_size, config.allocation)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                policy=config.scheduler,
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                chunked_prefill=config.chunked_prefill,
-                max_model_len=config.max_model_len,
-            ),
-            self.block_manager,
-        )
-        self.runner = ModelRunner(
-            cfg,
-            params,
-            RunnerShapes(
-                num_pages=config.num_pages,
-                page_size=config.page_size,
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=config.max_model_len,
-                decode_steps=config.decode_steps,
-                num_logprobs=config.num_logprobs,
-                chunked_prefill=config.chunked_prefill,
-                decode_buckets=tuple(config.decode_buckets),
-            ),
-            backend=config.attention_backend,
-            kv_dtype=config.kv_dtype,
-            attention_options=dict(config.attention_options),
-            compiler_options={k: dict(v) for k, v in config.compiler_options.items()},
-        )
-        self.eos_ids = tuple(cfg.eos_token_ids)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.runner = ModelRunner(model_config, params, config, self.shardings, proposer)
+        self.proposer = proposer
+        self.eos_ids = tuple(model_config.eos_token_ids)
         self.sequences: list[Sequence] = []
         self.step_records: list[StepRecord] = []
         self._ids = itertools.count()
         self._rng = np.random.default_rng(config.seed)
         self._seeds: dict[int, int] = {}
-        self._inflight: _Inflight | None = None
-        self._pending: _PendingMixed | None = None
+        self._unread: UnreadMixed | UnreadScan | None = None  # see inflight.py
         self.chained_scans = 0  # decode scans dispatched before the previous one was read
         self.overlapped_steps = 0  # mixed steps dispatched before the previous one was read
         self.warmup_s: float | None = None
@@ -147,7 +106,7 @@ class Engine:
         self._seeds[seq.seq_id] = (
             sampling.seed if sampling.seed is not None else int(self._rng.integers(2**31))
         )
-        self.scheduler.add(seq)
+        self.scheduler.add(seq)  # (fails it if it can never fit: length, cache size)
         return seq
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
@@ -158,17 +117,12 @@ class Engine:
         return [int(t) for t in prompt]
 
     def _validate(self, seq: Sequence) -> None:
-        ids, limit = seq.prompt_token_ids, self.config.max_model_len
-        if not ids:
-            raise ValueError("prompt is empty")
-        if any(not 0 <= t < self.cfg.vocab_size for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
-        seq.sampling.validate(self.cfg.vocab_size)
-        if seq.max_total_tokens > limit:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({seq.sampling.max_tokens}) exceeds "
-                f"max_model_len={limit}"
-            )
+        """What only the engine can check (the vocabulary, its options); the scheduler checks
+        the prompt's and the cache's sizes when the request is queued."""
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in seq.prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        seq.sampling.validate(vocab)
         if (seq.sampling.logprobs or 0) > self.config.num_logprobs:
             raise ValueError(
                 f"SamplingParams.logprobs={seq.sampling.logprobs} exceeds "
@@ -178,7 +132,7 @@ class Engine:
             raise ValueError("SamplingParams.stop (stop strings) needs a tokenizer")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._pending is not None
+        return self.scheduler.has_unfinished() or self._unread is not None
 
     # -- warm-up and compile accounting ------------------------------------------------------
     def warmup(self) -> float:
@@ -197,45 +151,53 @@ class Engine:
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        """Advance the engine by one scheduled batch (or one in-flight decode scan)."""
+        """Advance the engine by one scheduled batch (or one unread decode scan)."""
         t_start = self.clock()
-        if self._inflight is None:
-            out = self.scheduler.schedule(t_start)
-            failed = [StepOutput(seq, [], True) for seq in out.failed]
-            if not out.scheduled:  # nothing to run: the step in flight (if any) ends this one
-                outputs, _ = self._read_pending()
-                return outputs + failed
-            seqs = [s.seq for s in out.scheduled]
-            decode_only = out.is_decode_only
-            k = self._lookahead(seqs) if decode_only else 1
-            if k == 1:
-                # Dispatch this step before reading the previous one's tokens (async schedule):
-                # the device runs it while the host post-processes the previous step.
-                pending = self._dispatch_mixed(out.scheduled, self._pending)
-                outputs, device_s = self._read_pending()
-                self._pending = pending
-                if not self.config.async_schedule:
-                    more, waited = self._read_pending()
-                    outputs, device_s = outputs + more, device_s + waited
-                num_batched, preempted = out.num_batched_tokens, len(out.preempted)
-                self._record(t_start, len(seqs), num_batched, decode_only, 1, preempted,
-                             device_s)  # fmt: skip
-                return outputs + failed
+        if isinstance(self._unread, UnreadScan):
+            return self._step_scan(t_start, [])
+        early, waited = [], 0.0
+        if self.proposer is not None:
+            # A proposer extends real tokens (inflight.py, 7): a plain step in flight is read
+            # first. A verification in flight is read after the next step, which is then a
+            # plain one, is dispatched: verifications alternate with overlapped plain steps.
+            if isinstance(self._unread, UnreadMixed) and not self._unread.verifies:
+                early, waited = self._read_mixed(self._take_unread())
+            self._propose()
+        out = self.scheduler.schedule(t_start)
+        early += [StepOutput(seq, [], True) for seq in out.failed]
+        if not out.scheduled:  # nothing to run: the step in flight (if any) ends this one
+            outputs, _ = self._read_mixed(self._take_unread())
+            return early + outputs
+        seqs = [s.seq for s in out.scheduled]
+        k = self._lookahead(seqs) if out.is_decode_only else 1
+        if k > 1:
             # A decode scan starts from tokens on the host: read the step in flight first.
-            outputs, _ = self._read_pending()
+            outputs, _ = self._read_mixed(self._take_unread())
             seqs = [q for q in seqs if q.status is SeqStatus.RUNNING]
             if not seqs:
-                return outputs + failed
-            self._inflight = self._dispatch_decode(seqs, k)
-            early = outputs + failed
-        else:
-            early = []
-        prev = self._inflight
-        self._inflight = self._chain(prev) if self.config.async_decode else None
+                return early + outputs
+            self._unread = self._dispatch_decode(seqs, k)
+            return self._step_scan(t_start, early + outputs)
+        # Dispatch this step before reading the previous one's tokens (async schedule): the
+        # device runs it while the host post-processes the previous step.
+        prev = self._unread
+        self._unread = self._dispatch_mixed(out.scheduled, prev)
+        outputs, device_s = self._read_mixed(prev)
+        if not self.config.async_schedule:
+            more, more_s = self._read_mixed(self._take_unread())
+            outputs, device_s = outputs + more, device_s + more_s
+        self._record(t_start, len(seqs), out.num_batched_tokens, out.is_decode_only, 1,
+                     len(out.preempted), device_s + waited)  # fmt: skip
+        return early + outputs
+
+    def _step_scan(self, t_start: float, early: list[StepOutput]) -> list[StepOutput]:
+        """Read the unread decode scan, after dispatching the next from its final state."""
+        prev = self._unread
+        self._unread = self._chain(prev) if self.config.async_decode else None
         results, device_s = self._collect(prev)
         outputs = self._append_all(results)
         fed = sum(len(new) for _, new in results)
-        self._record(t_start, len(prev.seqs), fed, True, prev.k, 0, device_s)
+        self._record(t_start, len(prev.seqs), fed, True, prev.rounds, 0, device_s)
         return early + outputs
 
     def _append_all(self, results) -> list[StepOutput]:
@@ -261,116 +223,142 @@ class Engine:
             )
         )
 
+    def _propose(self) -> None:
+        """Draft tokens for the running decodes whose last token is on the host (invariant 7 of
+        inflight.py), no more than their output budget leaves room for."""
+        gamma = self.proposer.num_draft_tokens
+        for seq in self.scheduler.running:
+            room = seq.output_budget - len(seq.output_token_ids) - 1
+            if seq.num_uncomputed_tokens != 1 or seq.num_placeholders or room < 1:
+                seq.draft_token_ids = []
+                continue
+            seq.draft_token_ids = list(self.proposer.propose(seq))[: min(gamma, room)]
+
     def _lookahead(self, seqs: list[Sequence]) -> int:
-        """Decode steps to run on device: reserve their pages now, or fall back to one step."""
+        """Decode rounds to run on device: reserve their pages now, or fall back to one step."""
         k = self.config.decode_steps
         if k <= 1 or self.scheduler.can_admit_waiting:
             return 1
-        for seq in seqs:
-            need = min(seq.num_tokens + k - 1, seq.max_total_tokens)
+        per_round = self.runner.num_rows if self.runner.scan_proposer else 1
+        for seq in seqs:  # (an unread placeholder may stand for pending_extra_tokens more)
+            need = seq.num_tokens + seq.pending_extra_tokens + k * per_round - 1
+            need = min(need, seq.max_total_tokens)
             if not self.block_manager.allocate(seq, need):
                 return 1
         return k
 
     def _sampling(self, seqs: list[Sequence], positions: list[int], rows: int) -> SamplingBatch:
-        """`positions`: where each sampled token will sit (keys its random draw)."""
-        return SamplingBatch.build(
-            [s.sampling for s in seqs], [self._seeds[s.seq_id] for s in seqs], positions, rows
-        )
+        """`positions`: where each sequence's first sampled token will sit (keys its draw)."""
+        return SamplingBatch.build([s.sampling for s in seqs], [self._seeds[s.seq_id] for s in seqs],
+                                   positions, rows, put=self.runner.put)  # fmt: skip
 
-    def _dispatch_mixed(self, scheduled, prev: _PendingMixed | None) -> _PendingMixed:
+    def _dispatch_mixed(self, scheduled: list[ScheduledSeq], prev) -> UnreadMixed:
         """Build and dispatch one mixed step; the host does not wait for it.
 
         Fed tokens may be placeholders of `prev` (its sampled tokens, still on the device). Each
         sequence that samples this step gets a placeholder of its own, so the next schedule
-        already sees the token it will feed; one that thereby reaches its token limit is marked
+        already sees the token it will feed; one that thereby reaches its token limit is
         `final_pending` (derived) and is not scheduled again.
         """
         seqs = [s.seq for s in scheduled]
         batch = self.runner.build_mixed(
-            [
-                s.seq.all_token_ids[s.seq.num_computed_tokens :][: s.num_new_tokens]
-                for s in scheduled
-            ],
+            [s.new_token_ids for s in scheduled],
             [s.seq.num_computed_tokens for s in scheduled],
             [s.seq.page_ids for s in scheduled],
         )
-        positions = [s.seq.num_computed_tokens + s.num_new_tokens for s in scheduled]
+        num_drafts = np.zeros(self.config.max_num_seqs, np.int32)
+        num_drafts[: len(scheduled)] = [s.num_draft_tokens for s in scheduled]
+        # the first sampled row (the sequence's last real token) samples the token after it
+        positions = [s.seq.num_computed_tokens + s.num_new_tokens - s.num_draft_tokens
+                     for s in scheduled]  # fmt: skip
         sb = self._sampling(seqs, positions, self.config.max_num_seqs)
-        outs = self.runner.run_mixed(batch, sb, None if prev is None else prev.outs[0])
-        self.overlapped_steps += prev is not None
+        prev_outs = prev.outs if isinstance(prev, UnreadMixed) else None
+        outs = self.runner.run_mixed(batch, num_drafts, sb, prev_outs)
+        self.overlapped_steps += prev_outs is not None
         samplers = []
         for i, s in enumerate(scheduled):
             seq = s.seq
-            seq.num_computed_tokens += s.num_new_tokens
+            seq.num_computed_tokens += s.num_new_tokens - s.num_draft_tokens
             if seq.num_computed_tokens == seq.num_tokens:  # prefill done, or a decode: samples
-                seq.output_token_ids.append(-(i + 1))
-                samplers.append((seq, i, len(seq.output_token_ids) - 1))
-        return _PendingMixed(samplers, outs)
+                add_placeholder(seq, i, s.num_draft_tokens)
+                samplers.append((seq, i))
+        return UnreadMixed(samplers, outs, verifies=bool(num_drafts.any()))
 
-    def _read_pending(self) -> tuple[list[StepOutput], float]:
-        """Read the mixed step in flight (if any): fill its placeholders, stamp times, check
+    def _take_unread(self):
+        unread, self._unread = self._unread, None
+        return unread
+
+    def _read_mixed(self, unread: UnreadMixed | None) -> tuple[list[StepOutput], float]:
+        """Read a dispatched mixed step (if any): fill its placeholders, stamp times, check
         stops. Returns (outputs, seconds the host waited for the device)."""
-        p, self._pending = self._pending, None
-        if p is None:
+        if not isinstance(unread, UnreadMixed):
             return [], 0.0
         t0 = self.clock()
-        tok, lp, top_lp, top_ids = jax.device_get(p.outs)
+        tok, counts, lp, top_lp, top_ids = jax.device_get(unread.outs)
         device_s = self.clock() - t0
         now = self.clock()
         outputs = []
-        for seq, i, index in p.samplers:
-            ids = seq.output_token_ids
-            if seq.is_finished or index >= len(ids) or ids[index] != -(i + 1):
-                outputs.append(StepOutput(seq, [], False))  # ended meanwhile: the token is void
+        for seq, i in unread.samplers:
+            if seq.is_finished:  # ended meanwhile: the tokens are void
+                outputs.append(StepOutput(seq, [], False))
                 continue
-            token = int(tok[i])
-            ids[index] = token
-            self._accept(seq, index, token, float(lp[i]), top_lp[i], top_ids[i], now)
-            outputs.append(StepOutput(seq, [token], seq.is_finished))
+            n = int(counts[i])
+            new = [int(t) for t in tok[i, :n]]
+            index = fill_placeholder(seq, new)
+            if seq.status is SeqStatus.RUNNING:  # (a preempted one recomputes everything)
+                seq.num_computed_tokens += n - 1  # the accepted drafts' K/V is in place
+            kept = []
+            for j, token in enumerate(new):
+                kept.append(token)
+                self._accept(seq, index + j, token, float(lp[i, j]), top_lp[i, j], top_ids[i, j],
+                             now)  # fmt: skip
+                if seq.is_finished:
+                    break
+            outputs.append(StepOutput(seq, kept, seq.is_finished))
         return outputs, device_s
 
-    def _dispatch_decode(self, seqs: list[Sequence], k: int) -> _Inflight:
+    def _dispatch_decode(self, seqs: list[Sequence], k: int) -> UnreadScan:
         table, state, rows = self.runner.build_decode(
             [s.all_token_ids[-1] for s in seqs],
             [s.num_tokens - 1 for s in seqs],
             [s.output_budget - len(s.output_token_ids) for s in seqs],
             [self._stop_ids(s) for s in seqs],
             [s.page_ids for s in seqs],
+            seqs,
         )
         sb = self._sampling(seqs, [s.num_tokens for s in seqs], rows)  # loop re-keys per step
         outs, final = self.runner.run_decode(table, state, sb, k)
-        return _Inflight(seqs, outs, final, sb, rows, k)
+        return UnreadScan(seqs, outs, final, sb, rows, k)
 
-    def _chain(self, prev: _Inflight) -> _Inflight | None:
+    def _chain(self, prev: UnreadScan) -> UnreadScan | None:
         """Dispatch the next scan from `prev`'s device state, before reading `prev`'s tokens."""
         if self.scheduler.can_admit_waiting:
             return None
         if any(s.status is not SeqStatus.RUNNING for s in prev.seqs):
             return None
-        k = prev.k
-        for seq in prev.seqs:  # prev may add up to k tokens before this scan's k
-            if not self.block_manager.allocate(
-                seq, min(seq.num_tokens + 2 * k - 1, seq.max_total_tokens)
-            ):
+        k = prev.rounds
+        per_round = self.runner.num_rows if self.runner.scan_proposer else 1
+        for seq in prev.seqs:  # prev may add up to k rounds of tokens before this scan's k
+            need = min(seq.num_tokens + 2 * k * per_round - 1, seq.max_total_tokens)
+            if not self.block_manager.allocate(seq, need):
                 return None
         table = self.runner.decode_table([s.page_ids for s in prev.seqs], prev.rows)
         outs, final = self.runner.run_decode(table, prev.final, prev.sb, k)
         self.chained_scans += 1
-        return _Inflight(prev.seqs, outs, final, prev.sb, prev.rows, k)
+        return UnreadScan(prev.seqs, outs, final, prev.sb, prev.rows, k)
 
-    def _collect(self, inflight: _Inflight):
+    def _collect(self, scan: UnreadScan):
         """Read a scan's tokens; returns ([(seq, tokens)], seconds the host waited for them)."""
         t0 = self.clock()
-        tok, lp, top_lp, top_ids, live = jax.device_get(inflight.outs)
+        tok, counts, lp, top_lp, top_ids = jax.device_get(scan.outs)
         device_s = self.clock() - t0
         results = []
-        for i, seq in enumerate(inflight.seqs):
+        for i, seq in enumerate(scan.seqs):
             if seq.is_finished:  # finished while this scan was in flight: its tokens are void
                 results.append((seq, []))
                 continue
-            new = [(int(tok[j, i]), float(lp[j, i]), top_lp[j, i], top_ids[j, i])
-                   for j in range(inflight.k) if live[j, i]]  # fmt: skip
+            new = [(int(tok[r, i, j]), float(lp[r, i, j]), top_lp[r, i, j], top_ids[r, i, j])
+                   for r in range(scan.rounds) for j in range(int(counts[r, i]))]  # fmt: skip
             seq.num_computed_tokens += len(new)
             results.append((seq, new))
         return results, device_s
@@ -398,7 +386,8 @@ class Engine:
     def _accept(self, seq: Sequence, index: int, token: int, logprob, top_lp, top_ids, now,
                 stop_ids=None):  # fmt: skip
         """Output token `index` (already in place) is `token`: record it; finish the sequence at
-        EOS / a stop id / a stop string / max_tokens, dropping any placeholder after it."""
+        EOS / a stop id / a stop string / max_tokens, dropping anything after it (placeholders
+        of later steps included)."""
         if seq.sampling.logprobs is not None:
             top = {int(t): float(v) for t, v in zip(top_ids, top_lp, strict=True)}
             seq.output_logprobs.append({"token": token, "logprob": logprob, "top": top})
@@ -416,6 +405,7 @@ class Engine:
             reason = "stop"  # eos_after: the simulated EOS
         if reason is not None:
             del seq.output_token_ids[n:]
+            seq.num_placeholders = 0
             if self.tokenizer is not None and not seq.sampling.stop:
                 seq.output_text = self.tokenizer.decode(seq.output_token_ids)
             self.scheduler.finish(seq, reason, now)

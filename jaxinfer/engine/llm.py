@@ -6,13 +6,12 @@ from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, fields
 
-import jax
-
 from jaxinfer.engine.config import EngineConfig
-from jaxinfer.engine.data_parallel import DataParallelEngine, ProcessDataParallelEngine
+from jaxinfer.engine.data_parallel import ProcessDataParallelEngine
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.loading import load_model, model_tokenizer
 from jaxinfer.engine.request import SamplingParams, Sequence
+from jaxinfer.parallel.sharding import EngineShardings
 
 
 @dataclass
@@ -68,19 +67,11 @@ class LLM:
             if warmup:
                 self.engine.warmup()
             return
-        cfg, params, self.tokenizer = load_model(model, self.config.dtype, self.config.seed)
-        if self.config.data_parallel > 1:
-            devices = jax.devices()
-            if len(devices) < self.config.data_parallel:
-                raise ValueError(f"engine.data_parallel={self.config.data_parallel} needs that many "
-                                 f"devices; this process sees {len(devices)}")  # fmt: skip
-            self.engine = DataParallelEngine(self.config, cfg, params, self.tokenizer,
-                                             devices[: self.config.data_parallel])  # fmt: skip
-        else:
-            self.engine = Engine(self.config, cfg, params, self.tokenizer)
+        mesh = EngineShardings.for_config(self.config.mesh).mesh
+        cfg, params, self.tokenizer = load_model(model, self.config.dtype, self.config.seed, mesh)
+        self.engine = Engine(self.config, cfg, params, self.tokenizer)
         if setup is not None:
-            for engine in getattr(self.engine, "replicas", [self.engine]):
-                setup(engine)
+            setup(self.engine)
         if warmup:
             self.engine.warmup()
 
@@ -105,9 +96,6 @@ class LLM:
         if isinstance(self.engine, ProcessDataParallelEngine):  # workers made the outputs
             self._submit(prompts, sampling)
             return self.engine.run()[-self._n :]
-        if isinstance(self.engine, DataParallelEngine):
-            self._submit(prompts, sampling)
-            return [RequestOutput.of(s, self.tokenizer) for s in self.engine.run()[-self._n :]]
         seqs = self._submit(prompts, sampling)
         while self.engine.has_unfinished():
             self.engine.step()
@@ -119,7 +107,7 @@ class LLM:
         sampling: SamplingParams | list[SamplingParams] | None = None,
     ) -> Iterator[StreamEvent]:
         """Yield tokens as the engine produces them (several per event after a decode scan)."""
-        if isinstance(self.engine, DataParallelEngine | ProcessDataParallelEngine):
+        if isinstance(self.engine, ProcessDataParallelEngine):
             raise NotImplementedError("streaming with engine.data_parallel > 1 is not supported")
         for seq in self._submit(prompts, sampling):
             if seq.error is not None:

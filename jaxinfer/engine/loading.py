@@ -10,13 +10,15 @@ from jaxinfer.models.presets import preset
 from jaxinfer.models.spec import init_params
 
 
-def load_model(model: str, dtype: str = "float32", seed: int = 0):
+def load_model(model: str, dtype: str = "float32", seed: int = 0, mesh=None):
+    """(ModelConfig, params, tokenizer or None) of `EngineConfig.model`; params are created or
+    loaded straight onto `mesh` (by their logical axes) when given, else the default device."""
     if model in REFERENCE_MODELS:
         model = str(reference_model_dir(model))
     if model.startswith("preset:"):
         cfg = preset(model.removeprefix("preset:"), param_dtype=dtype, dtype=dtype)
-        return cfg, init_params(cfg, jax.random.key(seed)), None
-    cfg, params = load_hf_model(model, dtype=dtype)
+        return cfg, init_params(cfg, jax.random.key(seed), mesh), None
+    cfg, params = load_hf_model(model, dtype=dtype, mesh=mesh)
     return cfg, params, model_tokenizer(model)
 
 

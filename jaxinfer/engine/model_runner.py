@@ -1,14 +1,17 @@
 """Device side of the engine: the KV cache, bucketed jitted steps, warm-up.
 
-Two jitted functions, each compiled for a finite set of shapes at warm-up:
-- `mixed_step`: one ragged batch (prefill chunks and decode tokens together), bucketed on the token
-  count; returns logits at each sequence's last row, which `sample_rows` (a small executable,
-  greedy-only or filtered by `SamplingBatch.filtered`) turns into tokens.
-- `decode_loop`: `num_steps` decode steps in one `lax.scan` (the decode-only fast path), bucketed on
-  the sequence count; sampling and stop masks on the device, so the host is consulted once per
-  `num_steps` tokens. A sequence that hits a stop token or its token limit stops advancing (it
-  re-writes its last slot), so it never writes past the pages the host reserved.
-The cache is donated to both and updated in place.
+Three jitted functions, each compiled for a finite set of shapes at warm-up:
+- `mixed_step`: one ragged batch (prefill chunks, decode tokens, verifications of draft tokens),
+  bucketed on the token count; returns logits at `num_rows` rows per sequence (its last row, or
+  its last 1 + drafts rows), which `sample_step` turns into tokens;
+- `sample_step`: sampling (greedy-only or filtered by `SamplingBatch.filtered`) and the
+  acceptance of drafts: 1 to `num_rows` tokens per sequence;
+- `decode_loop`: `num_steps` decode rounds in one `lax.scan` (the decode-only fast path), bucketed
+  on the sequence count; sampling and stop masks on the device, so the host is consulted once per
+  scan. A round feeds each sequence's last token (and, with an on-device proposer, its drafts). A
+  sequence that hits a stop token or its token limit stops advancing (it re-writes its last slot),
+  so it never writes past the pages the host reserved (and slots past them are the scratch page).
+The cache is donated and updated in place.
 
 Warm-up lowers every bucket first, then compiles them all at once on a thread pool (XLA releases
 the GIL while it compiles, so the buckets' compiles overlap on a many-core host) and keeps the
@@ -18,51 +21,28 @@ executables; the step calls use them directly, so serving never goes back to jit
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.engine.config import compiler_options_key
-from jaxinfer.engine.sampler import SamplingBatch, sample
+from jaxinfer.engine.config import EngineConfig, compiler_options_key
+from jaxinfer.engine.proposer import Proposer
+from jaxinfer.engine.sampler import SamplingBatch, accept_drafts, sample_rows
 from jaxinfer.kv.cache import SCRATCH_PAGE, KVCache, PageTable, init_kv_cache
-from jaxinfer.models.batch import RaggedBatch
+from jaxinfer.models.attention import AttentionConfig
+from jaxinfer.models.batch import RaggedBatch, build_ragged_batch
 from jaxinfer.models.config import ModelConfig
-from jaxinfer.models.dense import compute_logits, forward_paged, last_token_rows
+from jaxinfer.models.dense import compute_logits, forward_paged
+from jaxinfer.parallel.sharding import EngineShardings
 
 MAX_STOP_IDS = 8  # stop/eos ids checked on the device per sequence in the decode loop
-
-
-@dataclass(frozen=True)
-class RunnerShapes:
-    num_pages: int
-    page_size: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    decode_steps: int = 1
-    num_logprobs: int = 0  # top-k logprobs computed per row (static)
-    # Without chunked prefill one whole prompt (up to max_model_len) may exceed the token budget.
-    chunked_prefill: bool = True
-    # Row buckets of the decode scans (ascending; max_num_seqs is added): () = powers of two
-    # from 8 (or max_num_seqs, if smaller).
-    decode_buckets: tuple[int, ...] = ()
-
-    @property
-    def max_step_tokens(self) -> int:
-        if self.chunked_prefill:
-            return self.max_num_batched_tokens
-        return max(self.max_num_batched_tokens, self.max_model_len)
-
-    @property
-    def pages_per_seq(self) -> int:
-        return math.ceil(self.max_model_len / self.page_size)
 
 
 def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
@@ -80,27 +60,70 @@ def pick_bucket(buckets: tuple[int, ...], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-@partial(jax.jit, static_argnames=("cfg", "backend", "options"), donate_argnames=("kv",))
-def mixed_step(params, kv: KVCache, batch: RaggedBatch, prev_tokens: jax.Array, *,
-               cfg: ModelConfig, backend: str, options: tuple = ()):  # fmt: skip
-    """fp32 logits [max_num_seqs, V] at each sequence's last row, and the cache.
+def logit_rows(query_start_loc: jax.Array, num_drafts: jax.Array, num_rows: int) -> jax.Array:
+    """Rows [S, num_rows] whose logits a step returns: sequence s's last 1 + num_drafts[s] rows
+    (the last repeated past them). With one row, each sequence's last row."""
+    if num_rows == 1:
+        return jnp.maximum(query_start_loc[1:, None] - 1, 0)
+    ends = query_start_loc[1:, None]
+    n = 1 + num_drafts[:, None]
+    j = jnp.arange(num_rows, dtype=jnp.int32)[None, :]
+    return jnp.maximum(ends - n + jnp.minimum(j, n - 1), 0)
 
-    `prev_tokens` [max_num_seqs]: the previous step's sampled tokens, still on the device. A
-    negative token -(i + 1) in the batch stands for prev_tokens[i] (async scheduling: the host
-    builds this step before it has read the previous one's tokens). Sampling is a separate small
-    executable (`sample_rows`), so the greedy/sampling choice costs no second compile of the model.
+
+def _constrain(x, sharding):
+    """Step outputs are laid out as declared (`EngineShardings.replicated`), so the executables
+    that read them were compiled for what they get."""
+    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+
+@partial(jax.jit, static_argnames=("cfg", "attention", "num_rows", "out_sharding"),
+         donate_argnames=("kv",))  # fmt: skip
+def mixed_step(params, kv: KVCache, batch: RaggedBatch, num_drafts: jax.Array,
+               prev_tokens: jax.Array, prev_counts: jax.Array, *, cfg: ModelConfig,
+               attention: AttentionConfig, num_rows: int = 1, out_sharding=None):  # fmt: skip
+    """((logits [S, num_rows, V] fp32, drafts [S, num_rows - 1], shift [S]), kv).
+
+    Sequence s's last 1 + num_drafts[s] tokens are its last real token and its drafts; their rows'
+    logits verify the drafts. `prev_tokens` [S, num_rows] / `prev_counts` [S]: the previous step's
+    sampled tokens, still on the device. A negative token -(i + 1) in the batch stands for the
+    last token row i of that step produced (async scheduling: the host builds this step before
+    it has read the previous one); it is always its sequence's only token, and when that step
+    made more than one token for it the sequence's positions shift by the extra ones (`shift`,
+    which the sampler adds to its positions too). Sampling is a separate small executable
+    (`sample_step`), so the greedy/sampling choice costs no second compile of the model.
     """
-    src = jnp.clip(-batch.tokens - 1, 0, prev_tokens.shape[0] - 1)
-    tokens = jnp.where(batch.tokens < 0, prev_tokens[src], batch.tokens)
+    tokens = batch.tokens
+    placeholder = tokens < 0
+    src = jnp.clip(-tokens - 1, 0, prev_tokens.shape[0] - 1)
+    shift = jnp.zeros_like(batch.page_table.seq_lens)
+    if num_rows == 1:
+        last = prev_tokens[:, 0]
+    else:
+        last = jnp.take_along_axis(prev_tokens, prev_counts[:, None] - 1, axis=1)[:, 0]
+        token_shift = jnp.where(placeholder, prev_counts[src] - 1, 0)
+        qsl = batch.query_start_loc
+        first = jnp.clip(qsl[:-1], 0, tokens.shape[0] - 1)
+        shift = jnp.where(qsl[1:] - qsl[:-1] == 1, token_shift[first], 0)
+        table = PageTable(batch.page_table.page_ids, batch.page_table.seq_lens + shift)
+        batch = dataclasses.replace(batch, positions=batch.positions + token_shift,
+                                    page_table=table)  # fmt: skip
+    tokens = jnp.where(placeholder, last[src], tokens)
     batch = dataclasses.replace(batch, tokens=tokens)
-    hidden, kv = forward_paged(params, cfg, batch, kv, attention_backend=backend,
-                               attention_options=options)  # fmt: skip
-    return compute_logits(params, cfg, hidden[last_token_rows(batch)]), kv
+    hidden, kv = forward_paged(params, cfg, batch, kv, attention=attention)
+    rows = logit_rows(batch.query_start_loc, num_drafts, num_rows)
+    logits = compute_logits(params, cfg, hidden[rows])
+    return _constrain((logits, tokens[rows[:, 1:]], shift), out_sharding), kv
 
 
-@partial(jax.jit, static_argnames=("num_logprobs",))
-def sample_rows(logits: jax.Array, sb: SamplingBatch, *, num_logprobs: int):
-    return sample(logits, sb, num_logprobs)
+@partial(jax.jit, static_argnames=("num_logprobs", "out_sharding"))
+def sample_step(logits, drafts, num_drafts, shift, sb: SamplingBatch, *, num_logprobs: int,
+                out_sharding=None):  # fmt: skip
+    """(tokens [S, K], counts [S], logprobs [S, K], top logprobs [S, K, k], top ids [S, K, k]):
+    every row sampled, and how many of them each sequence keeps (`accept_drafts`)."""
+    tokens, lp, top_lp, top_ids = sample_rows(logits, sb, shift, num_logprobs)
+    out = tokens, accept_drafts(tokens, drafts, num_drafts), lp, top_lp, top_ids
+    return _constrain(out, out_sharding)
 
 
 @jax.tree_util.register_dataclass
@@ -111,133 +134,160 @@ class DecodeState:
     remaining: jax.Array  # [S] tokens each row may still generate
     stop_ids: jax.Array  # [S, MAX_STOP_IDS], -1 padded
     active: jax.Array  # [S] bool; padding rows False
+    proposer: Any = None  # the on-device proposer's state (None without one)
 
 
 @partial(
     jax.jit,
-    static_argnames=("cfg", "num_steps", "num_logprobs", "backend", "options"),
+    static_argnames=("cfg", "attention", "num_steps", "num_logprobs", "proposer", "out_sharding"),
     donate_argnames=("kv",),
 )
 def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingBatch, *,
-                cfg: ModelConfig, num_steps: int, num_logprobs: int, backend: str,
-                options: tuple = ()):  # fmt: skip
-    """((tokens [K, S], logprobs [K, S], top_lp [K, S, k], top_ids [K, S, k], live [K, S]),
-    final DecodeState, kv). The final state can seed the next call directly (async decode)."""
+                cfg: ModelConfig, attention: AttentionConfig, num_steps: int, num_logprobs: int,
+                proposer: Proposer | None = None, out_sharding=None):  # fmt: skip
+    """((tokens [R, S, K], counts [R, S], logprobs [R, S, K], top_lp [R, S, K, k], top_ids), final
+    DecodeState, kv) over R = `num_steps` rounds of K = 1 + drafts tokens per row; row s keeps
+    tokens[r, s, :counts[r, s]] of round r. The final state can seed the next call directly."""
+    gamma = proposer.num_draft_tokens if proposer is not None else 0
+    k = 1 + gamma
+    rows = state.tokens.shape[0]
+    j = jnp.arange(k, dtype=jnp.int32)
 
     def body(carry, _):
         kv, st = carry
+        pstate = st.proposer
+        fed = st.tokens[:, None]
+        if gamma:
+            drafts, pstate = proposer.propose_device(pstate, st.tokens, st.positions)
+            fed = jnp.concatenate([fed, drafts.astype(jnp.int32)], axis=1)
+        positions = st.positions[:, None] + j
         # Active rows come first (the host packs them so): row i is sequence i.
         batch = RaggedBatch(
-            tokens=st.tokens,
-            positions=st.positions,
-            query_start_loc=jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(st.active)]),
-            page_table=PageTable(page_ids, jnp.where(st.active, st.positions + 1, 0)),
-            max_q_len=1,
+            tokens=fed.reshape(-1),
+            positions=positions.reshape(-1),
+            query_start_loc=jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(st.active * k)]),
+            page_table=PageTable(page_ids, jnp.where(st.active, st.positions + k, 0)),
+            max_q_len=k,
         )
-        hidden, kv = forward_paged(params, cfg, batch, kv, attention_backend=backend,
-                                   attention_options=options)  # fmt: skip
-        logits = compute_logits(params, cfg, hidden)
+        hidden, kv = forward_paged(params, cfg, batch, kv, attention=attention)
+        logits = compute_logits(params, cfg, hidden).reshape(rows, k, -1)
         step_sb = SamplingBatch(sb.temperature, sb.top_k, sb.top_p, sb.min_p, sb.seed,
                                 st.positions + 1, sb.filtered)  # fmt: skip
-        tok, lp, top_lp, top_ids = sample(logits, step_sb, num_logprobs)
+        tok, lp, top_lp, top_ids = sample_rows(logits, step_sb, jnp.zeros_like(st.positions),
+                                               num_logprobs)  # fmt: skip
         live = st.active & (st.remaining > 0)
-        hit_stop = jnp.any(tok[:, None] == st.stop_ids, axis=-1)
-        remaining = jnp.where(live, st.remaining - 1, st.remaining)
+        n = jnp.minimum(accept_drafts(tok, fed[:, 1:], jnp.full(rows, gamma)), st.remaining)
+        stops = jnp.any(tok[:, :, None] == st.stop_ids[:, None, :], axis=-1) & (j < n[:, None])
+        hit_stop = jnp.any(stops, axis=1)
+        n = jnp.where(live, jnp.where(hit_stop, jnp.argmax(stops, axis=1) + 1, n), 0)
+        remaining = st.remaining - n
         still = live & ~hit_stop & (remaining > 0)
+        last = (
+            tok[:, 0]
+            if k == 1
+            else jnp.take_along_axis(tok, jnp.maximum(n - 1, 0)[:, None], 1)[:, 0]
+        )
         new = DecodeState(
-            tokens=jnp.where(still, tok, st.tokens),
-            positions=jnp.where(still, st.positions + 1, st.positions),
+            tokens=jnp.where(still, last, st.tokens),
+            positions=jnp.where(still, st.positions + n, st.positions),
             remaining=jnp.where(still, remaining, 0),
             stop_ids=st.stop_ids,
             active=st.active,
+            proposer=pstate,
         )
-        return (kv, new), (tok, lp, top_lp, top_ids, live)
+        return (kv, new), (tok, n, lp, top_lp, top_ids)
 
     (kv, final), outs = jax.lax.scan(body, (kv, state), None, length=num_steps)
+    outs, final = _constrain((outs, final), out_sharding)
     return outs, final, kv
 
 
 class ModelRunner:
-    """Owns the KV cache; turns host-built batches into sampled tokens."""
+    """Owns the KV cache; turns host-built batches into sampled tokens.
 
-    def __init__(self, cfg: ModelConfig, params, shapes: RunnerShapes, backend: str = "xla",
-                 kv_dtype: str = "auto", attention_options: dict | None = None,
-                 compiler_options: dict[str, dict] | None = None):  # fmt: skip
-        self.cfg, self.params, self.shapes, self.backend = cfg, params, shapes, backend
-        # XLA options of warm-up's executables by kind ("all", "mixed", "decode", "sample")
-        self.compiler_options = compiler_options or {}
-        # static (hashable) kernel tuning keywords, in a fixed order
-        self.attention_options = tuple(sorted((attention_options or {}).items()))
-        self.kv = init_kv_cache(cfg, shapes.num_pages, shapes.page_size, kv_dtype)
+    `proposer` (optional) sets how many rows per sequence a mixed step scores (1 + its
+    `num_draft_tokens`) and, when it has a device form, the drafts of each decode-scan round.
+    """
+
+    def __init__(self, cfg: ModelConfig, params, config: EngineConfig,
+                 shardings: EngineShardings, proposer: Proposer | None = None):  # fmt: skip
+        self.cfg, self.params, self.config, self.shardings = cfg, params, config, shardings
+        self.attention = AttentionConfig(config.attention_backend,
+                                         tuple(config.attention_options.items()),
+                                         shardings.device)  # fmt: skip
+        self.proposer = proposer
+        self.num_rows = 1 + (proposer.num_draft_tokens if proposer is not None else 0)
+        self.scan_proposer = proposer if proposer is not None and proposer.on_device else None
+        self.kv = init_kv_cache(cfg, config.num_pages, config.page_size, config.kv_dtype,
+                                mesh=shardings.mesh, rules=shardings.rules)  # fmt: skip
         self._executables: dict[tuple, object] = {}  # warm-up's compiled steps, by bucket
         self.warmup_stats: dict = {}
-        self._no_prev: jax.Array | None = None
-        self.token_buckets = _pow2_buckets(min(16, shapes.max_step_tokens), shapes.max_step_tokens)
-        self.seq_buckets = _pow2_buckets(min(8, shapes.max_num_seqs), shapes.max_num_seqs)
-        if shapes.decode_buckets:
-            self.seq_buckets = tuple(sorted({*shapes.decode_buckets, shapes.max_num_seqs}))
+        self._no_prev: tuple | None = None
+        self.token_buckets = _pow2_buckets(min(16, config.max_step_tokens), config.max_step_tokens)
+        self.seq_buckets = _pow2_buckets(min(8, config.max_num_seqs), config.max_num_seqs)
+        if config.decode_buckets:
+            self.seq_buckets = tuple(sorted({*config.decode_buckets, config.max_num_seqs}))
 
     # -- batch building (host) ---------------------------------------------------------------
     def build_mixed(self, tokens: list[list[int]], contexts: list[int], pages: list[list[int]]):
-        """Pack a ragged batch into the smallest token bucket; q bucket = token bucket."""
-        s = self.shapes
+        """Pack a ragged batch into the smallest token bucket (max_num_seqs sequence slots)."""
         n_tok = sum(len(t) for t in tokens)
         t_bucket = pick_bucket(self.token_buckets, max(n_tok, len(tokens)))
-        tok = np.zeros(t_bucket, np.int32)
-        pos = np.zeros(t_bucket, np.int32)
-        qsl = np.zeros(s.max_num_seqs + 1, np.int32)
-        table = np.full((s.max_num_seqs, s.pages_per_seq), SCRATCH_PAGE, np.int32)
-        lens = np.zeros(s.max_num_seqs, np.int32)
-        start = 0
-        for i, (t, c, p) in enumerate(zip(tokens, contexts, pages, strict=True)):
-            tok[start : start + len(t)] = t
-            pos[start : start + len(t)] = np.arange(c, c + len(t))
-            table[i, : len(p)] = p
-            lens[i] = c + len(t)
-            start += len(t)
-            qsl[i + 1] = start
-        qsl[len(tokens) + 1 :] = start
         max_q = 1 if all(len(t) == 1 for t in tokens) else t_bucket
-        return RaggedBatch(
-            jax.device_put(tok), jax.device_put(pos), jax.device_put(qsl),
-            PageTable(jax.device_put(table), jax.device_put(lens)), max_q,
-        )  # fmt: skip
+        return build_ragged_batch(tokens, contexts, pages, num_tokens=t_bucket,
+                                  num_seqs=self.config.max_num_seqs,
+                                  pages_per_seq=self.config.pages_per_seq, max_q_len=max_q,
+                                  put=self.shardings.put)  # fmt: skip
+
+    def put(self, x):
+        return self.shardings.put(x)
 
     # -- device calls --------------------------------------------------------------------------
     def _mixed_static(self):
-        return dict(cfg=self.cfg, backend=self.backend, options=self.attention_options)
+        return dict(cfg=self.cfg, attention=self.attention, num_rows=self.num_rows,
+                    out_sharding=self.shardings.replicated)  # fmt: skip
+
+    def _sample_static(self):
+        return dict(num_logprobs=self.config.num_logprobs, out_sharding=self.shardings.replicated)
 
     def _decode_static(self, num_steps: int):
-        return dict(cfg=self.cfg, num_steps=num_steps, num_logprobs=self.shapes.num_logprobs,
-                    backend=self.backend, options=self.attention_options)  # fmt: skip
+        return dict(cfg=self.cfg, attention=self.attention, num_steps=num_steps,
+                    num_logprobs=self.config.num_logprobs, proposer=self.scan_proposer,
+                    out_sharding=self.shardings.replicated)  # fmt: skip
 
-    def no_prev_tokens(self) -> jax.Array:
-        """The `prev_tokens` of a step that refers to no earlier step's tokens."""
+    def no_prev(self) -> tuple:
+        """The (prev_tokens, prev_counts) of a step that refers to no earlier step's tokens."""
         if self._no_prev is None:
-            self._no_prev = jax.device_put(np.zeros(self.shapes.max_num_seqs, np.int32))
+            s = self.config.max_num_seqs
+            self._no_prev = (self.put(np.zeros((s, self.num_rows), np.int32)),
+                             self.put(np.ones(s, np.int32)))  # fmt: skip
         return self._no_prev
 
-    def run_mixed(self, batch: RaggedBatch, sb: SamplingBatch, prev_tokens=None):
-        """Dispatch one mixed step; returns its device arrays (tokens, logprobs, top logprobs,
-        top ids), each [max_num_seqs, ...] by the batch's sequence order."""
-        prev = self.no_prev_tokens() if prev_tokens is None else prev_tokens
+    def run_mixed(self, batch: RaggedBatch, num_drafts, sb: SamplingBatch, prev=None):
+        """Dispatch one mixed step; returns its device arrays (tokens [S, K], counts [S],
+        logprobs, top logprobs, top ids), by the batch's sequence order. `num_drafts`: a host
+        array [max_num_seqs]; `prev`: the previous step's outputs (its tokens and counts)."""
+        prev_tokens, prev_counts = self.no_prev() if prev is None else prev[:2]
+        args = (self.params, self.kv, batch, self.put(num_drafts), prev_tokens, prev_counts)
         exe = self._executables.get(("mixed", batch.tokens.shape[0], batch.max_q_len))
         if exe is not None:
-            logits, self.kv = exe(self.params, self.kv, batch, prev)
+            (logits, drafts, shift), self.kv = exe(*args)
         else:  # a shape warm-up did not compile: jit compiles it (and the engine counts it)
-            logits, self.kv = mixed_step(self.params, self.kv, batch, prev, **self._mixed_static())
+            (logits, drafts, shift), self.kv = mixed_step(*args, **self._mixed_static())
+        args = (logits, drafts, args[3], shift, sb)
         exe = self._executables.get(("sample", sb.filtered))
         if exe is not None:
-            return exe(logits, sb)
-        return sample_rows(logits, sb, num_logprobs=self.shapes.num_logprobs)
+            return exe(*args)
+        return sample_step(*args, **self._sample_static())
 
     def decode_table(self, pages: list[list[int]], rows: int) -> jax.Array:
-        table = np.full((rows, self.shapes.pages_per_seq), SCRATCH_PAGE, np.int32)
+        table = np.full((rows, self.config.pages_per_seq), SCRATCH_PAGE, np.int32)
         for i, p in enumerate(pages):
             table[i, : len(p)] = p
-        return jax.device_put(table)
+        return self.put(table)
 
-    def build_decode(self, last_tokens, positions, remaining, stop_ids, pages):
+    def build_decode(self, last_tokens, positions, remaining, stop_ids, pages, seqs=None):
+        """(page table, DecodeState, rows) of a decode scan; `seqs` feed the proposer's state."""
         n = len(last_tokens)
         rows = pick_bucket(self.seq_buckets, n)
         stops = np.full((rows, MAX_STOP_IDS), -1, np.int32)
@@ -250,23 +300,21 @@ class ModelRunner:
             out[:n] = values
             return out
 
+        p = self.scan_proposer
         state = DecodeState(
-            jax.device_put(pad(last_tokens)),
-            jax.device_put(pad(positions)),
-            jax.device_put(pad(remaining)),
-            jax.device_put(stops),
-            jax.device_put(np.arange(rows) < n),
-        )
+            *self.put((pad(last_tokens), pad(positions), pad(remaining), stops,
+                       np.arange(rows) < n)),
+            proposer=None if p is None else self.put(p.device_state(seqs or [], rows)),
+        )  # fmt: skip
         return self.decode_table(pages, rows), state, rows
 
     def run_decode(self, table, state: DecodeState, sb: SamplingBatch, num_steps: int):
         exe = self._executables.get(("decode", table.shape[0], num_steps, sb.filtered))
+        args = (self.params, self.kv, table, state, sb)
         if exe is not None:
-            outs, final, self.kv = exe(self.params, self.kv, table, state, sb)
+            outs, final, self.kv = exe(*args)
         else:
-            outs, final, self.kv = decode_loop(
-                self.params, self.kv, table, state, sb, **self._decode_static(num_steps)
-            )
+            outs, final, self.kv = decode_loop(*args, **self._decode_static(num_steps))
         return outs, final
 
     # -- warm-up -------------------------------------------------------------------------------
@@ -307,9 +355,8 @@ class ModelRunner:
                              "compile_threads": workers}  # fmt: skip
         for key, _, args, _ in calls:  # run each once: first-call work stays out of serving
             if key[0] == "mixed":
-                batch, prev = args[2:]
-                sb = SamplingBatch.build([], [], [], self.shapes.max_num_seqs)
-                jax.block_until_ready(self.run_mixed(batch, sb, prev))
+                sb = SamplingBatch.build([], [], [], self.config.max_num_seqs, put=self.put)
+                jax.block_until_ready(self.run_mixed(args[2], np.asarray(args[3]), sb))
             elif key[0] == "decode":
                 jax.block_until_ready(self.run_decode(*args[2:], key[2]))
             else:
@@ -330,8 +377,8 @@ class ModelRunner:
         else:
             what = "sampler"
         msg = (f"warm-up could not {stage} the {what}: {type(err).__name__}: {err}\n"
-               f"  engine.attention_backend={self.backend!r}, engine.attention_options="
-               f"{dict(self.attention_options)}, XLA options of this executable "
+               f"  engine.attention_backend={self.attention.backend!r}, engine.attention_options="
+               f"{dict(self.attention.options)}, XLA options of this executable "
                f"(engine.compiler_options)={self._options_of(key)}")  # fmt: skip
         if "shared memory" in str(err):
             msg += ("\n  the attention kernel's buffers exceed an SM's shared memory: lower "
@@ -346,53 +393,61 @@ class ModelRunner:
         of a mixed step): "all"'s, overridden by the kind's own, then by each "KIND>=N" entry with
         N <= size, smallest N first; a None value drops the option (XLA's default). Values keep
         their type: XLA rejects a bool option given as the string 'true'."""
-        merged = {**self.compiler_options.get("all", {}), **self.compiler_options.get(kind, {})}
+        options = self.config.compiler_options
+        merged = {**options.get("all", {}), **options.get(kind, {})}
         bounded = []
-        for key, options in self.compiler_options.items():
+        for key, opts in options.items():
             k, least = compiler_options_key(key)
             if k == kind and least is not None and size is not None and size >= least:
-                bounded.append((least, options))
-        for _, options in sorted(bounded, key=lambda b: b[0]):
-            merged.update(options)
+                bounded.append((least, opts))
+        for _, opts in sorted(bounded, key=lambda b: b[0]):
+            merged.update(opts)
         return {k: v for k, v in merged.items() if v is not None}
 
     def _warmup_calls(self):
         """(key, jitted fn, example args, static args) for every bucket the engine can use."""
-        s = self.shapes
+        c, rows_k = self.config, self.num_rows
         calls = []
 
         def zeros(shape, dtype=np.int32, fill=0):  # device_put of host zeros: no tiny compiles
-            return jax.device_put(np.full(shape, fill, dtype))
+            return self.put(np.full(shape, fill, dtype))
 
+        s = c.max_num_seqs
+        prev = (zeros((s, rows_k)), zeros(s, fill=1))
         # A decode-only mixed batch (max_q 1) has one token per sequence, so its token bucket is at
         # most the one holding max_num_seqs; larger buckets only ever see prefill chunks.
-        decode_cap = pick_bucket(self.token_buckets, min(s.max_num_seqs, s.max_step_tokens))
+        decode_cap = pick_bucket(self.token_buckets, min(s, c.max_step_tokens))
         for t in self.token_buckets:
             for max_q in sorted({1, t} if t <= decode_cap else {t}):
-                table = zeros((s.max_num_seqs, s.pages_per_seq))
-                batch = RaggedBatch(
-                    zeros(t), zeros(t), zeros(s.max_num_seqs + 1),
-                    PageTable(table, zeros(s.max_num_seqs)), max_q,
-                )  # fmt: skip
-                prev = zeros(s.max_num_seqs)
+                table = zeros((s, c.pages_per_seq))
+                batch = RaggedBatch(zeros(t), zeros(t), zeros(s + 1), PageTable(table, zeros(s)),
+                                    max_q)  # fmt: skip
                 calls.append((("mixed", t, max_q), mixed_step,
-                              (self.params, self.kv, batch, prev), self._mixed_static()))  # fmt: skip
-        logits = zeros((s.max_num_seqs, self.cfg.vocab_size), np.float32)
+                              (self.params, self.kv, batch, zeros(s), *prev),
+                              self._mixed_static()))  # fmt: skip
+        logits = zeros((s, rows_k, self.cfg.vocab_size), np.float32)
         for filtered in (False, True):  # all-greedy batches, and batches where some row samples
-            sb = dataclasses.replace(SamplingBatch.build([], [], [], s.max_num_seqs),
+            sb = dataclasses.replace(SamplingBatch.build([], [], [], s, put=self.put),
                                      filtered=filtered)  # fmt: skip
-            calls.append((("sample", filtered), sample_rows, (logits, sb),
-                          dict(num_logprobs=s.num_logprobs)))  # fmt: skip
-        if s.decode_steps > 1:
+            calls.append((("sample", filtered), sample_step,
+                          (logits, zeros((s, rows_k - 1)), zeros(s), zeros(s), sb),
+                          self._sample_static()))  # fmt: skip
+        if c.decode_steps > 1:
             for rows in self.seq_buckets:
-                z = zeros(rows)
-                state = DecodeState(z, z, z, zeros((rows, MAX_STOP_IDS), fill=-1),
-                                    zeros(rows, bool))  # fmt: skip
-                table = zeros((rows, s.pages_per_seq))
+                table = zeros((rows, c.pages_per_seq))
+                state = self._padding_state(rows)
                 for filtered in (False, True):
-                    sb = dataclasses.replace(SamplingBatch.build([], [], [], rows),
+                    sb = dataclasses.replace(SamplingBatch.build([], [], [], rows, put=self.put),
                                              filtered=filtered)  # fmt: skip
-                    calls.append((("decode", rows, s.decode_steps, filtered), decode_loop,
+                    calls.append((("decode", rows, c.decode_steps, filtered), decode_loop,
                                   (self.params, self.kv, table, state, sb),
-                                  self._decode_static(s.decode_steps)))  # fmt: skip
+                                  self._decode_static(c.decode_steps)))  # fmt: skip
         return calls
+
+    def _padding_state(self, rows: int) -> DecodeState:
+        """A DecodeState of `rows` padding rows (warm-up)."""
+        z = np.zeros(rows, np.int32)
+        p = self.scan_proposer
+        return DecodeState(*self.put((z, z, z, np.full((rows, MAX_STOP_IDS), -1, np.int32),
+                                      np.zeros(rows, bool))),
+                           proposer=None if p is None else self.put(p.device_state([], rows)))  # fmt: skip

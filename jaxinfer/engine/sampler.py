@@ -12,6 +12,7 @@ the raw model distribution (before temperature and filters).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import jax
@@ -39,9 +40,13 @@ class SamplingBatch:
 
     @staticmethod
     def build(
-        params: list[SamplingParams], seeds: list[int], positions: list[int], num_rows: int
+        params: list[SamplingParams],
+        seeds: list[int],
+        positions: list[int],
+        num_rows: int,
+        put=jax.device_put,
     ) -> SamplingBatch:
-        """Host-side packing (padding rows greedy)."""
+        """Host-side packing (padding rows greedy); `put` moves the arrays to the device(s)."""
         n = len(params)
         temperature = np.zeros(num_rows, np.float32)
         top_k = np.zeros(num_rows, np.int32)
@@ -53,8 +58,8 @@ class SamplingBatch:
             temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
         seed[:n] = np.asarray(seeds, np.uint64) & 0xFFFFFFFF
         position[:n] = positions
-        return SamplingBatch(*(jax.device_put(a) for a in (temperature, top_k, top_p, min_p, seed)),
-                             jax.device_put(position), bool((temperature > 0).any()))  # fmt: skip
+        arrays = put((temperature, top_k, top_p, min_p, seed, position))
+        return SamplingBatch(*arrays, bool((temperature > 0).any()))
 
 
 def sample(
@@ -65,8 +70,8 @@ def sample(
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     greedy = jnp.argmax(logits, axis=-1)
 
-    # The sort over the vocabulary dominates a decode step's sampling cost (48 ms for 64 x 4096 on
-    # a CPU): a batch whose rows are all greedy (sb.filtered False) skips it.
+    # The sort over the vocabulary dominates a decode step's sampling cost: a batch whose rows
+    # are all greedy (sb.filtered False) skips it.
     if sb.filtered:
         greedy = jnp.where(sb.temperature > 0, _sample_filtered(logits, sb), greedy)
     tokens = greedy.astype(jnp.int32)
@@ -99,3 +104,40 @@ def _sample_filtered(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
 
     choice = jax.vmap(draw)(sb.seed, sb.position, filtered)
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+
+
+def sample_rows(logits, sb: SamplingBatch, shift, num_logprobs: int = 0):
+    """Sample K rows per sequence: logits [S, K, V] fp32, `sb` per sequence, where row j of
+    sequence s samples the token at position `sb.position[s] + shift[s] + j` (its key, so a seeded
+    request samples the same token at a position whether it is drafted or not). Returns tokens
+    [S, K], their logprobs [S, K], top logprobs [S, K, k] and ids."""
+    s, k, v = logits.shape
+    if k == 1 and not isinstance(shift, int):
+        sb = dataclasses.replace(sb, position=sb.position + shift)
+        return tuple(x[:, None] for x in sample(logits[:, 0], sb, num_logprobs))
+    rows = SamplingBatch(
+        *(jnp.repeat(x, k) for x in (sb.temperature, sb.top_k, sb.top_p, sb.min_p, sb.seed)),
+        ((sb.position + shift)[:, None] + jnp.arange(k, dtype=jnp.int32)).reshape(-1),
+        sb.filtered,
+    )
+    out = sample(logits.reshape(s * k, v), rows, num_logprobs)
+    return tuple(x.reshape(s, k, *x.shape[1:]) for x in out)
+
+
+def accept_drafts(tokens: jax.Array, drafts: jax.Array, num_drafts: jax.Array) -> jax.Array:
+    """How many tokens a verification keeps per sequence: the leading drafts that equal the
+    target's own samples at the rows before them, plus the sample after the last of those
+    (the correction, or the bonus when all pass). tokens [S, K], drafts [S, K - 1], num_drafts
+    [S] -> counts [S] in [1, 1 + num_drafts].
+
+    Exact for a deterministic proposer: each kept token is the target's sample given the kept
+    tokens before it, with the key of its position, so the output is the one plain decoding
+    gives. (That is rejection sampling with a one-hot draft distribution: the draft survives
+    with probability p(draft). A proposer with a draft distribution q needs the min(1, p/q) rule
+    of Leviathan et al. 2023 instead.)
+    """
+    k = tokens.shape[1]
+    if k == 1:
+        return jnp.ones(tokens.shape[:1], jnp.int32)
+    ok = (tokens[:, :-1] == drafts) & (jnp.arange(k - 1) < num_drafts[:, None])
+    return 1 + jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)

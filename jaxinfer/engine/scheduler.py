@@ -31,10 +31,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING
 
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.request import SeqStatus, Sequence
+
+if TYPE_CHECKING:  # (the config module imports this one's policy table)
+    from jaxinfer.engine.config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -56,40 +59,22 @@ POLICIES: dict[str, Policy] = {
     # The naive baseline: a batch is admitted only when nothing runs, then runs to completion.
     "static": Policy(_arrival, admits_while_running=False),
 }
-PolicyName = Literal["fcfs", "priority", "shortest_first", "static"]
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    policy: PolicyName = "fcfs"
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512  # new tokens per step, decodes included
-    chunked_prefill: bool = True
-    max_model_len: int = 1024
-
-    def __post_init__(self) -> None:
-        def bad(name: str, allowed: str) -> ValueError:
-            value = getattr(self, name)
-            return ValueError(f"SchedulerConfig.{name}={value!r} is invalid: must be {allowed}")
-
-        if self.policy not in POLICIES:
-            raise bad("policy", f"one of {', '.join(POLICIES)}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise bad(name, "an int >= 1")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise bad("max_num_batched_tokens", f">= max_num_seqs ({self.max_num_seqs})")
-        if not isinstance(self.chunked_prefill, bool):
-            raise bad("chunked_prefill", "True or False")
 
 
 @dataclass(frozen=True)
 class ScheduledSeq:
-    """This step feeds `seq.all_token_ids[c : c + num_new_tokens]`, c = seq.num_computed_tokens."""
+    """This step feeds `seq.all_token_ids[c:][:num_new_tokens - num_draft_tokens]` (c =
+    seq.num_computed_tokens), then `seq.draft_token_ids[:num_draft_tokens]` to verify."""
 
     seq: Sequence
     num_new_tokens: int
+    num_draft_tokens: int = 0
+
+    @property
+    def new_token_ids(self) -> list[int]:
+        seq, n = self.seq, self.num_new_tokens - self.num_draft_tokens
+        fed = seq.all_token_ids[seq.num_computed_tokens :][:n]
+        return fed + seq.draft_token_ids[: self.num_draft_tokens]
 
 
 @dataclass
@@ -112,9 +97,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    """Reads the engine's config: `scheduler` (the policy), `max_num_seqs`,
+    `max_num_batched_tokens`, `chunked_prefill`, `max_model_len`."""
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
         self.config, self.block_manager = config, block_manager
-        self.policy = POLICIES[config.policy]
+        self.policy = POLICIES[config.scheduler]
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self._batch: list[Sequence] = []  # static: members of the current batch not yet admitted
@@ -187,7 +175,9 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:  # preempted as a victim earlier in this loop
                 continue
             n = self._num_new_tokens(seq, scheduled)
-            if n and self._reserve(seq, seq.num_computed_tokens + n, scheduled, out, now):
+            # (a placeholder's extra tokens, not counted yet, need their slots too)
+            need = seq.num_computed_tokens + n + seq.pending_extra_tokens
+            if n and self._reserve(seq, need, scheduled, out, now):
                 scheduled[seq] = n
 
         if out.preempted:
@@ -211,7 +201,8 @@ class Scheduler:
                     seq.scheduled_time = now
                 scheduled[seq] = n
 
-        out.scheduled = [ScheduledSeq(s, n) for s, n in scheduled.items()]
+        out.scheduled = [ScheduledSeq(s, n, max(0, n - s.num_uncomputed_tokens))
+                         for s, n in scheduled.items()]  # fmt: skip
         return out
 
     def _admission_order(self, was_running: bool) -> list[Sequence]:
@@ -227,9 +218,12 @@ class Scheduler:
         return (seq.status is not SeqStatus.PREEMPTED, *self.policy.key(seq))
 
     def _num_new_tokens(self, seq: Sequence, scheduled: _Scheduled) -> int:
-        """Tokens to feed `seq` this step under the budget left (0: not this step)."""
+        """Tokens to feed `seq` this step under the budget left (0: not this step); a decode's
+        draft tokens count, as many as fit."""
         left = self.config.max_num_batched_tokens - scheduled.total
         need = seq.num_uncomputed_tokens
+        if need == 1 and seq.draft_token_ids:
+            return min(1 + len(seq.draft_token_ids), max(left, 0))
         if need <= left:
             return need
         if self.config.chunked_prefill:
@@ -263,6 +257,7 @@ class Scheduler:
         self.running.remove(seq)
         seq.status = SeqStatus.PREEMPTED
         seq.num_computed_tokens = 0
+        seq.draft_token_ids = []
         seq.num_preemptions += 1
         self.waiting.append(seq)
 

@@ -23,6 +23,7 @@ from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.loading import load_model
 from jaxinfer.engine.request import SamplingParams
 from jaxinfer.metrics import SLO, request_rows, summarize, write_tables
+from jaxinfer.parallel.sharding import EngineShardings
 from jaxinfer.provenance import provenance
 from jaxinfer.workload import WorkloadSpec, build_workload
 
@@ -79,7 +80,8 @@ def run_experiment(rc: RunConfig, *, show_progress: bool = True, console: Consol
             f"API (experiments/bench_data_parallel.py). To use N GPUs for a sweep, run `jaxinfer "
             f"sweep --workers N` (one worker per GPU)."
         )  # fmt: skip
-    cfg, params, tokenizer = load_model(rc.engine.model, rc.engine.dtype, rc.engine.seed)
+    mesh = EngineShardings.for_config(rc.engine.mesh).mesh
+    cfg, params, tokenizer = load_model(rc.engine.model, rc.engine.dtype, rc.engine.seed, mesh)
     engine = Engine(rc.engine, cfg, params, tokenizer)
     warmup_s = engine.warmup()
     encode = (lambda s: tokenizer.encode(s).ids) if tokenizer is not None else None

@@ -34,9 +34,9 @@ class KVCache:
     K at index 0 and V at 1 of the third axis.
 
     - Stacking layers costs nothing at read time (attention gathers pages of layer `l` directly)
-      and lets both layer loops (`unrolled` and `scan`) update the cache in place when donated.
+      and the cache is updated in place when donated.
     - A page's K and V side by side make a step's K/V write one scatter per layer, not two (on the
-      H200 each scatter is its own ~3 us kernel: 32 fewer per decode step of an 8B model). Attention
+      H200 each scatter is its own kernel). Attention
       views the array as one pool of `num_layers * num_pages * 2` half-pages: K of (layer l, page
       p) is pool page `2 * (l * num_pages + p)`, V the next one (`v_page_offset=1` for the
       kernels).

@@ -3,10 +3,12 @@
 The paged path is the one interface with several backends (`pallas_kernels.paged_attention`'s
 dispatcher): `xla`, the pure-JAX reference (runs anywhere, the oracle in tests); `pallas`, the Mosaic
 GPU kernel (interpreted on CPU); `cudnn`, cuDNN's paged decode (an ablation baseline); `auto`,
-`pallas` on a GPU and `xla` elsewhere.
+`pallas` on a GPU and `xla` elsewhere. `AttentionConfig` carries the choice into the jitted steps.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +19,7 @@ from pallas_kernels.paged_attention import (
     BACKENDS,
     CALLER_OPTIONS,
     KERNEL_OPTIONS,
-    paged_attention_dispatch,
+    paged_attention,
     resolve_backend,
 )
 from pallas_kernels.paged_attention.mosaic_gpu import fused_kv_write_reason
@@ -25,11 +27,35 @@ from pallas_kernels.paged_attention.mosaic_gpu import fused_kv_write_reason
 ATTENTION_BACKENDS = BACKENDS
 ATTENTION_OPTIONS = KERNEL_OPTIONS
 # Decode steps of at most this many tokens write their K/V in the attention kernel (option
-# `fused_kv_write`: true = this limit, an int = another, false = never). On the H200 (8B model,
-# experiments/results/h200/e2e_llama3_8b_fused_kv_write.json) it saved 0.1-2.0% per step up to
-# batch 64; at 128-256 the step was slower in 11 of 12 rows (the attention kernel took ~3 us per
-# layer longer, less than the scatter it replaced, but XLA's GEMM picks changed between compiles).
+# `fused_kv_write`: true = this limit, an int = another, false = never): faster up to batch 64 on
+# the H200, not beyond (experiments/results/h200/e2e_llama3_8b_fused_kv_write.json).
 FUSED_KV_WRITE_MAX_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Static: which paged-attention backend a step uses, the Pallas kernel's tuning keywords
+    ((name, value) pairs of `ATTENTION_OPTIONS` and `fused_kv_write`; other backends ignore
+    them), and the device the kernels are built for (its SM count, whether to interpret; None:
+    the default device)."""
+
+    backend: str = "xla"
+    options: tuple[tuple[str, object], ...] = ()
+    device: jax.Device | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention backend must be one of {ATTENTION_BACKENDS}, got {self.backend!r}"
+            )
+        object.__setattr__(self, "options", tuple(sorted(dict(self.options).items())))
+
+    @property
+    def kernel_options(self) -> dict[str, object]:
+        return {k: v for k, v in self.options if k not in CALLER_OPTIONS}
+
+
+XLA_ATTENTION = AttentionConfig()  # the reference backend, the default of the model functions
 
 
 def causal_attention(
@@ -50,49 +76,6 @@ def causal_attention(
     return out.reshape(b, n, hq, d).astype(q.dtype)
 
 
-def paged_attention(
-    q: jax.Array,
-    kv: KVCache,
-    layer: int | jax.Array,
-    batch: RaggedBatch,
-    *,
-    sliding_window: int | None = None,
-    backend: str = "xla",
-    options: tuple[tuple[str, object], ...] = (),
-) -> jax.Array:
-    """Attention of q [T, Hq, D] over layer `layer`'s pages (already holding this step's K/V).
-
-    `options`: (name, value) pairs of the Pallas kernel's tuning keywords (`ATTENTION_OPTIONS`),
-    static; used when the kernel runs, ignored by the other backends.
-
-    The cache is viewed as one pool of K and V half-pages (`KVCache.pool`, a free reshape) and the
-    page ids offset by layer: no per-layer slice of the cache is ever materialised.
-    """
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
-    if backend == "pallas" and kv.dtype == jnp.float32:
-        raise ValueError("attention backend 'pallas' reads bf16 or fp8 pages; this cache is "
-                         "float32 (set engine.kv_dtype or the model dtype to bfloat16)")  # fmt: skip
-    pool, pool_scales = kv.pool()
-    page_ids = kv.pool_page_ids(batch.page_table.page_ids, layer)
-    options = {k: v for k, v in options if k not in CALLER_OPTIONS}
-    return paged_attention_dispatch(
-        q,
-        pool,
-        pool,
-        page_ids,
-        batch.page_table.seq_lens,
-        batch.query_start_loc,
-        max_q_len=batch.max_q_len,
-        sliding_window=sliding_window,
-        backend=backend,
-        k_scales=pool_scales,
-        v_scales=pool_scales,
-        v_page_offset=1,
-        **options,
-    )
-
-
 def write_kv_and_attend(
     q: jax.Array,
     k: jax.Array,
@@ -104,25 +87,30 @@ def write_kv_and_attend(
     offset: jax.Array,
     *,
     sliding_window: int | None = None,
-    backend: str = "xla",
-    options: tuple[tuple[str, object], ...] = (),
+    attention: AttentionConfig = XLA_ATTENTION,
 ) -> tuple[jax.Array, KVCache]:
     """Write this step's K/V [T, Hkv, D] (rope applied) of layer `layer` at (`page`, `offset`),
     then attend q [T, Hq, D] over the cache: returns (out [T, Hq, D], updated cache).
 
-    Decode steps of up to `FUSED_KV_WRITE_MAX_TOKENS` tokens on the Pallas kernel do both in the
-    kernel (option `fused_kv_write`): each sequence's K/V rows arrive with its queries and the
-    kernel stores them in place, so no XLA scatter kernel runs per layer. Other steps and
-    backends scatter first (`write_kv`).
+    The cache is viewed as one pool of K and V half-pages (`KVCache.pool`, a free reshape) and the
+    page ids offset by layer: no per-layer slice of the cache is ever materialised. Decode steps
+    of up to `FUSED_KV_WRITE_MAX_TOKENS` tokens on the Pallas kernel write the K/V in the kernel
+    (option `fused_kv_write`): each sequence's K/V rows arrive with its queries and the kernel
+    stores them in place, so no XLA scatter kernel runs per layer. Other steps and backends
+    scatter first (`write_kv`).
     """
-    opts = dict(options)
+    opts = dict(attention.options)
+    if attention.backend == "pallas" and kv.dtype == jnp.float32:
+        raise ValueError("attention backend 'pallas' reads bf16 or fp8 pages; this cache is "
+                         "float32 (set engine.kv_dtype or the model dtype to bfloat16)")  # fmt: skip
     pool, _ = kv.pool()
+    backend = resolve_backend(attention.backend, q, pool, device=attention.device)
     limit = opts.get("fused_kv_write", True)
     limit = FUSED_KV_WRITE_MAX_TOKENS if limit is True else int(limit)
     fused = (
         q.shape[0] <= limit
         and not kv.is_quantized
-        and resolve_backend(backend, q, pool) == "pallas"
+        and backend == "pallas"
         and fused_kv_write_reason(
             batch.max_q_len, kv.dtype, opts.get("warp_specialized"), q.shape[1] // k.shape[1]
         )
@@ -130,10 +118,8 @@ def write_kv_and_attend(
     )
     if not fused:
         kv = write_kv(kv, layer, k, v, page, offset)
-        return paged_attention(q, kv, layer, batch, sliding_window=sliding_window,
-                               backend=backend, options=options), kv  # fmt: skip
-    kernel_opts = {key: val for key, val in opts.items() if key not in CALLER_OPTIONS}
-    out, pool, _ = paged_attention_dispatch(
+    pool, pool_scales = kv.pool()
+    out = paged_attention(
         q,
         pool,
         pool,
@@ -142,9 +128,15 @@ def write_kv_and_attend(
         batch.query_start_loc,
         max_q_len=batch.max_q_len,
         sliding_window=sliding_window,
-        backend="pallas",
+        backend=backend,
+        k_scales=pool_scales,
+        v_scales=pool_scales,
         v_page_offset=1,
-        new_kv=(k, v),
-        **kernel_opts,
+        new_kv=(k, v) if fused else None,
+        device=attention.device,
+        **attention.kernel_options,
     )
+    if not fused:
+        return out, kv
+    out, pool, _ = out
     return out, KVCache(pool.reshape(kv.pages.shape), None)

@@ -44,11 +44,13 @@ def build_ragged_batch(
     num_seqs: int,
     pages_per_seq: int,
     max_q_len: int | None = None,
+    put=jax.device_put,
 ) -> RaggedBatch:
     """Host-side packing of a ragged batch into fixed (bucketed) shapes, with padding.
 
     `new_tokens[s]` are sequence s's tokens for this step, `context_lens[s]` how many of its tokens
-    are already in the cache, `page_ids[s]` its pages in order.
+    are already in the cache, `page_ids[s]` its pages in order; `put` moves the arrays to the
+    device(s). Padding sequence slots have no tokens, length 0 and only scratch pages.
     """
     n = len(new_tokens)
     if not (len(context_lens) == len(page_ids) == n):
@@ -76,10 +78,5 @@ def build_ragged_batch(
         start += q
         qsl[s + 1] = start
     qsl[n + 1 :] = start
-    return RaggedBatch(
-        jax.device_put(tokens),
-        jax.device_put(positions),
-        jax.device_put(qsl),
-        PageTable(jax.device_put(table), jax.device_put(seq_lens)),
-        max_q_len,
-    )
+    tokens, positions, qsl, table, seq_lens = put((tokens, positions, qsl, table, seq_lens))
+    return RaggedBatch(tokens, positions, qsl, PageTable(table, seq_lens), max_q_len)

@@ -1,4 +1,4 @@
-"""The dense decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3) as pure functions over param pytrees.
+"""The decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3) as pure functions over param pytrees.
 
 Two entry points share one layer function:
 - `forward(params, cfg, tokens)`: whole sequences [B, L] with dense causal attention and no cache
@@ -18,50 +18,49 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.kv.cache import KVCache, token_slots
-from jaxinfer.models.attention import causal_attention, write_kv_and_attend
+from jaxinfer.models.attention import (
+    XLA_ATTENTION,
+    AttentionConfig,
+    causal_attention,
+    write_kv_and_attend,
+)
 from jaxinfer.models.batch import RaggedBatch
-from jaxinfer.models.config import ModelConfig
+from jaxinfer.models.config import LayerKind, ModelConfig
+from jaxinfer.models.ffn import FFN_BLOCKS
 from jaxinfer.models.layers import (
-    FFN_BLOCKS,
     apply_rope,
     deferred_rms_norm,
+    linear,
     rms_norm,
     rope_inv_freq,
     scale_rows,
 )
 from jaxinfer.models.spec import Params
+from jaxinfer.quant import QuantizedWeight
 
-# attend(q, k, v, carry, layer) -> (out, carry): how a layer's attention sees the sequence.
-Attend = Callable[[jax.Array, jax.Array, jax.Array, Any, Any], tuple[jax.Array, Any]]
-LayerFn = Callable[[dict, jax.Array, Any, Any], tuple[jax.Array, Any]]
+# attend(q, k, v, carry, layer, kind) -> (out, carry): how a layer's attention sees the sequence.
+Attend = Callable[[jax.Array, jax.Array, jax.Array, Any, Any, LayerKind], tuple[jax.Array, Any]]
+# layer_fn(layer params, x, carry, layer index, *, kind) -> (x, carry)
+LayerFn = Callable[..., tuple[jax.Array, Any]]
 
 
-def apply_layers(cfg: ModelConfig, layers: Any, x: jax.Array, carry: Any, layer_fn: LayerFn):
-    """Run every decoder layer: THE place where the layer storage/iteration choice lives.
+def apply_layers(cfg: ModelConfig, layers: tuple[dict, ...], x: jax.Array, carry: Any,
+                 layer_fn: LayerFn):  # fmt: skip
+    """Run every decoder layer; `carry` (e.g. the KV cache) is threaded through and updated in
+    place when donated.
 
-    - `unrolled` (default): `layers` is a tuple of per-layer dicts and the loop is unrolled in the
-      trace. Each weight is its own buffer that the matmuls read directly: every weight is read
-      once per step. Measured on the H200 in `experiments/results/h200/layer_loop.json`. The
-      layer runs as one nested jit called per layer with its index as data, so it is traced and
-      lowered once rather than once per layer (XLA inlines the calls: the compiled program is
-      the same unrolled one). Layers of another param structure trace their own.
-    - `scan`: `layers` holds arrays stacked on a leading layer axis and `lax.scan` runs one
-      compiled body; compile time is independent of depth, but XLA materialises each layer's weight
-      slice before its matmuls (an extra read+write of all weights per step).
-    `carry` (e.g. the KV cache) is threaded through and updated in place when donated.
+    The loop is unrolled over per-layer weight buffers, which the matmuls read directly: each
+    weight is read once per step. A `lax.scan` over layer-stacked weights made XLA copy each
+    layer's slice first (about 2x the weight traffic, slower 8B decode steps on the H200:
+    `experiments/results/h200/layer_loop.json`) and was removed. Each layer runs as a nested jit
+    with its index as data and its `LayerKind` static, so layers of one kind (and param structure)
+    are traced and lowered once, not once per layer; XLA inlines the calls.
     """
-    if cfg.layer_loop == "scan":
-
-        def body(c, xs):
-            p, layer = xs
-            return layer_fn(p, *c, layer), None
-
-        (x, carry), _ = jax.lax.scan(body, (x, carry), (layers, jnp.arange(cfg.num_layers)))
-        return x, carry
     # Inside a trace only: called eagerly, a fresh jit of this closure would compile per call.
-    step = jax.jit(layer_fn) if isinstance(x, jax.core.Tracer) else layer_fn
-    for layer, p in enumerate(layers):
-        x, carry = step(p, x, carry, np.int32(layer))
+    traced = isinstance(x, jax.core.Tracer)
+    step = jax.jit(layer_fn, static_argnames="kind") if traced else layer_fn
+    for i, p in enumerate(layers):
+        x, carry = step(p, x, carry, np.int32(i), kind=cfg.layer(i))
     return x, carry
 
 
@@ -73,8 +72,9 @@ def decoder_layer(
     attend: Attend,
     carry: Any,
     layer: Any,
+    kind: LayerKind,
 ) -> tuple[jax.Array, Any]:
-    """Pre-norm attention + FFN block on x [..., E] with positions [...].
+    """Pre-norm attention + FFN block of kind `kind` on x [..., E] with positions [...].
 
     Both norms are deferred (`deferred_rms_norm`): the row scale is applied to the outputs of the
     projections that follow them.
@@ -87,13 +87,13 @@ def decoder_layer(
     inv_freq = rope_inv_freq(cfg)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
-    o, carry = attend(q, k, v, carry, layer)
-    o = jnp.einsum("...hd,hde->...e", o, p["wo"])
+    o, carry = attend(q, k, v, carry, layer, kind)
+    o = linear(o, p["wo"], in_dims=2)
     if cfg.o_bias:
         o = o + p["bo"]
     x = x + o
     h, r = deferred_rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    x = x + FFN_BLOCKS[cfg.ffn](cfg, p, h, r)
+    x = x + FFN_BLOCKS[kind.ffn].apply(cfg, p, h, r)
     return x, carry
 
 
@@ -102,7 +102,7 @@ def qkv_projection(cfg: ModelConfig, p: dict, h: jax.Array, row_scale: jax.Array
     matmul with the fused `w_qkv` [E, Hkv, G + 2, D] (per KV head: its G query heads, its key, its
     value; see `layer_specs`)."""
     g = cfg.q_per_kv
-    qkv = scale_rows(jnp.einsum("...e,ehgd->...hgd", h, p["w_qkv"]), row_scale, 3)
+    qkv = scale_rows(linear(h, p["w_qkv"]), row_scale, 3)
     if cfg.qkv_bias:
         qkv = qkv + p["b_qkv"]
     q = qkv[..., :g, :].reshape(*qkv.shape[:-3], cfg.num_heads, cfg.head_dim)
@@ -115,8 +115,12 @@ def embed(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
 
 def compute_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """Final-normed hidden states [..., E] -> fp32 logits [..., V] (tied or untied head)."""
-    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return (hidden @ head.astype(hidden.dtype)).astype(jnp.float32)
+    if cfg.tie_word_embeddings:
+        return linear(hidden, params["embed"].T.astype(hidden.dtype)).astype(jnp.float32)
+    head = params["lm_head"]
+    if not isinstance(head, QuantizedWeight):
+        head = head.astype(hidden.dtype)
+    return linear(hidden, head).astype(jnp.float32)
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
@@ -124,11 +128,11 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
     x = embed(params, cfg, tokens)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
 
-    def attend(q, k, v, carry, layer):
-        return causal_attention(q, k, v, sliding_window=cfg.sliding_window), carry
+    def attend(q, k, v, carry, layer, kind):
+        return causal_attention(q, k, v, sliding_window=kind.sliding_window), carry
 
-    def layer_fn(p, x, carry, layer):
-        return decoder_layer(cfg, p, x, positions, attend, carry, layer)
+    def layer_fn(p, x, carry, layer, *, kind):
+        return decoder_layer(cfg, p, x, positions, attend, carry, layer, kind)
 
     x, _ = apply_layers(cfg, params["layers"], x, None, layer_fn)
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
@@ -141,8 +145,7 @@ def forward_paged(
     batch: RaggedBatch,
     kv: KVCache,
     *,
-    attention_backend: str = "xla",
-    attention_options: tuple[tuple[str, object], ...] = (),
+    attention: AttentionConfig = XLA_ATTENTION,
 ) -> tuple[jax.Array, KVCache]:
     """One step over a ragged batch: writes the new tokens' K/V, returns final hidden [T, E].
 
@@ -154,7 +157,7 @@ def forward_paged(
     )
     x = embed(params, cfg, batch.tokens)
 
-    def attend(q, k, v, kv, layer):
+    def attend(q, k, v, kv, layer, kind):
         return write_kv_and_attend(
             q,
             k,
@@ -164,13 +167,12 @@ def forward_paged(
             batch,
             page,
             offset,
-            sliding_window=cfg.sliding_window,
-            backend=attention_backend,
-            options=attention_options,
+            sliding_window=kind.sliding_window,
+            attention=attention,
         )
 
-    def layer_fn(p, x, kv, layer):
-        return decoder_layer(cfg, p, x, batch.positions, attend, kv, layer)
+    def layer_fn(p, x, kv, layer, *, kind):
+        return decoder_layer(cfg, p, x, batch.positions, attend, kv, layer, kind)
 
     x, kv = apply_layers(cfg, params["layers"], x, kv, layer_fn)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv
@@ -179,13 +181,3 @@ def forward_paged(
 def last_token_rows(batch: RaggedBatch) -> jax.Array:
     """Row of each sequence's last new token (where its next token is sampled); [S] int32."""
     return jnp.maximum(batch.query_start_loc[1:] - 1, 0)
-
-
-def stack_layers(layers: tuple[dict, ...]) -> dict:
-    """Per-layer dicts -> one dict of layer-stacked arrays (the `scan` layout)."""
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
-
-
-def unstack_layers(layers: dict) -> tuple[dict, ...]:
-    n = jax.tree.leaves(layers)[0].shape[0]
-    return tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n))

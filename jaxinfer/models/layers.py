@@ -1,4 +1,4 @@
-"""Building blocks of the dense decoder: RMSNorm, RoPE, SwiGLU FFN. Pure functions."""
+"""Building blocks of the decoder: the linear op, RMSNorm, RoPE. Pure functions."""
 
 from __future__ import annotations
 
@@ -9,6 +9,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.models.config import ModelConfig
+from jaxinfer.quant import QuantizedWeight
+
+
+def linear(x: jax.Array, w: jax.Array | QuantizedWeight, in_dims: int = 1) -> jax.Array:
+    """x [..., *in] @ w [*in, *out] -> [..., *out], contracting x's last `in_dims` axes with w's
+    first: every matmul of the model goes through here (QKV, O, gate/up, down, the LM head; an
+    MoE's router and experts). `w` is a plain array or a `QuantizedWeight`, whose format
+    computes the product, so a new number format is a new format, not a change to the model."""
+    if isinstance(w, QuantizedWeight):
+        return w.format.matmul(x, w)
+    return jnp.tensordot(x, w, axes=in_dims)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -30,8 +41,7 @@ def deferred_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> tuple[jax.
     `rms_norm(x) @ W == row_scale[..., None] * ((x * weight) @ W)`. Applied after the projection
     (`scale_rows`), the scale lands in the elementwise fusions that consume the projection; what
     is left of the norm is a reduce to one scalar per row, cheaper than writing the normed rows.
-    On the H200 (8B decode) XLA still runs that reduce as its own kernel, and the steps were
-    0.01-0.10 ms faster than with the up-front norm (`experiments/results/h200/
+    Faster 8B decode steps on the H200 than the up-front norm (`experiments/results/h200/
     e2e_llama3_8b_decode_only.json` vs `e2e_llama3_8b_decode_only_no_deferred_norm.json`).
     """
     return x * weight.astype(x.dtype), rms_scale(x, eps)
@@ -81,25 +91,3 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     # own kernel on the GPU, twice per layer.
     xh = x.reshape(*x.shape[:-1], 2, x.shape[-1] // 2)
     return (xh * cos + xh[..., ::-1, :] * sin).reshape(x.shape)
-
-
-def dense_ffn(
-    cfg: ModelConfig, p: dict, x: jax.Array, row_scale: jax.Array | None = None
-) -> jax.Array:
-    """SwiGLU: down(silu(h @ gate) * (h @ up)) of h = x * row_scale, gate and up as one matmul with
-    the fused `w_gate_up` [E, 2, F]; the row scale is applied to that matmul's output."""
-    gate_up = scale_rows(jnp.einsum("...e,egf->...gf", x, p["w_gate_up"]), row_scale, 2)
-    if cfg.mlp_bias:
-        gate_up = gate_up + p["b_gate_up"]
-    gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
-    out = (jax.nn.silu(gate) * up) @ p["w_down"]
-    if cfg.mlp_bias:
-        out = out + p["b_down"]
-    return out
-
-
-# The FFN of a layer is looked up by `cfg.ffn`; an MoE block registers here with the same signature
-# `(cfg, p, x, row_scale)`: its input is the normed hidden `x * row_scale[..., None]` (see
-# `deferred_rms_norm`); a block whose first op is not a row-wise matmul (a router's softmax over
-# experts is one) multiplies it in first.
-FFN_BLOCKS = {"dense": dense_ffn}

@@ -1,8 +1,11 @@
 """Abstract description of every weight: shape, dtype, logical axes, initializer.
 
-Random init, sharding and checkpoint loading all derive from `param_specs(cfg)`, so a new weight
-is declared once. Parameters are plain nested dicts of arrays (pytrees); a leaf may later become a
-quantized pytree (values + scales) without changing the tree's structure above it.
+Random init, sharding, checkpoint loading and orbax restore targets all derive from
+`param_specs(cfg)`, so a new weight is declared once. Parameters are plain nested dicts of arrays
+(pytrees): `{"embed", "layers": (layer_0, ...), "final_norm", ["lm_head"]}`, one dict per layer,
+whose keys come from that layer's specs (its FFN kind's weights, optional biases and norms). A
+linear weight under `cfg.weight_format` is a `QuantizedWeight` whose leaves are the ParamSpecs of
+its arrays (`jaxinfer.quant`), so everything below works on it unchanged.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import jax.numpy as jnp
 
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.parallel.sharding import DEFAULT_RULES, named_sharding
+from jaxinfer.quant import WEIGHT_FORMATS, QuantizedWeight
 
 Init = Literal["normal", "ones", "zeros"]
 Params = dict[str, Any]
@@ -31,72 +35,74 @@ class ParamSpec:
     init: Init = "normal"
     # Standard deviation for "normal": 1/sqrt(fan_in) keeps activations O(1) through random layers.
     scale: float = 1.0
+    # A linear weight [*in, *out] (y = x @ w over its first `in_dims` axes, `layers.linear`) has
+    # in_dims >= 1; other arrays 0. Weight formats quantize only linear weights.
+    in_dims: int = 0
 
     def __post_init__(self) -> None:
-        assert len(self.shape) == len(self.axes), (self.shape, self.axes)
+        if len(self.shape) != len(self.axes):
+            raise ValueError(f"ParamSpec: shape {self.shape} and axes {self.axes} differ in rank")
+        if not 0 <= self.in_dims < max(len(self.shape), 1):
+            raise ValueError(f"ParamSpec: in_dims={self.in_dims} for a {len(self.shape)}-d array")
 
 
 def is_spec(x: object) -> bool:
     return isinstance(x, ParamSpec)
 
 
-def layer_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
-    """Specs of one decoder layer. Linear weights are stored (in, out): y = x @ w.
+def linear_spec(shape: tuple[int, ...], dtype, axes, in_dims: int = 1) -> ParamSpec:
+    """A random-normal linear weight [*in, *out], scaled 1/sqrt(fan_in)."""
+    fan_in = math.prod(shape[:in_dims])
+    return ParamSpec(shape, dtype, axes, "normal", 1.0 / math.sqrt(fan_in), in_dims)
+
+
+def layer_specs(cfg: ModelConfig, layer: int) -> dict[str, ParamSpec]:
+    """Specs of decoder layer `layer` (its FFN kind's weights included). Linear weights are stored
+    (in, out): y = x @ w.
 
     Projections that read the same input are stored fused, so each is one matmul:
     - `w_qkv` [E, Hkv, G + 2, D] (G = Hq / Hkv): for each KV head, its G query heads, then its key
       and its value head. Query head h = kv * G + g is HF's grouping, and sharding the kv_heads axis
       keeps every group's q, k and v together under tensor parallelism.
-    - `w_gate_up` [E, 2, F]: gate then up; sharding `mlp` splits both alike.
+    - the dense FFN's `w_gate_up` [E, 2, F] (`ffn.dense_ffn_specs`).
     Fused, a decode step's gate/up is one matmul of N = 2F (one launch, more tiles per wave) and the
-    mixed step needs no runtime concatenation of q/k/v weights; measured in
-    `experiments/results/h200/fused_projections.json`. The checkpoint loader and saver split and
-    join HF's separate q/k/v and gate/up tensors.
+    mixed step needs no runtime concatenation of q/k/v weights (`experiments/results/h200/
+    fused_projections.json`). The checkpoint loader and saver split and join HF's tensors.
     """
-    e, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    from jaxinfer.models.ffn import FFN_BLOCKS  # (the blocks declare their specs with ours)
+
+    e, d = cfg.hidden_size, cfg.head_dim
     hq, hkv = cfg.num_heads, cfg.num_kv_heads
     g = cfg.q_per_kv
-    w, n = cfg.jnp_param_dtype, cfg.jnp_param_dtype
-
-    def dense(shape, axes, fan_in):
-        return ParamSpec(shape, w, axes, "normal", 1.0 / math.sqrt(fan_in))
-
+    w = cfg.jnp_param_dtype
     specs = {
-        "attn_norm": ParamSpec((e,), n, ("embed",), "ones"),
-        "w_qkv": dense((e, hkv, g + 2, d), ("embed", "kv_heads", None, "head_dim"), e),
-        "wo": dense((hq, d, e), ("heads", "head_dim", "embed"), hq * d),
-        "mlp_norm": ParamSpec((e,), n, ("embed",), "ones"),
-        "w_gate_up": dense((e, 2, f), ("embed", None, "mlp"), e),
-        "w_down": dense((f, e), ("mlp", "embed"), f),
+        "attn_norm": ParamSpec((e,), w, ("embed",), "ones"),
+        "w_qkv": linear_spec((e, hkv, g + 2, d), w, ("embed", "kv_heads", None, "head_dim")),
+        "wo": linear_spec((hq, d, e), w, ("heads", "head_dim", "embed"), in_dims=2),
+        "mlp_norm": ParamSpec((e,), w, ("embed",), "ones"),
     }
     if cfg.qkv_bias:
         specs["b_qkv"] = ParamSpec((hkv, g + 2, d), w, ("kv_heads", None, "head_dim"), "zeros")
     if cfg.o_bias:
         specs["bo"] = ParamSpec((e,), w, ("embed",), "zeros")
     if cfg.qk_norm:
-        specs["q_norm"] = ParamSpec((d,), n, ("head_dim",), "ones")
-        specs["k_norm"] = ParamSpec((d,), n, ("head_dim",), "ones")
-    if cfg.mlp_bias:
-        specs["b_gate_up"] = ParamSpec((2, f), w, (None, "mlp"), "zeros")
-        specs["b_down"] = ParamSpec((e,), w, ("embed",), "zeros")
+        specs["q_norm"] = ParamSpec((d,), w, ("head_dim",), "ones")
+        specs["k_norm"] = ParamSpec((d,), w, ("head_dim",), "ones")
+    specs.update(FFN_BLOCKS[cfg.layer(layer).ffn].specs(cfg))
+    if cfg.weight_format is not None:
+        fmt = WEIGHT_FORMATS[cfg.weight_format]
+        specs = {k: formatted_spec(fmt, s) if s.in_dims else s for k, s in specs.items()}
     return specs
 
 
-def param_specs(cfg: ModelConfig) -> Params:
-    """The whole parameter tree as ParamSpecs.
+def formatted_spec(fmt, spec: ParamSpec) -> QuantizedWeight:
+    """The spec of linear weight `spec` stored in format `fmt`: a QuantizedWeight of ParamSpecs."""
+    return QuantizedWeight(fmt.part_specs(spec), fmt, spec.in_dims)
 
-    `layers` is a tuple of per-layer dicts for `layer_loop="unrolled"` and one dict of arrays with
-    a leading "layers" axis for `layer_loop="scan"` (see `dense.apply_layers`).
-    """
+
+def param_specs(cfg: ModelConfig) -> Params:
+    """The whole parameter tree as ParamSpecs; `layers` is a tuple of per-layer dicts."""
     e, v = cfg.hidden_size, cfg.vocab_size
-    one = layer_specs(cfg)
-    if cfg.layer_loop == "scan":
-        layers: Any = {
-            k: ParamSpec((cfg.num_layers, *s.shape), s.dtype, ("layers", *s.axes), s.init, s.scale)
-            for k, s in one.items()
-        }
-    else:
-        layers = tuple(dict(one) for _ in range(cfg.num_layers))
     tree: Params = {
         # Tied: the embedding is also the output head, so scale it like one (logits O(1)).
         "embed": ParamSpec(
@@ -106,18 +112,27 @@ def param_specs(cfg: ModelConfig) -> Params:
             "normal",
             1.0 / math.sqrt(e) if cfg.tie_word_embeddings else 1.0,
         ),
-        "layers": layers,
+        "layers": tuple(layer_specs(cfg, i) for i in range(cfg.num_layers)),
         "final_norm": ParamSpec((e,), cfg.jnp_param_dtype, ("embed",), "ones"),
     }
     if not cfg.tie_word_embeddings:
-        tree["lm_head"] = ParamSpec(
-            (e, v), cfg.jnp_param_dtype, ("embed", "vocab"), "normal", 1.0 / math.sqrt(e)
-        )
+        tree["lm_head"] = linear_spec((e, v), cfg.jnp_param_dtype, ("embed", "vocab"))
     return tree
 
 
 def num_params(cfg: ModelConfig) -> int:
-    return sum(math.prod(s.shape) for s in jax.tree.leaves(param_specs(cfg), is_leaf=is_spec))
+    """Parameters of the model's logical weights (a formatted weight counts its logical shape)."""
+    return num_params_of(param_specs(cfg.replace(weight_format=None)))
+
+
+def num_params_of(specs: Any) -> int:
+    return sum(math.prod(s.shape) for s in jax.tree.leaves(specs, is_leaf=is_spec))
+
+
+def param_bytes(cfg: ModelConfig) -> int:
+    """Device bytes of the stored params (every array of a formatted weight counted)."""
+    specs = jax.tree.leaves(param_specs(cfg), is_leaf=is_spec)
+    return sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in specs)
 
 
 def abstract_params(cfg: ModelConfig, mesh=None, rules=DEFAULT_RULES) -> Params:
@@ -131,9 +146,13 @@ def abstract_params(cfg: ModelConfig, mesh=None, rules=DEFAULT_RULES) -> Params:
 
 
 def param_shardings(cfg: ModelConfig, mesh, rules=DEFAULT_RULES) -> Params:
-    return jax.tree.map(
-        lambda s: named_sharding(mesh, s.axes, s.shape, rules), param_specs(cfg), is_leaf=is_spec
-    )
+    return spec_shardings(param_specs(cfg), mesh, rules)
+
+
+def spec_shardings(specs: Any, mesh, rules=DEFAULT_RULES) -> Any:
+    """NamedShardings of a tree of ParamSpecs (one per array, from its logical axes)."""
+    return jax.tree.map(lambda s: named_sharding(mesh, s.axes, s.shape, rules), specs,
+                        is_leaf=is_spec)  # fmt: skip
 
 
 def _init_leaf(key: jax.Array, spec: ParamSpec) -> jax.Array:
@@ -155,26 +174,25 @@ def _init_tree(specs: Any, key: jax.Array) -> Any:
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, mesh=None, rules=DEFAULT_RULES) -> Params:
-    """Random parameters created directly on the device(s), with no host copy.
+    """Random parameters created directly on the device(s) (placed on `mesh`), no host copy.
 
-    With per-layer storage, one jitted layer initialiser is reused for every layer (layer i gets
-    `fold_in(key, i)`), so compile time does not grow with depth: a single program for all of an
-    8B model's 290 weights took 84 s to compile on the H200 (`layer_loop.json`).
+    Layer i gets `fold_in(key, i)`, and one jitted initialiser serves every layer of the same
+    spec, so compile time does not grow with depth (one program for all of an 8B model's weights
+    compiled for minutes: `experiments/results/h200/layer_loop.json`).
     """
     specs = param_specs(cfg)
-    shardings = param_shardings(cfg, mesh, rules) if mesh is not None else None
     top_specs = {k: v for k, v in specs.items() if k != "layers"}
-    top_shardings = None if shardings is None else {k: shardings[k] for k in top_specs}
     k_top, k_layers = jax.random.split(key)
+    top_shardings = None if mesh is None else spec_shardings(top_specs, mesh, rules)
     params = jax.jit(partial(_init_tree, top_specs), out_shardings=top_shardings)(k_top)
-    if cfg.layer_loop == "scan":
-        layer_shardings = None if shardings is None else shardings["layers"]
-        init = jax.jit(partial(_init_tree, specs["layers"]), out_shardings=layer_shardings)
-        params["layers"] = init(k_layers)
-    else:
-        layer_shardings = None if shardings is None else shardings["layers"][0]
-        init = jax.jit(partial(_init_tree, specs["layers"][0]), out_shardings=layer_shardings)
-        params["layers"] = tuple(
-            init(jax.random.fold_in(k_layers, i)) for i in range(cfg.num_layers)
-        )
+    inits: dict[Any, Any] = {}  # one compiled initialiser per distinct layer spec
+    layers = []
+    for i, layer in enumerate(specs["layers"]):
+        flat, treedef = jax.tree.flatten(layer, is_leaf=is_spec)
+        sig = (treedef, tuple(flat))
+        if sig not in inits:
+            shardings = None if mesh is None else spec_shardings(layer, mesh, rules)
+            inits[sig] = jax.jit(partial(_init_tree, layer), out_shardings=shardings)
+        layers.append(inits[sig](jax.random.fold_in(k_layers, i)))
+    params["layers"] = tuple(layers)
     return params

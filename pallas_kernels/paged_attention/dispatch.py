@@ -16,24 +16,25 @@ from pallas_kernels.paged_attention.reference import ragged_paged_attention
 
 BACKENDS = ("auto", "xla", "pallas", "cudnn")
 # Tuning keywords of the Pallas kernel (`mosaic_gpu.ragged_paged_attention_mgpu`); other backends
-# ignore them.
+# ignore them. Options measured on the H200 and removed: docs/performance.md, "Kernel options
+# measured and removed".
 KERNEL_OPTIONS = ("split_decode_rows", "num_splits", "num_stages", "warp_specialized", "block_kv",
-                  "num_consumers", "fp8_load", "token_major_decode", "prefetch_page_ids",
-                  "persistent", "early_exit", "dynamic_splits", "early_k_refill",
-                  "fused_kv_write")  # fmt: skip
+                  "num_consumers", "token_major_decode", "fused_kv_write")  # fmt: skip
 # Options the caller acts on, not the kernel: `fused_kv_write` (true, false or a token limit) lets
 # a decode step's kernel write the new K/V itself (`new_kv`) instead of an XLA scatter before it
 # (jaxinfer.models.attention.write_kv_and_attend).
 CALLER_OPTIONS = ("fused_kv_write",)
 
 
-def resolve_backend(backend: str, q=None, k_pages=None) -> str:
-    """The backend `backend` stands for here (`auto` looks at the device and, given, the shapes)."""
+def resolve_backend(backend: str, q=None, k_pages=None, device: jax.Device | None = None) -> str:
+    """The backend `backend` stands for on `device` (default: the default device); `auto` looks
+    at the device and, given, the shapes."""
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
     if backend != "auto":
         return backend
-    if jax.default_backend() != "gpu":
+    platform = jax.default_backend() if device is None else device.platform
+    if platform != "gpu":
         return "xla"
     if q is not None and k_pages is not None:
         from pallas_kernels.paged_attention.mosaic_gpu import unsupported_reason
@@ -61,6 +62,7 @@ def paged_attention(
     v_page_offset: int = 0,
     backend: str = "auto",
     new_kv: tuple[jax.Array, jax.Array] | None = None,
+    device: jax.Device | None = None,
     **kernel_options,
 ) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array]:
     """Ragged paged attention (see `reference.ragged_paged_attention` for the layout).
@@ -68,11 +70,13 @@ def paged_attention(
     `k_scales`/`v_scales`: [num_pages, Hkv] float32 dequantization scales when the pages are FP8.
     `v_page_offset` (static): V's page ids are K's plus this (K and V sharing one pool).
     `kernel_options` go to the Pallas kernel (e.g. `num_splits`, `interpret`).
+    `device` (static): the device the call runs on, for `auto` and the kernel's defaults (None:
+    the default backend's first device).
     `new_kv` = (k, v) [T, Hkv, D]: the Pallas kernel writes this step's K/V into the pages itself
     and the call returns (out, k_pages, v_pages) (see `ragged_paged_attention_mgpu`; other
     backends need the K/V written before the call).
     """
-    backend = resolve_backend(backend, q, k_pages)
+    backend = resolve_backend(backend, q, k_pages, device)
     if new_kv is not None and backend != "pallas":
         raise ValueError(
             f"new_kv: only the pallas backend writes K/V in the kernel, not {backend!r}"
@@ -89,7 +93,8 @@ def paged_attention(
 
         return ragged_paged_attention_mgpu(
             q, k_pages, v_pages, page_table, seq_lens, query_start_loc,
-            k_scales=k_scales, v_scales=v_scales, new_kv=new_kv, **common, **kernel_options,
+            k_scales=k_scales, v_scales=v_scales, new_kv=new_kv, device=device, **common,
+            **kernel_options,
         )  # fmt: skip
     from pallas_kernels.paged_attention.cudnn import cudnn_paged_attention
 

@@ -46,7 +46,8 @@ How the work is cut
   bytes), converted to bf16 in shared memory, and the scales are applied to the columns of the
   scores (K) and of the probabilities (V), so dequantization is one multiply per score.
 
-Pipelines (defaults chosen on the H200 probe runs, `experiments/scratch/probe_pa.py`):
+Pipelines (defaults chosen on the H200 design probes, `experiments/results/h200/
+paged_attention_probe{1,2}.json`):
 - bf16 decode: one warpgroup that both issues the TMA copies and computes, 2 stages: 80 KB of
   shared memory, so two programs share an SM and one computes while the other waits (3.48 TB/s at
   B64 L2048 against 2.69 with 3 stages, one program per SM; a warp-specialised producer gave 3.30).
@@ -61,7 +62,21 @@ TB/s of K/V read, ours / cuDNN paged in the same run): B64 L2048 3.46 / 3.26; B1
 bf16's 0.155 ms: the shared-memory fp8 -> f16 round trip, not HBM, is the limit); causal prefill
 4 x 4096: 405 TFLOP/s (cuDNN dense 470, jax's `attention_mgpu` 472 on contiguous f16 K/V). A mixed
 step (`mixed_attention.json`: 500 decode rows, 12 prompt chunks): 0.238 ms with the decode launch,
-0.409 ms without it.
+0.409 ms without it. Variants measured and removed (a persistent launch, per-call split counts,
+early K refills, page ids read ahead, early exit; an fp8 load through the 8-bit wgmma layout,
+never timed): `docs/performance.md`, "Kernel options measured and removed".
+
+Reading the kernel
+------------------
+`ragged_paged_attention_mgpu` lays the queries out, plans the launches (`_plan`, `_query_blocks`)
+and gathers or combines their outputs (`_launch`). The kernel itself (`_build_kernel`) is one
+program per (query block, KV head, context split), in stages: `_unpack_refs` names the refs,
+`_block` reads the block's metadata and its share of tiles, `_issue_k`/`_issue_v` copy a tile's
+pages (the first `num_stages` in `_issue_first_tiles`, refills after a tile is consumed),
+`_consumer` runs a warpgroup's query rows over the tiles (`_consumer_step`: scores, online softmax,
+P @ V), `_producer` (warp-specialised pipelines) keeps the copies in flight and, for fp8,
+`_converting_producer` hands f16 tiles over; `_store_split_outputs` / `_store_token_major` write
+the outputs, `_load_new_kv` / `_write_new_kv` the step's K/V.
 
 The Pallas Triton backend is not used (deprecated from jax 0.11). On CPU the kernel runs under jax's
 GPU interpreter (`interpret=True`), which is how the tests check it against the reference.
@@ -96,14 +111,6 @@ def default_num_splits(num_programs: int, max_tiles: int, sms: int) -> int:
     if num_programs >= sms:
         return 1
     return max(1, min(max_tiles, -(-2 * sms // num_programs)))
-
-
-def dynamic_num_splits(num_active, num_kv_heads: int, cap: int, sms: int):
-    """Splits each block uses when `dynamic_splits` is on: as many as fit one wave of two programs
-    per SM over the blocks that have queries (`num_active`, a traced count), rounded down (a
-    launch of 1.2 waves runs its last 0.2 as a second wave), between 1 and the launch's `cap`."""
-    per_wave = 2 * sms // num_kv_heads
-    return jnp.clip(per_wave // jnp.maximum(num_active, 1), 1, cap).astype(jnp.int32)
 
 
 def _apply_soft_cap(s, soft_cap):
@@ -173,17 +180,12 @@ def ragged_paged_attention_mgpu(
     warp_specialized: bool | None = None,
     block_kv: int | None = None,
     num_consumers: int | None = None,
-    fp8_load: str = "default",
     split_decode_rows: bool = True,
     token_major_decode: bool = True,
-    prefetch_page_ids: bool = False,
-    persistent: int = 0,
-    early_exit: bool = False,
-    dynamic_splits: bool = False,
-    early_k_refill: bool = False,
     v_page_offset: int = 0,
     new_kv: tuple[jax.Array, jax.Array] | None = None,
     interpret: bool | None = None,
+    device: jax.Device | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array]:
     """Same contract as `reference.ragged_paged_attention` (`v_page_offset` included); returns
     [T, Hq, D] in q.dtype.
@@ -197,27 +199,9 @@ def ragged_paged_attention_mgpu(
     to the prefill part only). `token_major_decode` lets a decode-only batch (`max_q_len == 1`,
     no more tokens than sequences) with one context split write its outputs in token order from
     the kernel (False: through the per-block layout and a gather, as other batches).
-    `prefetch_page_ids` reads a refill's page ids from the page table a tile before the refill is
-    issued, instead of right before its copies (off: no faster on the H200,
-    `e2e_llama3_8b_prefetch_page_ids.json`). `persistent` = n > 0 serves a decode-only batch that has one
-    context split (and no `new_kv`, bf16 pages) with n programs per SM that each stream several
-    (block, KV head) items, their K/V pipeline running on across items (`persistent.py`); 0: one
-    program per item. `early_exit`: a program's last output stores are waited for only until
-    they have read shared memory (the kernel's end still orders them before any later reader),
-    so the SM takes its next program sooner. `dynamic_splits` (decode blocks with the default
-    split count): the launch keeps that count as its grid, but each block uses only as many
-    splits as fit one wave for the blocks that have queries at run time (`dynamic_num_splits`);
-    the rest find no tiles and add nothing. A decode bucket of 8 rows then runs 4 splits with 8
-    sequences and 5 with one, where the static count gives 5 to both: on the H200 (8B, batch 8 x
-    2048) 4 splits were 2.5% faster per step and 1 sequence was 1.0-1.2% slower with 4
-    (`e2e_llama3_8b_num_splits.json`). Off by default: on the GPU it was 1.3% faster at batch 8 x
-    2048 and within 0.5% elsewhere (`e2e_llama3_8b_dynamic_splits.json`). `early_k_refill`
-    (bf16 pages, one warpgroup without a producer: the decode default): a K slot is refilled as
-    soon as the scores of its tile are computed, before the softmax and the P @ V product, instead
-    of together with the V slot after them, so the next K copy starts about half a tile's work
-    earlier. Off by default: correct on the GPU but no faster, +0.1 to +0.6% per 8B decode step
-    at 9 of 10 rows (`ab_early_k_refill.json`). `interpret` runs the kernel under the GPU interpreter
-    (default: when there is no GPU).
+    `interpret` runs the kernel under the GPU interpreter (default: when `device` is not a GPU).
+    `device` (static): the device the kernel runs on, for that default and for the SM count the
+    default split count fills (None: `jax.devices()[0]`).
 
     `new_kv` = (k, v), each [T, Hkv, D]: this step's keys (rope applied) and values, which the
     kernel writes into the pages itself (decode-only batches, `fused_kv_write_reason`): token t of
@@ -237,12 +221,11 @@ def ragged_paged_attention_mgpu(
         if reason is not None:
             raise ValueError(f"new_kv (K/V written by the kernel): {reason}")
         _check_new_kv(new_kv, num_tokens, k_pages.shape)
-    if fp8_load not in ("default", "wgmma8"):
-        raise ValueError(f"fp8_load must be 'default' or 'wgmma8', got {fp8_load!r}")
     group = num_q_heads // num_kv_heads
     quantized = k_scales is not None
     scale = head_dim**-0.5 if sm_scale is None else float(sm_scale)
-    interpret = _compat.default_interpret() if interpret is None else interpret
+    interpret = _compat.default_interpret(device) if interpret is None else interpret
+    sms = _compat.num_sms(device)
     compute_dtype = jnp.float16 if quantized else jnp.bfloat16  # e4m3 converts only to f16
     # Rows per token in the query layout: its `group` query heads, then (new_kv) its key and value.
     stride = group + 2 if new_kv is not None else group
@@ -283,16 +266,13 @@ def ragged_paged_attention_mgpu(
     )
 
     launch = dict(num_kv_heads=num_kv_heads, group=group, kv_dtype=jnp.dtype(k_pages.dtype),
-                  soft_cap=soft_cap, sliding_window=sliding_window, fp8_load=fp8_load,
-                  v_page_offset=v_page_offset, prefetch_page_ids=bool(prefetch_page_ids),
-                  early_exit=bool(early_exit), early_k_refill=bool(early_k_refill),
-                  interpret=interpret)  # fmt: skip
-    dynamic = bool(dynamic_splits) and num_splits is None  # (an explicit count stays fixed)
+                  soft_cap=soft_cap, sliding_window=sliding_window, v_page_offset=v_page_offset,
+                  sms=sms, interpret=interpret)  # fmt: skip
     write_kv = new_kv is not None
     plan0, take0 = parts[0]
     num_seqs = q_lens.shape[0]
     if (plan0.decode and len(parts) == 1 and token_major_decode and num_tokens <= num_seqs
-            and _resolve_splits(plan0, num_seqs, num_kv_heads) == 1):  # fmt: skip
+            and _resolve_splits(plan0, num_seqs, num_kv_heads, sms) == 1):  # fmt: skip
         # One split: the kernel writes each token's rows in place ([T, Hq, D]) and the zeros of
         # the padding tokens, so no gather (an XLA fusion per layer) runs after it.
         meta, _ = _query_blocks(plan0, take0, q_lens, seq_lens, query_start_loc, num_tokens,
@@ -300,11 +280,6 @@ def ragged_paged_attention_mgpu(
         b = jnp.arange(num_seqs, dtype=jnp.int32)
         zero_row = jnp.where((b >= query_start_loc[-1]) & (b < num_tokens), b, -1)
         meta = jnp.concatenate([meta, zero_row[:, None]], axis=1)
-        if persistent_reason(plan0, persistent, k_pages.dtype, write_kv) is None:
-            out = _launch_persistent(plan0, meta, qt, page_table, k_pages, v_pages,
-                                     num_programs=int(persistent) * _compat.num_sms(),
-                                     num_tokens=num_tokens, **launch)  # fmt: skip
-            return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
         out = _launch(plan0, meta, qt, page_table, k_pages, v_pages, k_scales, v_scales,
                       token_major=num_tokens, write_kv=write_kv, **launch)  # fmt: skip
         if write_kv:
@@ -319,7 +294,7 @@ def ragged_paged_attention_mgpu(
         meta, first_blk = _query_blocks(plan, take, q_lens, seq_lens, query_start_loc, num_tokens,
                                         stride if plan.decode else group)  # fmt: skip
         ob = _launch(plan, meta, qt, page_table, k_pages, v_pages, k_scales, v_scales,
-                     write_kv=write_kv, dynamic_splits=dynamic and plan.decode, **launch)  # fmt: skip
+                     write_kv=write_kv, **launch)  # fmt: skip
         if write_kv:  # (decode-only: this is the one launch)
             ob, k_pages, v_pages = ob
         ob = ob.astype(q.dtype)
@@ -333,49 +308,6 @@ def ragged_paged_attention_mgpu(
         out = jnp.where(mine[:, None, None, None], vals, out)
     out = out.reshape(num_tokens, num_q_heads, head_dim)
     return (out, k_pages, v_pages) if write_kv else out
-
-
-def persistent_reason(plan, persistent, kv_dtype, write_kv) -> str | None:
-    """Why a token-major decode launch does not run persistent (None when it does)."""
-    if not persistent:
-        return "persistent=0"
-    if write_kv:
-        return "the kernel writes the new K/V (new_kv): one program per item"
-    if jnp.dtype(kv_dtype) != jnp.dtype(jnp.bfloat16):
-        return "bf16 pages only"
-    if plan.warp_specialized or plan.consumers != 1:
-        return "the single-warpgroup decode pipeline only"
-    return None
-
-
-def _launch_persistent(plan, meta, qt, page_table, k_pages, v_pages, *, num_programs, num_tokens,
-                       num_kv_heads, group, soft_cap, sliding_window, v_page_offset, interpret,
-                       **_):  # fmt: skip
-    """The token-major decode launch of `persistent.py`: [T * Hq, D] outputs."""
-    from pallas_kernels.paged_attention.persistent import (
-        build_persistent_decode_kernel,
-        work_list,
-    )
-
-    num_blocks = meta.shape[0]
-    kernel = build_persistent_decode_kernel(
-        num_programs=max(1, min(int(num_programs), num_blocks * num_kv_heads)),
-        num_blocks=num_blocks,
-        num_kv_heads=num_kv_heads,
-        num_tokens=num_tokens,
-        q_rows=plan.q_rows,
-        group=group,
-        head_dim=qt.shape[-1],
-        page_size=k_pages.shape[1],
-        num_stages=plan.num_stages,
-        block_kv=plan.block_kv,
-        soft_cap=None if soft_cap is None else float(soft_cap),
-        sliding_window=None if sliding_window is None else int(sliding_window),
-        v_page_offset=v_page_offset,
-        interpret=interpret,
-    )
-    (out,) = kernel(meta, work_list(meta), page_table.astype(jnp.int32), qt, k_pages, v_pages)
-    return out
 
 
 def fused_kv_write_reason(max_q_len: int, kv_dtype, warp_specialized: bool | None = None,
@@ -479,19 +411,17 @@ def _query_blocks(plan, take, q_lens, seq_lens, query_start_loc, num_tokens, gro
     return meta.astype(jnp.int32), first_blk
 
 
-def _resolve_splits(plan, num_blocks, num_kv_heads) -> int:
-    """Context splits of a launch of `plan` over `num_blocks` query blocks."""
+def _resolve_splits(plan, num_blocks, num_kv_heads, sms) -> int:
+    """Context splits of a launch of `plan` over `num_blocks` query blocks on `sms` SMs."""
     num_splits = plan.num_splits
     if num_splits is None:
-        num_splits = default_num_splits(num_blocks * num_kv_heads, plan.max_tiles,
-                                        _compat.num_sms())  # fmt: skip
+        num_splits = default_num_splits(num_blocks * num_kv_heads, plan.max_tiles, sms)
     return max(1, min(int(num_splits), plan.max_tiles))
 
 
 def _launch(plan, meta, qt, page_table, k_pages, v_pages, k_scales, v_scales, *, num_kv_heads,
-            group, kv_dtype, soft_cap, sliding_window, fp8_load, v_page_offset, interpret,
-            token_major=0, write_kv=False, prefetch_page_ids=False, early_exit=False,
-            dynamic_splits=False, early_k_refill=False):  # fmt: skip
+            group, kv_dtype, soft_cap, sliding_window, v_page_offset, sms, interpret,
+            token_major=0, write_kv=False):  # fmt: skip
     """One kernel launch over `meta`'s blocks; returns [nb, Hkv, q_rows, D] (splits combined), or
     with `token_major` = T (decode blocks, one split) the outputs in token order, [T * Hq, D].
     With `write_kv` the kernel also writes each token's K/V rows (the query layout's rows `group`
@@ -499,16 +429,10 @@ def _launch(plan, meta, qt, page_table, k_pages, v_pages, k_scales, v_scales, *,
     num_blocks = meta.shape[0]
     head_dim = qt.shape[-1]
     quantized = k_scales is not None
-    num_splits = _resolve_splits(plan, num_blocks, num_kv_heads)
+    num_splits = _resolve_splits(plan, num_blocks, num_kv_heads, sms)
     shared_pages = write_kv and k_pages is v_pages
     if token_major and (num_splits != 1 or not plan.decode):
         raise ValueError("token-major outputs need decode blocks and one split")
-    splits_col = None
-    if dynamic_splits and num_splits > 1:  # each block's split count, a column of its metadata
-        active = jnp.sum(meta[:, 2] > 0)
-        used = dynamic_num_splits(active, num_kv_heads, num_splits, _compat.num_sms())
-        splits_col = meta.shape[1]
-        meta = jnp.concatenate([meta, jnp.broadcast_to(used, (num_blocks, 1))], axis=1)
     kernel = _build_kernel(
         num_blocks=num_blocks,
         num_kv_heads=num_kv_heads,
@@ -525,13 +449,8 @@ def _launch(plan, meta, qt, page_table, k_pages, v_pages, k_scales, v_scales, *,
         warp_specialized=plan.warp_specialized,
         block_kv=plan.block_kv,
         consumers=plan.consumers,
-        fp8_load=fp8_load,
         v_page_offset=v_page_offset,
-        prefetch_page_ids=prefetch_page_ids,
-        early_exit=early_exit,
-        early_k_refill=early_k_refill,
         token_major=token_major,
-        splits_col=splits_col,
         row_stride=plan.row_stride,
         write_kv=write_kv,
         shared_pages=shared_pages,
@@ -610,489 +529,629 @@ def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, k_
         raise NotImplementedError(reason)
 
 
-@functools.cache
-def _build_kernel(
-    *,
-    num_blocks,
-    num_kv_heads,
-    num_splits,
-    q_rows,
-    group,
-    head_dim,
-    page_size,
-    num_stages,
-    kv_dtype,
-    quantized,
-    soft_cap,
-    sliding_window,
-    warp_specialized,
-    block_kv,
-    consumers,
-    fp8_load,
-    v_page_offset,
-    prefetch_page_ids,
-    early_exit,
-    early_k_refill,
-    token_major,
-    splits_col,
-    row_stride,
-    write_kv,
-    shared_pages,
-    interpret,
-):
-    if write_kv and (warp_specialized or quantized or consumers != 1):
-        raise ValueError("the kernel writes new K/V only in the single-warpgroup bf16 decode")
-    bk = block_kv
-    num_q_heads = num_kv_heads * group
-    # K's refill right after its scores (bf16, no producer warpgroup: else the option is moot)
-    early_k = bool(early_k_refill) and not warp_specialized and not quantized
-    # FP8 with a producer warpgroup: it also converts tiles to f16, off the consumer's path.
-    convert_in_producer = quantized and warp_specialized
-    conv_stages = 2 if head_dim <= 128 else 1  # f16 copies of head dim 256 tiles are big
-    copies = max(1, bk // page_size)  # TMA copies (pages) per tile
-    # Hopper converts e4m3 only to f16 in hardware: FP8 tiles are computed in f16.
-    cdt = jnp.float16 if quantized else jnp.bfloat16
-    wgmma_layout = plgpu.Layout.WGMMA
+# ---- The kernel: one program per (query block, KV head, context split), in named stages.
 
-    def cast(x, layout):  # register layouts mean nothing to the GPU interpreter
-        return x if interpret else plgpu.layout_cast(x, layout)
 
-    mma = functools.partial(wgmma_dot, interpret=interpret)
+class _Launch(NamedTuple):
+    """The static shape of one launch (`_build_kernel`'s arguments) and what follows from it."""
 
-    def iota(shape, dim):
-        return cast(lax.broadcasted_iota(jnp.int32, shape, dim), wgmma_layout)
+    num_blocks: int
+    num_kv_heads: int
+    num_splits: int
+    q_rows: int
+    group: int
+    head_dim: int
+    page_size: int
+    num_stages: int
+    kv_dtype: jnp.dtype
+    quantized: bool
+    soft_cap: float | None
+    sliding_window: int | None
+    warp_specialized: bool
+    block_kv: int
+    consumers: int
+    v_page_offset: int
+    token_major: int  # T: decode outputs written in token order, [T * Hq, D]; 0: per block
+    row_stride: int
+    write_kv: bool
+    shared_pages: bool  # one pages ref serves K and V
+    interpret: bool
 
-    def load_fp8(ref):
-        """An fp8 tile into registers. `fp8_load="wgmma8"` loads in the 8-bit wgmma layout (4-byte
-        shared-memory accesses) and shuffles once to the wgmma layout; the default lets Mosaic load
-        straight into the wgmma layout (2-byte accesses). Not yet compared on the GPU."""
-        if interpret or fp8_load == "default":
-            return ref[...]
-        x = plgpu.load(ref, (), layout=plgpu.Layout.WGMMA_8BIT)
-        return plgpu.layout_cast(x, wgmma_layout)
+    @property
+    def num_q_heads(self) -> int:
+        return self.num_kv_heads * self.group
 
-    def convert_v(v8_ref, base, kv_len):
-        """An fp8 V tile as f16, rows past the sequence zeroed (they may hold NaN)."""
-        v = load_fp8(v8_ref).astype(cdt)
-        row = iota((bk, head_dim), 0)
-        return jnp.where(base + row < kv_len, v, jnp.zeros_like(v))
+    @property
+    def copies(self) -> int:  # TMA copies (pages) per tile
+        return max(1, self.block_kv // self.page_size)
 
-    def body(*refs):
-        # inputs and outputs; one pages ref serves K and V when they share it (`shared_pages`)
-        n_in = (9 if quantized else 7) - (1 if token_major else 0) - (1 if shared_pages else 0)
-        ins, scratch = refs[:n_in], refs[n_in:]
-        if shared_pages:  # the same pages ref for K and V
-            k_at = 5 if quantized else 3
-            ins = (*ins[: k_at + 1], ins[k_at], *ins[k_at + 1 :])
-        if token_major:  # no log-sum-exp output
-            ins = (*ins, None)
-        o_smem = kvn_smem = None
-        if write_kv:  # unswizzled: the token's new K and V rows (loaded at any row offset)
-            *scratch, kvn_smem = scratch
-        if token_major:  # an unswizzled buffer stages rows written at any offset
-            *scratch, o_smem = scratch
-        if quantized:
-            meta_ref, pt_ref, ks_ref, vs_ref, q_ref, k_ref, v_ref, o_ref, lse_ref = ins
-            q_smem, k_smem, v_smem, kc_smem, vc_smem, lse_smem, *bars = scratch
-        else:
-            meta_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref = ins
-            q_smem, k_smem, v_smem, lse_smem, *bars = scratch
-            ks_ref = vs_ref = kc_smem = vc_smem = None
-        q_bar, k_bar, v_bar, *ws_bars = bars
-        k_free = v_free = kc_full = vc_full = None
-        if convert_in_producer:
-            kc_full, vc_full, k_free, v_free = ws_bars  # the frees guard the f16 buffers
-        elif warp_specialized:
-            k_free, v_free = ws_bars
+    @property
+    def cdt(self):  # Hopper converts e4m3 only to f16 in hardware: FP8 tiles are computed in f16
+        return jnp.float16 if self.quantized else jnp.bfloat16
 
-        blk = lax.axis_index("blk")
-        head = lax.axis_index("head")
-        split = lax.axis_index("split")
-        seq = meta_ref[blk, 0]
-        q_pos0 = meta_ref[blk, 1]
-        n_valid = meta_ref[blk, 2]
-        kv_len = meta_ref[blk, 3]
-        q_row0 = meta_ref[blk, 4]  # 8-aligned row of the token-major queries the block loads
-        shift = meta_ref[blk, 5]  # block row of its first query (row r is token (r-shift)//group)
+    @property
+    def convert_in_producer(self) -> bool:
+        """FP8 with a producer warpgroup: it also converts tiles to f16, off the consumer's path."""
+        return self.quantized and self.warp_specialized
 
-        t_lo, t_hi = _kv_tile_range(q_pos0, n_valid, kv_len, bk, sliding_window)
-        if splits_col is None:  # tiles per split: all of the launch's splits share the tiles
-            per = lax.div(t_hi - t_lo + num_splits - 1, jnp.int32(num_splits))
-        else:  # (dynamic) the block's metadata says how many share them; later ones find none
-            used = meta_ref[blk, splits_col]
-            per = lax.div(t_hi - t_lo + used - 1, used)
-        my_lo = t_lo + split * per
-        n_tiles = jnp.maximum(jnp.minimum(t_hi, my_lo + per) - my_lo, 0)
-        last_page = jnp.maximum(lax.div(kv_len - 1, jnp.int32(page_size)), 0)
-        # With `write_kv`, the split whose tiles end at the block's query (decode: the new token)
-        # writes that token's K/V: the only block that reads the tile holding it.
-        writer = (n_valid > 0) & (n_tiles > 0) & (my_lo + n_tiles == t_hi) if write_kv else None
+    @property
+    def conv_stages(self) -> int:  # f16 copies of head dim 256 tiles are big
+        return 2 if self.head_dim <= 128 else 1
 
-        def page_of(tile, c, offset=0):
-            """Page holding copy `c` of `tile` (clamped to the sequence's last page) plus `offset`
-            (`v_page_offset` for V's page)."""
-            idx = lax.div(tile * bk + c * page_size, jnp.int32(page_size))
-            page = pt_ref[seq, jnp.minimum(idx, last_page)]
-            return page + offset if offset else page
 
-        def pages_of(i):
-            """K's page of each copy of local tile `i`, read from the page table now (with
-            `prefetch_page_ids` a refill reads them a tile ahead, off its critical path)."""
-            return [page_of(my_lo + i, c) for c in range(copies)]
+class _Refs(NamedTuple):
+    """A program's refs: global memory (inputs, outputs), then shared memory and barriers; None
+    where the launch has none (scales and f16 buffers without fp8, `lse` with token-major
+    outputs, `o_smem` without them, `kvn_smem` without `write_kv`, the frees and fulls without a
+    producer warpgroup)."""
 
-        def issue_k(i, slot, pages=None):
-            pages = pages_of(i) if pages is None else pages
-            for c in range(copies):
-                _copy(k_ref, k_smem, k_bar, my_lo + i, c, slot, pages[c])
+    meta: object  # [nb, 6 (+1: token-major's padding row)] block metadata (`_query_blocks`)
+    pt: object  # page table
+    ks: object  # fp8 pages' scales, [num_pages, Hkv]: K's, V's
+    vs: object
+    q: object  # [Hkv, rows, D] queries in the token-major layout
+    k: object  # pages, [num_pages, page_size, Hkv, D] (K's and V's: one ref with shared_pages)
+    v: object
+    o: object
+    lse: object
+    q_smem: object  # [consumers, 64, D]: queries, later the staged output
+    k_smem: object  # [num_stages, bk, D] K/V tiles as copied
+    v_smem: object
+    kc_smem: object  # f16 copies of fp8 tiles
+    vc_smem: object
+    lse_smem: object
+    o_smem: object  # token-major: unswizzled output stage (rows at any offset)
+    kvn_smem: object  # write_kv: the token's new K and V rows
+    q_bar: object  # queries (one per consumer), then the new K/V rows
+    k_bar: object  # a tile's copies landed
+    v_bar: object
+    k_free: object  # a consumer is done with a slot (producer warpgroup)
+    v_free: object
+    kc_full: object  # an f16 tile is ready (converting producer)
+    vc_full: object
 
-        def issue_v(i, slot, pages=None):
-            pages = pages_of(i) if pages is None else pages
-            for c in range(copies):
-                _copy(v_ref, v_smem, v_bar, my_lo + i, c, slot, pages[c] + v_page_offset)
 
-        def _copy(src, dst, bar, tile, c, slot, page):
-            if page_size > bk:  # a tile is a slice of one page
-                off = pl.multiple_of(lax.rem(tile * bk, jnp.int32(page_size)), bk)
-                src_ref = src.at[page, pl.ds(off, bk), head]
-            else:
-                src_ref = src.at[page, :, head]
-            dst_ref = dst.at[slot] if copies == 1 else dst.at[slot, pl.ds(c * page_size, page_size)]
-            plgpu.copy_gmem_to_smem(src_ref, dst_ref, bar.at[slot])
+class _Block(NamedTuple):
+    """What one program works on: the launch, its refs, and the block's scalars."""
 
-        def producer_prologue(defer_last=False):
-            """The first `num_stages` tiles; `defer_last`: not the block's last tile (a writer
-            block issues it once its new K/V rows have landed)."""
-            for st in range(num_stages):
-                issue = st < n_tiles
-                if defer_last is not False:
-                    issue = issue & jnp.logical_not(defer_last & (st == n_tiles - 1))
+    cfg: _Launch
+    refs: _Refs
+    blk: jax.Array
+    head: jax.Array
+    split: jax.Array
+    seq: jax.Array
+    q_pos0: jax.Array  # position of the block's first query
+    n_valid: jax.Array  # queries in the block (0: a block past the real ones, which does nothing)
+    kv_len: jax.Array
+    q_row0: jax.Array  # 8-aligned row of the token-major queries the block loads
+    shift: jax.Array  # block row of its first query (row r is token (r - shift) // group)
+    my_lo: jax.Array  # this split's first tile
+    n_tiles: jax.Array  # and how many it reads
+    last_page: jax.Array  # the sequence's last page index (page-table reads are clamped to it)
+    writer: jax.Array | None  # write_kv: this program writes the token's new K/V
 
-                @pl.when(issue)
-                def _(st=st):
-                    issue_k(st, st)
-                    issue_v(st, st)
 
-        def col_scales(scale_ref, tile, shape, offset):
-            """Per-column dequantization scales of a tile: one scalar per page it spans."""
-            out = cast(
-                jnp.full(shape, scale_ref[page_of(tile, 0, offset), head], jnp.float32),
-                wgmma_layout,
-            )
-            if copies > 1:
-                cols = iota(shape, 1)
-                for c in range(1, copies):
-                    page = page_of(tile, c, offset)
-                    out = jnp.where(cols >= c * page_size, scale_ref[page, head], out)
-            return out
+def _cast(cfg, x, layout):  # register layouts mean nothing to the GPU interpreter
+    return x if cfg.interpret else plgpu.layout_cast(x, layout)
 
-        def wait_for_new_kv(i):
-            """A writer's new K/V rows land before its last tile (which holds them) loads."""
-            if write_kv:
 
-                @pl.when(writer & (i + num_stages == n_tiles - 1))
-                def _():
-                    plgpu.wait_smem_to_gmem(0)
+def _iota(cfg, shape, dim):
+    return _cast(cfg, lax.broadcasted_iota(jnp.int32, shape, dim), plgpu.Layout.WGMMA)
 
-        def make_step(w, masked):
-            q_w = q_smem.at[w]
-            r0 = w * ROWS  # this consumer's first query row in the block
 
-            def kv_step(i, carry):
-                acc, m_i, l_i = carry
-                slot = lax.rem(i, jnp.int32(num_stages))
-                # the refill's page ids, read before this tile's work (clamped: always in range)
-                prefetch = prefetch_page_ids and not warp_specialized  # (else the producer's)
-                refill_pages = pages_of(i + num_stages) if prefetch else None
-                tile = my_lo + i
-                base = tile * bk
-                shape = (ROWS, bk)
-                vshape = (bk, head_dim)
+def _mma(cfg, a, b_ref, **kw):
+    return wgmma_dot(a, b_ref, interpret=cfg.interpret, **kw)
 
-                if convert_in_producer:  # the producer hands over f16 tiles
-                    cslot = lax.rem(i, jnp.int32(conv_stages))
-                    plgpu.barrier_wait(kc_full.at[cslot])
-                    s = mma(q_w, kc_smem.at[cslot], transpose_b=True)
-                    plgpu.barrier_arrive(k_free.at[cslot])
-                elif quantized:
-                    plgpu.barrier_wait(k_bar.at[slot])
-                    kc_smem[...] = load_fp8(k_smem.at[slot]).astype(cdt)
-                    plgpu.commit_smem()
-                    s = mma(q_w, kc_smem, transpose_b=True)
-                else:
-                    plgpu.barrier_wait(k_bar.at[slot])
-                    s = mma(q_w, k_smem.at[slot], transpose_b=True)  # [64, bk] scores, fp32
-                    if warp_specialized:
-                        plgpu.barrier_arrive(k_free.at[slot])
-                    if early_k:  # the scores are in registers: the K slot is free
 
-                        @pl.when(i + num_stages < n_tiles)
-                        def _refill_k():
-                            wait_for_new_kv(i)
-                            issue_k(i + num_stages, slot, refill_pages)
+def _unpack_refs(cfg: _Launch, refs) -> _Refs:
+    """The kernel's refs in the order `_build_kernel` declares them, named."""
+    n_in = (9 if cfg.quantized else 7) - (1 if cfg.token_major else 0)
+    n_in -= 1 if cfg.shared_pages else 0
+    ins, scratch = refs[:n_in], refs[n_in:]
+    if cfg.shared_pages:  # the same pages ref for K and V
+        k_at = 5 if cfg.quantized else 3
+        ins = (*ins[: k_at + 1], ins[k_at], *ins[k_at + 1 :])
+    if cfg.token_major:  # no log-sum-exp output
+        ins = (*ins, None)
+    o_smem = kvn_smem = None
+    if cfg.write_kv:
+        *scratch, kvn_smem = scratch
+    if cfg.token_major:
+        *scratch, o_smem = scratch
+    if cfg.quantized:
+        meta, pt, ks, vs, q, k, v, o, lse = ins
+        q_smem, k_smem, v_smem, kc_smem, vc_smem, lse_smem, *bars = scratch
+    else:
+        meta, pt, q, k, v, o, lse = ins
+        q_smem, k_smem, v_smem, lse_smem, *bars = scratch
+        ks = vs = kc_smem = vc_smem = None
+    q_bar, k_bar, v_bar, *ws_bars = bars
+    k_free = v_free = kc_full = vc_full = None
+    if cfg.convert_in_producer:
+        kc_full, vc_full, k_free, v_free = ws_bars  # the frees guard the f16 buffers
+    elif cfg.warp_specialized:
+        k_free, v_free = ws_bars
+    return _Refs(meta, pt, ks, vs, q, k, v, o, lse, q_smem, k_smem, v_smem, kc_smem, vc_smem,
+                 lse_smem, o_smem, kvn_smem, q_bar, k_bar, v_bar, k_free, v_free, kc_full,
+                 vc_full)  # fmt: skip
 
-                if quantized:
-                    s = s * col_scales(ks_ref, tile, shape, 0)
-                s = _apply_soft_cap(s, soft_cap)
-                mask = None  # a tile every row of this consumer sees in full
-                if masked:  # rows before `shift` are not queries
-                    mask = _causal_mask(iota, shape, row0=r0 - shift, base=base, q_pos0=q_pos0,
-                                        kv_len=kv_len, group=group,
-                                        sliding_window=sliding_window)  # fmt: skip
-                p, acc, m_new, l_i = _online_softmax(s, acc, m_i, l_i, mask)
-                if quantized:
-                    p = p * col_scales(vs_ref, tile, shape, v_page_offset)
-                p16 = p.astype(cdt)
 
-                if convert_in_producer:
-                    plgpu.barrier_wait(vc_full.at[cslot])
-                    acc = acc + mma(p16, vc_smem.at[cslot])
-                    plgpu.barrier_arrive(v_free.at[cslot])
-                elif quantized:
-                    plgpu.barrier_wait(v_bar.at[slot])
-                    vc_smem[...] = convert_v(v_smem.at[slot], base, kv_len)
-                    plgpu.commit_smem()
-                    acc = acc + mma(p16, vc_smem)
-                else:
-                    plgpu.barrier_wait(v_bar.at[slot])
-                    v_tile = v_smem.at[slot]
-                    if masked:
+def _block(cfg: _Launch, refs: _Refs) -> _Block:
+    """This program's block (its metadata row) and its split's share of the block's tiles."""
+    blk = lax.axis_index("blk")
+    head = lax.axis_index("head")
+    split = lax.axis_index("split")
+    meta = refs.meta
+    seq = meta[blk, 0]
+    q_pos0 = meta[blk, 1]
+    n_valid = meta[blk, 2]
+    kv_len = meta[blk, 3]
+    q_row0 = meta[blk, 4]
+    shift = meta[blk, 5]
+    bk = cfg.block_kv
+    t_lo, t_hi = _kv_tile_range(q_pos0, n_valid, kv_len, bk, cfg.sliding_window)
+    # tiles per split: all of the launch's splits share the block's tiles
+    per = lax.div(t_hi - t_lo + cfg.num_splits - 1, jnp.int32(cfg.num_splits))
+    my_lo = t_lo + split * per
+    n_tiles = jnp.maximum(jnp.minimum(t_hi, my_lo + per) - my_lo, 0)
+    last_page = jnp.maximum(lax.div(kv_len - 1, jnp.int32(cfg.page_size)), 0)
+    # With `write_kv`, the split whose tiles end at the block's query (decode: the new token)
+    # writes that token's K/V: the only block that reads the tile holding it.
+    writer = None
+    if cfg.write_kv:
+        writer = (n_valid > 0) & (n_tiles > 0) & (my_lo + n_tiles == t_hi)
+    return _Block(cfg, refs, blk, head, split, seq, q_pos0, n_valid, kv_len, q_row0, shift, my_lo,
+                  n_tiles, last_page, writer)  # fmt: skip
 
-                        @pl.when(base + bk > kv_len)
-                        def _zero_tail():  # slots past the sequence may hold anything, NaN included
-                            vrow = iota(vshape, 0)
-                            v = v_tile[...]
-                            v_tile[...] = jnp.where(base + vrow < kv_len, v, jnp.zeros_like(v))
-                            plgpu.commit_smem()
 
-                    acc = acc + mma(p16, v_tile)
-                    if warp_specialized:
-                        plgpu.barrier_arrive(v_free.at[slot])
+# ---- K/V copies: a tile is `copies` TMA copies (one per page), into slot `i % num_stages`.
 
-                if not warp_specialized:
 
-                    @pl.when(i + num_stages < n_tiles)
-                    def _refill():
-                        wait_for_new_kv(i)
-                        if not early_k:
-                            issue_k(i + num_stages, slot, refill_pages)
-                        issue_v(i + num_stages, slot, refill_pages)
+def _page_of(b: _Block, tile, c, offset=0):
+    """Page holding copy `c` of `tile` (clamped to the sequence's last page) plus `offset`
+    (`v_page_offset` for V's page)."""
+    page_size = b.cfg.page_size
+    idx = lax.div(tile * b.cfg.block_kv + c * page_size, jnp.int32(page_size))
+    page = b.refs.pt[b.seq, jnp.minimum(idx, b.last_page)]
+    return page + offset if offset else page
 
-                return acc, m_new, l_i
 
-            return kv_step
+def _pages_of(b: _Block, i):
+    """K's page of each copy of local tile `i`, read from the page table."""
+    return [_page_of(b, b.my_lo + i, c) for c in range(b.cfg.copies)]
 
-        def converting_producer():
-            """FP8: convert each landed tile to f16 for the consumer, then refill its fp8 slot."""
 
-            def step(i, carry):
-                slot = lax.rem(i, jnp.int32(num_stages))
-                cslot = lax.rem(i, jnp.int32(conv_stages))
-                base = (my_lo + i) * bk
-                plgpu.barrier_wait(k_bar.at[slot])
+def _issue_k(b: _Block, i, slot):
+    pages = _pages_of(b, i)
+    for c in range(b.cfg.copies):
+        _copy(b, b.refs.k, b.refs.k_smem, b.refs.k_bar, b.my_lo + i, c, slot, pages[c])
 
-                @pl.when(i >= conv_stages)
-                def _():
-                    plgpu.barrier_wait(k_free.at[cslot])
 
-                kc_smem[cslot] = load_fp8(k_smem.at[slot]).astype(cdt)
+def _issue_v(b: _Block, i, slot):
+    pages = _pages_of(b, i)
+    for c in range(b.cfg.copies):
+        _copy(b, b.refs.v, b.refs.v_smem, b.refs.v_bar, b.my_lo + i, c, slot,
+              pages[c] + b.cfg.v_page_offset)  # fmt: skip
+
+
+def _copy(b: _Block, src, dst, bar, tile, c, slot, page):
+    bk, page_size, copies = b.cfg.block_kv, b.cfg.page_size, b.cfg.copies
+    if page_size > bk:  # a tile is a slice of one page
+        off = pl.multiple_of(lax.rem(tile * bk, jnp.int32(page_size)), bk)
+        src_ref = src.at[page, pl.ds(off, bk), b.head]
+    else:
+        src_ref = src.at[page, :, b.head]
+    dst_ref = dst.at[slot] if copies == 1 else dst.at[slot, pl.ds(c * page_size, page_size)]
+    plgpu.copy_gmem_to_smem(src_ref, dst_ref, bar.at[slot])
+
+
+def _issue_first_tiles(b: _Block, defer_last=None):
+    """The pipeline's prologue: the first `num_stages` tiles. `defer_last` (a writer block's
+    flag): not the block's last tile, issued once its new K/V rows have landed."""
+    for st in range(b.cfg.num_stages):
+        issue = st < b.n_tiles
+        if defer_last is not None:
+            issue = issue & jnp.logical_not(defer_last & (st == b.n_tiles - 1))
+
+        @pl.when(issue)
+        def _(st=st):
+            _issue_k(b, st, st)
+            _issue_v(b, st, st)
+
+
+def _wait_for_new_kv(b: _Block, i):
+    """A writer's new K/V rows land before its last tile (which holds them) loads."""
+    if b.cfg.write_kv:
+
+        @pl.when(b.writer & (i + b.cfg.num_stages == b.n_tiles - 1))
+        def _():
+            plgpu.wait_smem_to_gmem(0)
+
+
+# ---- The consumer: a warpgroup's 64 query rows against every tile of the split.
+
+
+def _col_scales(b: _Block, scale_ref, tile, shape, offset):
+    """Per-column dequantization scales of a tile: one scalar per page it spans."""
+    cfg = b.cfg
+    page = _page_of(b, tile, 0, offset)
+    out = _cast(cfg, jnp.full(shape, scale_ref[page, b.head], jnp.float32), plgpu.Layout.WGMMA)
+    if cfg.copies > 1:
+        cols = _iota(cfg, shape, 1)
+        for c in range(1, cfg.copies):
+            page = _page_of(b, tile, c, offset)
+            out = jnp.where(cols >= c * cfg.page_size, scale_ref[page, b.head], out)
+    return out
+
+
+def _convert_v(b: _Block, v8_ref, base):
+    """An fp8 V tile as f16, rows past the sequence zeroed (they may hold NaN)."""
+    v = v8_ref[...].astype(b.cfg.cdt)
+    row = _iota(b.cfg, (b.cfg.block_kv, b.cfg.head_dim), 0)
+    return jnp.where(base + row < b.kv_len, v, jnp.zeros_like(v))
+
+
+def _tile_scores(b: _Block, q_w, slot, cslot):
+    """q_w @ K^T of the tile in `slot` ([64, bk] fp32), K's slot released once read."""
+    cfg, r = b.cfg, b.refs
+    if cfg.convert_in_producer:  # the producer hands over f16 tiles
+        plgpu.barrier_wait(r.kc_full.at[cslot])
+        s = _mma(cfg, q_w, r.kc_smem.at[cslot], transpose_b=True)
+        plgpu.barrier_arrive(r.k_free.at[cslot])
+    elif cfg.quantized:
+        plgpu.barrier_wait(r.k_bar.at[slot])
+        r.kc_smem[...] = r.k_smem.at[slot][...].astype(cfg.cdt)
+        plgpu.commit_smem()
+        s = _mma(cfg, q_w, r.kc_smem, transpose_b=True)
+    else:
+        plgpu.barrier_wait(r.k_bar.at[slot])
+        s = _mma(cfg, q_w, r.k_smem.at[slot], transpose_b=True)
+        if cfg.warp_specialized:
+            plgpu.barrier_arrive(r.k_free.at[slot])
+    return s
+
+
+def _add_pv(b: _Block, acc, p16, slot, cslot, base, masked):
+    """acc + P @ V of the tile in `slot`, V's slot released once read. Values past the sequence
+    are zeroed first: slots past it may hold anything, NaN included."""
+    cfg, r = b.cfg, b.refs
+    if cfg.convert_in_producer:
+        plgpu.barrier_wait(r.vc_full.at[cslot])
+        acc = acc + _mma(cfg, p16, r.vc_smem.at[cslot])
+        plgpu.barrier_arrive(r.v_free.at[cslot])
+    elif cfg.quantized:
+        plgpu.barrier_wait(r.v_bar.at[slot])
+        r.vc_smem[...] = _convert_v(b, r.v_smem.at[slot], base)
+        plgpu.commit_smem()
+        acc = acc + _mma(cfg, p16, r.vc_smem)
+    else:
+        plgpu.barrier_wait(r.v_bar.at[slot])
+        v_tile = r.v_smem.at[slot]
+        if masked:
+
+            @pl.when(base + cfg.block_kv > b.kv_len)
+            def _zero_tail():
+                vrow = _iota(cfg, (cfg.block_kv, cfg.head_dim), 0)
+                v = v_tile[...]
+                v_tile[...] = jnp.where(base + vrow < b.kv_len, v, jnp.zeros_like(v))
                 plgpu.commit_smem()
-                plgpu.barrier_arrive(kc_full.at[cslot])
-                plgpu.barrier_wait(v_bar.at[slot])
 
-                @pl.when(i >= conv_stages)
-                def _():
-                    plgpu.barrier_wait(v_free.at[cslot])
+        acc = acc + _mma(cfg, p16, v_tile)
+        if cfg.warp_specialized:
+            plgpu.barrier_arrive(r.v_free.at[slot])
+    return acc
 
-                vc_smem[cslot] = convert_v(v_smem.at[slot], base, kv_len)
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(vc_full.at[cslot])
 
-                @pl.when(i + num_stages < n_tiles)
-                def _():
-                    issue_k(i + num_stages, slot)
-                    issue_v(i + num_stages, slot)
+def _consumer_step(b: _Block, w: int, *, masked: bool):
+    """The loop body of consumer `w` over its tiles, (acc, m, l) -> (acc, m, l): scores, online
+    softmax, P @ V; without a producer warpgroup it then refills the slot it consumed.
+    `masked`: apply the causal / length / window mask (False for tiles every row sees whole)."""
+    cfg, r = b.cfg, b.refs
+    q_w = r.q_smem.at[w]
+    r0 = w * ROWS  # this consumer's first query row in the block
+    bk, num_stages = cfg.block_kv, cfg.num_stages
 
-                return carry
+    def kv_step(i, carry):
+        acc, m_i, l_i = carry
+        slot = lax.rem(i, jnp.int32(num_stages))
+        tile = b.my_lo + i
+        base = tile * bk
+        shape = (ROWS, bk)
+        cslot = lax.rem(i, jnp.int32(cfg.conv_stages)) if cfg.convert_in_producer else None
+        s = _tile_scores(b, q_w, slot, cslot)
+        if cfg.quantized:
+            s = s * _col_scales(b, r.ks, tile, shape, 0)
+        s = _apply_soft_cap(s, cfg.soft_cap)
+        mask = None  # a tile every row of this consumer sees in full
+        if masked:  # rows before `shift` are not queries
+            mask = _causal_mask(functools.partial(_iota, cfg), shape, row0=r0 - b.shift,
+                                base=base, q_pos0=b.q_pos0, kv_len=b.kv_len, group=cfg.group,
+                                sliding_window=cfg.sliding_window)  # fmt: skip
+        p, acc, m_new, l_i = _online_softmax(s, acc, m_i, l_i, mask)
+        if cfg.quantized:
+            p = p * _col_scales(b, r.vs, tile, shape, cfg.v_page_offset)
+        acc = _add_pv(b, acc, p.astype(cfg.cdt), slot, cslot, base, masked)
 
-            lax.fori_loop(0, n_tiles, step, 0)
+        if not cfg.warp_specialized:
 
-            @pl.loop(jnp.maximum(n_tiles - conv_stages, 0), n_tiles)
-            def _drain(i):  # observe the last releases too, so every barrier phase is consumed
-                cslot = lax.rem(i, jnp.int32(conv_stages))
-                plgpu.barrier_wait(k_free.at[cslot])
-                plgpu.barrier_wait(v_free.at[cslot])
+            @pl.when(i + num_stages < b.n_tiles)
+            def _refill():
+                _wait_for_new_kv(b, i)
+                _issue_k(b, i + num_stages, slot)
+                _issue_v(b, i + num_stages, slot)
 
-        def consumer(w):
-            rows = min(ROWS, q_rows - w * ROWS)  # query rows this consumer loads and stores
-            q_w, lse_w = q_smem.at[w], lse_smem.at[w]
-            if consumers > 1:
-                plgpu.set_max_registers(232, action="increase")
-            plgpu.copy_gmem_to_smem(
-                q_ref.at[head, pl.ds(pl.multiple_of(q_row0 + w * ROWS, 8), rows)],
-                q_w.at[pl.ds(0, rows)],
-                q_bar.at[w],
-            )
-            if write_kv:
-                pl.when(writer)(load_new_kv)
-            if not warp_specialized:
-                producer_prologue(defer_last=False if writer is None else writer)
-            if write_kv:
-                pl.when(writer)(write_new_kv)
-            plgpu.barrier_wait(q_bar.at[w])
-            acc = cast(jnp.zeros((ROWS, head_dim), jnp.float32), wgmma_layout)
-            m_i = cast(jnp.full((ROWS,), NEG, jnp.float32), wgmma_layout.reduce(1))
-            l_i = cast(jnp.zeros((ROWS,), jnp.float32), wgmma_layout.reduce(1))
-            # Leading tiles that every row of this consumer sees whole skip the masking.
-            if sliding_window is None:
-                first = lax.div(jnp.maximum(w * ROWS - shift, 0), jnp.int32(group))
-                seen = jnp.minimum(q_pos0 + first + 1, kv_len)
-                n_full = jnp.clip(lax.div(seen, jnp.int32(bk)) - my_lo, 0, n_tiles)
-            else:
-                n_full = jnp.int32(0)
-            carry = (acc, m_i, l_i)
-            carry = lax.fori_loop(0, n_full, make_step(w, masked=False), carry)
-            acc, m_i, l_i = lax.fori_loop(n_full, n_tiles, make_step(w, masked=True), carry)
+        return acc, m_new, l_i
 
-            l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
-            out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-            if token_major:  # a decode block: its `group` rows are its token's heads, in place
-                token = lax.div(q_row0 + shift, jnp.int32(row_stride))
-                store_rows(out.astype(cdt), shift, token)
-                return
-            q_w[...] = out.astype(cdt)  # q is no longer needed: its buffer stages the output
-            lse_w[...] = m_i + jnp.log(l_safe) * RCP_LN2
-            plgpu.commit_smem()
-            dst = pl.ds(w * ROWS, rows)
-            plgpu.copy_smem_to_gmem(q_w.at[pl.ds(0, rows)], o_ref.at[split, blk, head, dst])
-            if num_splits > 1:  # the log-sum-exp only serves to combine the splits
-                plgpu.copy_smem_to_gmem(lse_w.at[pl.ds(0, rows)], lse_ref.at[split, blk, head, dst])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=early_exit)
+    return kv_step
 
-        def load_new_kv():
-            """A writer's token's K and V rows (query-layout rows group and group + 1 past its
-            first query row) into their own small buffer: one 2-row TMA copy."""
-            src = q_ref.at[head, pl.ds(q_row0 + shift + group, 2)]
-            plgpu.copy_gmem_to_smem(src, kvn_smem, q_bar.at[consumers])
 
-        def write_new_kv():
-            """The token's K and V rows go to its slot in the pages, one TMA store each, straight
-            from the buffer they landed in. The last tile (which holds that slot) is loaded only
-            after they have landed: now if the prologue deferred it, else the refill waits."""
-            plgpu.barrier_wait(q_bar.at[consumers])
-            pos = q_pos0
-            page = pt_ref[seq, lax.div(pos, jnp.int32(page_size))]
-            slot = pl.ds(lax.rem(pos, jnp.int32(page_size)), 1)
-            plgpu.copy_smem_to_gmem(kvn_smem.at[pl.ds(0, 1)], k_ref.at[page, slot, head])
-            plgpu.copy_smem_to_gmem(kvn_smem.at[pl.ds(1, 1)],
-                                    v_ref.at[page + v_page_offset, slot, head])  # fmt: skip
+def _consumer(b: _Block, w: int):
+    """Consumer warpgroup `w`: load its query rows (and, a writer, the new K/V rows), start the
+    pipeline (without a producer warpgroup), stream the tiles, normalise and store."""
+    cfg, r = b.cfg, b.refs
+    rows = min(ROWS, cfg.q_rows - w * ROWS)  # query rows this consumer loads and stores
+    if cfg.consumers > 1:
+        plgpu.set_max_registers(232, action="increase")
+    plgpu.copy_gmem_to_smem(
+        r.q.at[b.head, pl.ds(pl.multiple_of(b.q_row0 + w * ROWS, 8), rows)],
+        r.q_smem.at[w].at[pl.ds(0, rows)],
+        r.q_bar.at[w],
+    )
+    if cfg.write_kv:
+        pl.when(b.writer)(functools.partial(_load_new_kv, b))
+    if not cfg.warp_specialized:
+        _issue_first_tiles(b, defer_last=b.writer)
+    if cfg.write_kv:
+        pl.when(b.writer)(functools.partial(_write_new_kv, b))
+    plgpu.barrier_wait(r.q_bar.at[w])
+    layout = plgpu.Layout.WGMMA
+    acc = _cast(cfg, jnp.zeros((ROWS, cfg.head_dim), jnp.float32), layout)
+    m_i = _cast(cfg, jnp.full((ROWS,), NEG, jnp.float32), layout.reduce(1))
+    l_i = _cast(cfg, jnp.zeros((ROWS,), jnp.float32), layout.reduce(1))
+    # Leading tiles that every row of this consumer sees whole skip the masking.
+    if cfg.sliding_window is None:
+        first = lax.div(jnp.maximum(w * ROWS - b.shift, 0), jnp.int32(cfg.group))
+        seen = jnp.minimum(b.q_pos0 + first + 1, b.kv_len)
+        n_full = jnp.clip(lax.div(seen, jnp.int32(cfg.block_kv)) - b.my_lo, 0, b.n_tiles)
+    else:
+        n_full = jnp.int32(0)
+    carry = (acc, m_i, l_i)
+    carry = lax.fori_loop(0, n_full, _consumer_step(b, w, masked=False), carry)
+    acc, m_i, l_i = lax.fori_loop(n_full, b.n_tiles, _consumer_step(b, w, masked=True), carry)
 
-            @pl.when(n_tiles <= num_stages)  # the prologue deferred the last tile
-            def _():
-                plgpu.wait_smem_to_gmem(0)
-                last = n_tiles - 1
-                issue_k(last, lax.rem(last, jnp.int32(num_stages)))
-                issue_v(last, lax.rem(last, jnp.int32(num_stages)))
+    l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
+    out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+    if cfg.token_major:  # a decode block: its `group` rows are its token's heads, in place
+        token = lax.div(b.q_row0 + b.shift, jnp.int32(cfg.row_stride))
+        _store_token_major(b, out.astype(cfg.cdt), b.shift, token)
+    else:
+        _store_split_outputs(b, w, rows, out, m_i, l_safe)
 
-        def store_rows(x, first, token):
-            """Token-major output: rows [first, first + group) of x [64, D] (cdt) become the
-            output rows of `token`'s query heads of this KV head."""
-            o_smem[...] = x
-            plgpu.commit_smem()
-            dst = pl.ds(token * num_q_heads + head * group, group)
-            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(first, group)], o_ref.at[dst])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=early_exit)
 
-        def zero_padding_row():
-            """Token-major output: block b also writes the zeros of padding token b (if any)."""
-            zero_row = meta_ref[blk, 6]
+# ---- Outputs: per block and split (combined by XLA after the launch), or token-major.
 
-            @pl.when(zero_row >= 0)
-            def _():
-                store_rows(cast(jnp.zeros((ROWS, head_dim), cdt), wgmma_layout), 0, zero_row)
 
-        # Blocks without queries (the static grid's bound exceeds the real blocks) do nothing:
-        # their outputs are never read.
-        if not warp_specialized:
-            pl.when(n_valid > 0)(functools.partial(consumer, 0))
-            if token_major:
-                zero_padding_row()
-            return
+def _store_split_outputs(b: _Block, w: int, rows: int, out, m_i, l_safe):
+    """Consumer `w`'s normalised rows (and, with several splits, their log-sum-exp) into this
+    split's [block, KV head] outputs."""
+    cfg, r = b.cfg, b.refs
+    q_w, lse_w = r.q_smem.at[w], r.lse_smem.at[w]
+    q_w[...] = out.astype(cfg.cdt)  # q is no longer needed: its buffer stages the output
+    lse_w[...] = m_i + jnp.log(l_safe) * RCP_LN2
+    plgpu.commit_smem()
+    dst = pl.ds(w * ROWS, rows)
+    plgpu.copy_smem_to_gmem(q_w.at[pl.ds(0, rows)], r.o.at[b.split, b.blk, b.head, dst])
+    if cfg.num_splits > 1:  # the log-sum-exp only serves to combine the splits
+        plgpu.copy_smem_to_gmem(lse_w.at[pl.ds(0, rows)], r.lse.at[b.split, b.blk, b.head, dst])
+    plgpu.wait_smem_to_gmem(0)
 
-        wg = lax.axis_index("wg")
-        for w in range(consumers):
-            pl.when((wg == w) & (n_valid > 0))(functools.partial(consumer, w))
-        if token_major:
-            pl.when(wg == 0)(zero_padding_row)
 
-        @pl.when((wg == consumers) & (n_valid > 0))
-        def _producer():  # keeps num_stages tiles in flight, refilling a slot once it is consumed
-            if consumers > 1:
-                plgpu.set_max_registers(40, action="decrease")
-            producer_prologue()
-            if convert_in_producer:
-                converting_producer()
-                return
+def _store_token_major(b: _Block, x, first, token):
+    """Token-major output: rows [first, first + group) of x [64, D] (cdt) become the output rows
+    of `token`'s query heads of this KV head."""
+    cfg, r = b.cfg, b.refs
+    r.o_smem[...] = x
+    plgpu.commit_smem()
+    dst = pl.ds(token * cfg.num_q_heads + b.head * cfg.group, cfg.group)
+    plgpu.copy_smem_to_gmem(r.o_smem.at[pl.ds(first, cfg.group)], r.o.at[dst])
+    plgpu.wait_smem_to_gmem(0)
 
-            @pl.loop(0, jnp.maximum(n_tiles - num_stages, 0))
-            def _(i):
-                slot = lax.rem(i, jnp.int32(num_stages))
-                pages = pages_of(i + num_stages) if prefetch_page_ids else None
-                plgpu.barrier_wait(k_free.at[slot])
-                issue_k(i + num_stages, slot, pages)
-                plgpu.barrier_wait(v_free.at[slot])
-                issue_v(i + num_stages, slot, pages)
 
-            @pl.loop(jnp.maximum(n_tiles - num_stages, 0), n_tiles)
-            def _drain(i):  # observe the last releases too, so every barrier phase is consumed
-                slot = lax.rem(i, jnp.int32(num_stages))
-                plgpu.barrier_wait(k_free.at[slot])
-                plgpu.barrier_wait(v_free.at[slot])
+def _zero_padding_row(b: _Block):
+    """Token-major output: block b also writes the zeros of padding token b (if any)."""
+    zero_row = b.refs.meta[b.blk, 6]
 
+    @pl.when(zero_row >= 0)
+    def _():
+        zeros = _cast(b.cfg, jnp.zeros((ROWS, b.cfg.head_dim), b.cfg.cdt), plgpu.Layout.WGMMA)
+        _store_token_major(b, zeros, 0, zero_row)
+
+
+# ---- The step's new K/V (write_kv): written by the kernel before it loads the tile holding them.
+
+
+def _load_new_kv(b: _Block):
+    """A writer's token's K and V rows (query-layout rows group and group + 1 past its first
+    query row) into their own small buffer: one 2-row TMA copy."""
+    r = b.refs
+    src = r.q.at[b.head, pl.ds(b.q_row0 + b.shift + b.cfg.group, 2)]
+    plgpu.copy_gmem_to_smem(src, r.kvn_smem, r.q_bar.at[b.cfg.consumers])
+
+
+def _write_new_kv(b: _Block):
+    """The token's K and V rows go to its slot in the pages, one TMA store each, straight from the
+    buffer they landed in. The last tile (which holds that slot) is loaded only after they have
+    landed: now if the prologue deferred it, else the refill waits (`_wait_for_new_kv`)."""
+    cfg, r = b.cfg, b.refs
+    plgpu.barrier_wait(r.q_bar.at[cfg.consumers])
+    pos = b.q_pos0
+    page = r.pt[b.seq, lax.div(pos, jnp.int32(cfg.page_size))]
+    slot = pl.ds(lax.rem(pos, jnp.int32(cfg.page_size)), 1)
+    plgpu.copy_smem_to_gmem(r.kvn_smem.at[pl.ds(0, 1)], r.k.at[page, slot, b.head])
+    plgpu.copy_smem_to_gmem(r.kvn_smem.at[pl.ds(1, 1)],
+                            r.v.at[page + cfg.v_page_offset, slot, b.head])  # fmt: skip
+
+    @pl.when(b.n_tiles <= cfg.num_stages)  # the prologue deferred the last tile
+    def _():
+        plgpu.wait_smem_to_gmem(0)
+        last = b.n_tiles - 1
+        _issue_k(b, last, lax.rem(last, jnp.int32(cfg.num_stages)))
+        _issue_v(b, last, lax.rem(last, jnp.int32(cfg.num_stages)))
+
+
+# ---- The producer warpgroup (warp-specialised pipelines).
+
+
+def _producer(b: _Block):
+    """Keeps `num_stages` tiles in flight, refilling a slot once every consumer released it."""
+    cfg, r = b.cfg, b.refs
+    num_stages = cfg.num_stages
+    if cfg.consumers > 1:
+        plgpu.set_max_registers(40, action="decrease")
+    _issue_first_tiles(b)
+    if cfg.convert_in_producer:
+        _converting_producer(b)
+        return
+
+    @pl.loop(0, jnp.maximum(b.n_tiles - num_stages, 0))
+    def _(i):
+        slot = lax.rem(i, jnp.int32(num_stages))
+        plgpu.barrier_wait(r.k_free.at[slot])
+        _issue_k(b, i + num_stages, slot)
+        plgpu.barrier_wait(r.v_free.at[slot])
+        _issue_v(b, i + num_stages, slot)
+
+    @pl.loop(jnp.maximum(b.n_tiles - num_stages, 0), b.n_tiles)
+    def _drain(i):  # observe the last releases too, so every barrier phase is consumed
+        slot = lax.rem(i, jnp.int32(num_stages))
+        plgpu.barrier_wait(r.k_free.at[slot])
+        plgpu.barrier_wait(r.v_free.at[slot])
+
+
+def _converting_producer(b: _Block):
+    """FP8: convert each landed tile to f16 for the consumer, then refill its fp8 slot."""
+    cfg, r = b.cfg, b.refs
+    num_stages, conv_stages = cfg.num_stages, cfg.conv_stages
+
+    def step(i, carry):
+        slot = lax.rem(i, jnp.int32(num_stages))
+        cslot = lax.rem(i, jnp.int32(conv_stages))
+        base = (b.my_lo + i) * cfg.block_kv
+        plgpu.barrier_wait(r.k_bar.at[slot])
+
+        @pl.when(i >= conv_stages)
+        def _():
+            plgpu.barrier_wait(r.k_free.at[cslot])
+
+        r.kc_smem[cslot] = r.k_smem.at[slot][...].astype(cfg.cdt)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(r.kc_full.at[cslot])
+        plgpu.barrier_wait(r.v_bar.at[slot])
+
+        @pl.when(i >= conv_stages)
+        def _():
+            plgpu.barrier_wait(r.v_free.at[cslot])
+
+        r.vc_smem[cslot] = _convert_v(b, r.v_smem.at[slot], base)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(r.vc_full.at[cslot])
+
+        @pl.when(i + num_stages < b.n_tiles)
+        def _():
+            _issue_k(b, i + num_stages, slot)
+            _issue_v(b, i + num_stages, slot)
+
+        return carry
+
+    lax.fori_loop(0, b.n_tiles, step, 0)
+
+    @pl.loop(jnp.maximum(b.n_tiles - conv_stages, 0), b.n_tiles)
+    def _drain(i):  # observe the last releases too, so every barrier phase is consumed
+        cslot = lax.rem(i, jnp.int32(conv_stages))
+        plgpu.barrier_wait(r.k_free.at[cslot])
+        plgpu.barrier_wait(r.v_free.at[cslot])
+
+
+# ---- The launch: refs, scratch, grid.
+
+
+def _program(b: _Block):
+    """One program. Blocks without queries (the static grid's bound exceeds the real blocks) do
+    nothing: their outputs are never read."""
+    cfg = b.cfg
+    if not cfg.warp_specialized:
+        pl.when(b.n_valid > 0)(functools.partial(_consumer, b, 0))
+        if cfg.token_major:
+            _zero_padding_row(b)
+        return
+    wg = lax.axis_index("wg")
+    for w in range(cfg.consumers):
+        pl.when((wg == w) & (b.n_valid > 0))(functools.partial(_consumer, b, w))
+    if cfg.token_major:
+        pl.when(wg == 0)(functools.partial(_zero_padding_row, b))
+    pl.when((wg == cfg.consumers) & (b.n_valid > 0))(functools.partial(_producer, b))
+
+
+def _scratch_types(cfg: _Launch) -> list:
+    """Shared memory and barriers, in the order `_unpack_refs` names them."""
+    bk, head_dim, cdt = cfg.block_kv, cfg.head_dim, cfg.cdt
+    consumers, num_stages, conv_stages = cfg.consumers, cfg.num_stages, cfg.conv_stages
+    convert = cfg.convert_in_producer
     scratch = [
         swizzled_smem((consumers, ROWS, head_dim), cdt),
-        swizzled_smem((num_stages, bk, head_dim), kv_dtype),
-        swizzled_smem((num_stages, bk, head_dim), kv_dtype),
-        *([swizzled_smem((conv_stages, bk, head_dim), cdt)] * 2 if convert_in_producer else []),
-        *(
-            [swizzled_smem((bk, head_dim), cdt)] * 2
-            if quantized and not convert_in_producer
-            else []
-        ),
+        swizzled_smem((num_stages, bk, head_dim), cfg.kv_dtype),
+        swizzled_smem((num_stages, bk, head_dim), cfg.kv_dtype),
+        *([swizzled_smem((conv_stages, bk, head_dim), cdt)] * 2 if convert else []),
+        *([swizzled_smem((bk, head_dim), cdt)] * 2 if cfg.quantized and not convert else []),
         plgpu.SMEM((consumers, ROWS), jnp.float32),
-        plgpu.Barrier(num_barriers=consumers + (1 if write_kv else 0)),  # queries (, new K/V)
-        plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
-        plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
+        plgpu.Barrier(num_barriers=consumers + (1 if cfg.write_kv else 0)),  # queries (, new K/V)
+        plgpu.Barrier(num_arrivals=cfg.copies, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=cfg.copies, num_barriers=num_stages),
     ]
     frees = dict(num_arrivals=consumers)
-    if convert_in_producer:
+    if convert:
         scratch += [plgpu.Barrier(num_barriers=conv_stages)] * 2
         scratch += [plgpu.Barrier(num_barriers=conv_stages, **frees)] * 2
-    elif warp_specialized:
+    elif cfg.warp_specialized:
         scratch += [plgpu.Barrier(num_barriers=num_stages, **frees)] * 2
-    if token_major:
+    if cfg.token_major:
         scratch.append(plgpu.SMEM((ROWS, head_dim), cdt))  # o_smem: unswizzled, any row range
-    if write_kv:
+    if cfg.write_kv:
         scratch.append(plgpu.SMEM((2, head_dim), cdt))  # kvn_smem: the token's new K and V rows
-    if token_major:
-        out_type = (jax.ShapeDtypeStruct((token_major * num_q_heads, head_dim), cdt),)
-    else:
-        out_type = (
-            jax.ShapeDtypeStruct((num_splits, num_blocks, num_kv_heads, q_rows, head_dim), cdt),
-            jax.ShapeDtypeStruct((num_splits, num_blocks, num_kv_heads, q_rows), jnp.float32),
-        )
+    return scratch
+
+
+def _out_types(cfg: _Launch) -> tuple:
+    if cfg.token_major:
+        return (jax.ShapeDtypeStruct((cfg.token_major * cfg.num_q_heads, cfg.head_dim), cfg.cdt),)
+    blocks = (cfg.num_splits, cfg.num_blocks, cfg.num_kv_heads, cfg.q_rows)
+    return (jax.ShapeDtypeStruct((*blocks, cfg.head_dim), cfg.cdt),
+            jax.ShapeDtypeStruct(blocks, jnp.float32))  # fmt: skip
+
+
+@functools.cache
+def _build_kernel(**launch):
+    """The kernel of one launch (`_Launch`'s fields as keywords), cached per shape."""
+    cfg = _Launch(**launch)
+    if cfg.write_kv and (cfg.warp_specialized or cfg.quantized or cfg.consumers != 1):
+        raise ValueError("the kernel writes new K/V only in the single-warpgroup bf16 decode")
+
+    def body(*refs):
+        _program(_block(cfg, _unpack_refs(cfg, refs)))
+
     kwargs = dict(
-        out_type=out_type,
-        scratch_types=scratch,
-        grid=(num_blocks, num_kv_heads, num_splits),
+        out_type=_out_types(cfg),
+        scratch_types=_scratch_types(cfg),
+        grid=(cfg.num_blocks, cfg.num_kv_heads, cfg.num_splits),
         grid_names=("blk", "head", "split"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )
-    if warp_specialized:
-        kwargs.update(num_threads=consumers + 1, thread_name="wg")
-    elif consumers != 1:
+    if cfg.warp_specialized:
+        kwargs.update(num_threads=cfg.consumers + 1, thread_name="wg")
+    elif cfg.consumers != 1:
         raise ValueError("several consumer warpgroups need the warp-specialised pipeline")
-    if interpret:
+    if cfg.interpret:
         kwargs["interpret"] = _compat.gpu_interpret_params()
-    if write_kv:  # the pages are passed as refs (in place): plgpu.kernel's vmap wrapper drops them
+    if cfg.write_kv:  # the pages are refs (in place): plgpu.kernel's vmap wrapper would drop them
         return _compat.mgpu_ref_kernel(body, **kwargs)
     return plgpu.kernel(body, **kwargs)
