@@ -8,8 +8,8 @@ The bound for one throughput workload (default `fixed_128_128`) of the results f
 - **GEMM time**: the dense layers' FLOPs (2 x tokens x weights) over every token a layer sees
   (each prompt token once, each output token after the first once: the first comes from the
   prompt's last position), plus the output head for each output token (the engine computes logits
-  only for the rows it samples), at `--gemm-tflops` (the bf16 ceilings in DESIGN.md: 699 TFLOP/s
-  is XLA's 8192^3 matmul on the H200, 772 torch's). The prompts' causal attention FLOPs are added
+  only for the rows it samples), at `--gemm-tflops` (default: the bf16 8192^3 matmul ceilings of
+  `experiments/results/h200/anchors.json`, XLA's and torch's, on normal-distributed inputs). The prompts' causal attention FLOPs are added
   at the same rate (a few TFLOP for short prompts).
 - **Decode attention time**: the K/V bytes the decode steps read (output token j of a request
   attends over its prompt plus j tokens, every layer, K and V) at the HBM roofline (4.3 TB/s).
@@ -104,7 +104,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", type=Path, required=True, help="a bench_e2e.py results file")
     ap.add_argument("--workload", default="fixed_128_128")
-    ap.add_argument("--gemm-tflops", type=float, nargs="+", default=[699.0, 772.0])
+    ap.add_argument("--gemm-tflops", type=float, nargs="+", default=[647.0, 669.0])
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
 
