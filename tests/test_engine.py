@@ -68,6 +68,13 @@ def test_batched_greedy_equals_each_request_alone_and_the_reference(model, promp
         assert seq.output_token_ids == ref
 
 
+def test_step_records_say_which_steps_were_decode_only(model):
+    """A step that prefills whole prompts is not decode-only; the steps after it are."""
+    engine = make_engine(model, decode_steps=1)
+    run(engine, [[1, 2, 3, 4, 5], [6, 7]], [greedy(4), greedy(4)])
+    assert [r.is_decode_only for r in engine.step_records] == [False, True, True, True]
+
+
 @pytest.mark.parametrize(
     "variant",
     [

@@ -114,6 +114,22 @@ def test_formatted_params_save_and_restore_with_orbax(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_hf_checkpoint_loads_into_a_formatted_model(tmp_path):
+    """Loading a checkpoint for a config with a weight format quantizes its weights on the
+    device: the same logits as the plain load."""
+    from jaxinfer.checkpoint import load_hf_params, save_hf_model
+
+    plain_cfg = preset("tiny")
+    params = init_params(plain_cfg, jax.random.key(4))
+    save_hf_model(tmp_path / "m", plain_cfg, params, dtype="float32")
+    cfg = plain_cfg.replace(weight_format=FORMAT)
+    loaded = load_hf_params(tmp_path / "m", cfg)
+    assert isinstance(loaded["layers"][1]["w_down"], QuantizedWeight)
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, (1, 7)))
+    np.testing.assert_allclose(forward(loaded, cfg, tokens), forward(params, plain_cfg, tokens),
+                               rtol=2e-4, atol=2e-4, err_msg="seed 4")  # fmt: skip
+
+
 def test_unknown_weight_format_is_refused_by_name():
     with pytest.raises(ValueError, match=r"weight_format='fp3'.*test_channel_scaled"):
         preset("tiny", weight_format="fp3")

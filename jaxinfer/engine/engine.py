@@ -169,7 +169,8 @@ class Engine:
             outputs, _ = self._read_mixed(self._take_unread())
             return early + outputs
         seqs = [s.seq for s in out.scheduled]
-        k = self._lookahead(seqs) if out.is_decode_only else 1
+        decode_only = out.is_decode_only  # (read before the dispatch moves the counts)
+        k = self._lookahead(seqs) if decode_only else 1
         if k > 1:
             # A decode scan starts from tokens on the host: read the step in flight first.
             outputs, _ = self._read_mixed(self._take_unread())
@@ -186,7 +187,7 @@ class Engine:
         if not self.config.async_schedule:
             more, more_s = self._read_mixed(self._take_unread())
             outputs, device_s = outputs + more, device_s + more_s
-        self._record(t_start, len(seqs), out.num_batched_tokens, out.is_decode_only, 1,
+        self._record(t_start, len(seqs), out.num_batched_tokens, decode_only, 1,
                      len(out.preempted), device_s + waited)  # fmt: skip
         return early + outputs
 
@@ -266,8 +267,10 @@ class Engine:
             [s.seq.num_computed_tokens for s in scheduled],
             [s.seq.page_ids for s in scheduled],
         )
-        num_drafts = np.zeros(self.config.max_num_seqs, np.int32)
-        num_drafts[: len(scheduled)] = [s.num_draft_tokens for s in scheduled]
+        num_drafts = None  # (no drafts: the runner's zeros, already on the device)
+        if any(s.num_draft_tokens for s in scheduled):
+            num_drafts = np.zeros(self.config.max_num_seqs, np.int32)
+            num_drafts[: len(scheduled)] = [s.num_draft_tokens for s in scheduled]
         # the first sampled row (the sequence's last real token) samples the token after it
         positions = [s.seq.num_computed_tokens + s.num_new_tokens - s.num_draft_tokens
                      for s in scheduled]  # fmt: skip
@@ -282,7 +285,7 @@ class Engine:
             if seq.num_computed_tokens == seq.num_tokens:  # prefill done, or a decode: samples
                 add_placeholder(seq, i, s.num_draft_tokens)
                 samplers.append((seq, i))
-        return UnreadMixed(samplers, outs, verifies=bool(num_drafts.any()))
+        return UnreadMixed(samplers, outs, verifies=num_drafts is not None)
 
     def _take_unread(self):
         unread, self._unread = self._unread, None

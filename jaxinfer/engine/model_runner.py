@@ -256,19 +256,23 @@ class ModelRunner:
                     out_sharding=self.shardings.replicated)  # fmt: skip
 
     def no_prev(self) -> tuple:
-        """The (prev_tokens, prev_counts) of a step that refers to no earlier step's tokens."""
+        """(prev_tokens, prev_counts) of a step that refers to no earlier step's tokens, and the
+        num_drafts of a step without drafts (device arrays, made once)."""
         if self._no_prev is None:
             s = self.config.max_num_seqs
-            self._no_prev = (self.put(np.zeros((s, self.num_rows), np.int32)),
-                             self.put(np.ones(s, np.int32)))  # fmt: skip
+            self._no_prev = self.put((np.zeros((s, self.num_rows), np.int32),
+                                      np.ones(s, np.int32), np.zeros(s, np.int32)))  # fmt: skip
         return self._no_prev
 
     def run_mixed(self, batch: RaggedBatch, num_drafts, sb: SamplingBatch, prev=None):
         """Dispatch one mixed step; returns its device arrays (tokens [S, K], counts [S],
         logprobs, top logprobs, top ids), by the batch's sequence order. `num_drafts`: a host
-        array [max_num_seqs]; `prev`: the previous step's outputs (its tokens and counts)."""
-        prev_tokens, prev_counts = self.no_prev() if prev is None else prev[:2]
-        args = (self.params, self.kv, batch, self.put(num_drafts), prev_tokens, prev_counts)
+        array [max_num_seqs], or None for none; `prev`: the previous step's outputs (its tokens
+        and counts)."""
+        no_tokens, no_counts, no_drafts = self.no_prev()
+        prev_tokens, prev_counts = (no_tokens, no_counts) if prev is None else prev[:2]
+        num_drafts = no_drafts if num_drafts is None else self.put(num_drafts)
+        args = (self.params, self.kv, batch, num_drafts, prev_tokens, prev_counts)
         exe = self._executables.get(("mixed", batch.tokens.shape[0], batch.max_q_len))
         if exe is not None:
             (logits, drafts, shift), self.kv = exe(*args)
@@ -356,7 +360,7 @@ class ModelRunner:
         for key, _, args, _ in calls:  # run each once: first-call work stays out of serving
             if key[0] == "mixed":
                 sb = SamplingBatch.build([], [], [], self.config.max_num_seqs, put=self.put)
-                jax.block_until_ready(self.run_mixed(args[2], np.asarray(args[3]), sb))
+                jax.block_until_ready(self.run_mixed(args[2], None, sb))
             elif key[0] == "decode":
                 jax.block_until_ready(self.run_decode(*args[2:], key[2]))
             else:

@@ -112,7 +112,7 @@ def sample_rows(logits, sb: SamplingBatch, shift, num_logprobs: int = 0):
     request samples the same token at a position whether it is drafted or not). Returns tokens
     [S, K], their logprobs [S, K], top logprobs [S, K, k] and ids."""
     s, k, v = logits.shape
-    if k == 1 and not isinstance(shift, int):
+    if k == 1:
         sb = dataclasses.replace(sb, position=sb.position + shift)
         return tuple(x[:, None] for x in sample(logits[:, 0], sb, num_logprobs))
     rows = SamplingBatch(
