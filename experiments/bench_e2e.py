@@ -441,22 +441,24 @@ def time_decode(llm: LLM, batch: int, context: int, pages: np.ndarray, args) -> 
 
 def jaxinfer_throughput(llm: LLM, workload: Workload, reqs: list[WorkloadRequest]) -> dict:
     engine = llm.engine
-    first_seq, first_step = len(engine.sequences), len(engine.step_records)
+    first_step = len(engine.step_records)
     compiles = compile_count()
     sampling = [SamplingParams(max_tokens=r.output_len, ignore_eos=True) for r in reqs]
-    t0 = time.perf_counter()
-    outs = llm.generate([r.prompt_token_ids for r in reqs], sampling)
+    t0 = time.perf_counter()  # (what LLM.generate does, keeping the sequences for their times)
+    seqs = [engine.add_request(r.prompt_token_ids, s) for r, s in zip(reqs, sampling, strict=True)]
+    while engine.has_unfinished():
+        engine.step()
     wall = time.perf_counter() - t0
-    wrong = [o.request_id for o, r in zip(outs, reqs, strict=True)
-             if o.error is not None or len(o.token_ids) != r.output_len]  # fmt: skip
+    wrong = [s.seq_id for s, r in zip(seqs, reqs, strict=True)
+             if s.error is not None or len(s.output_token_ids) != r.output_len]  # fmt: skip
     if wrong:
         raise RuntimeError(f"{len(wrong)} requests failed or were cut short, e.g. {wrong[:5]}")
     prompt_toks = sum(len(r.prompt_token_ids) for r in reqs)
     output_toks = sum(r.output_len for r in reqs)
     steps = engine.step_records[first_step:]
     scans = [s for s in steps if s.decode_steps > 1]
-    m = summarize(request_rows(engine.sequences[first_seq:]), steps,
-                  max_num_seqs=engine.config.max_num_seqs)  # fmt: skip
+    m = summarize(request_rows(seqs), steps, max_num_seqs=engine.config.max_num_seqs)
+    engine.release(seqs)
     return {
         "impl": "jaxinfer",
         "workload": workload.name,

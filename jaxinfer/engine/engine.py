@@ -134,6 +134,17 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._unread is not None
 
+    def release(self, seqs) -> None:
+        """Forget finished (or failed) sequences whose results the caller has taken, so a long
+        run's host memory stays bounded: they leave `sequences` and the engine's seed table."""
+        done = {id(s) for s in seqs if s.is_finished}
+        if not done:
+            return
+        self.sequences = [s for s in self.sequences if id(s) not in done]
+        for s in seqs:
+            if id(s) in done:
+                self._seeds.pop(s.seq_id, None)
+
     # -- warm-up and compile accounting ------------------------------------------------------
     def warmup(self) -> float:
         t0 = time.perf_counter()

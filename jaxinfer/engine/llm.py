@@ -99,7 +99,9 @@ class LLM:
         seqs = self._submit(prompts, sampling)
         while self.engine.has_unfinished():
             self.engine.step()
-        return [RequestOutput.of(s, self.tokenizer) for s in seqs]
+        outputs = [RequestOutput.of(s, self.tokenizer) for s in seqs]
+        self.engine.release(seqs)  # the outputs hold what the caller gets: memory stays bounded
+        return outputs
 
     def stream(
         self,
