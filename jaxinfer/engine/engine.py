@@ -27,12 +27,23 @@ from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.inflight import UnreadMixed, UnreadScan, add_placeholder, fill_placeholder
 from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.engine.proposer import Proposer
-from jaxinfer.engine.request import SamplingParams, SeqStatus, Sequence
+from jaxinfer.engine.request import (
+    SamplingParams,
+    SeqStatus,
+    Sequence,
+    is_int,
+    prompt_token_ids,
+)
 from jaxinfer.engine.sampler import SamplingBatch
 from jaxinfer.engine.scheduler import ScheduledSeq, Scheduler
 from jaxinfer.metrics import StepRecord
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.parallel.sharding import EngineShardings
+
+
+def _message(e: Exception) -> str:
+    """A request's error: the message, with the exception's type when it is not a ValueError."""
+    return str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
 
 
 @dataclass
@@ -75,6 +86,7 @@ class Engine:
         self._rng = np.random.default_rng(config.seed)
         self._seeds: dict[int, int] = {}
         self._unread: UnreadMixed | UnreadScan | None = None  # see inflight.py
+        self._preemptions_recorded = 0  # of scheduler.num_preemptions, in step records
         self.chained_scans = 0  # decode scans dispatched before the previous one was read
         self.overlapped_steps = 0  # mixed steps dispatched before the previous one was read
         self.warmup_s: float | None = None
@@ -89,18 +101,24 @@ class Engine:
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> Sequence:
-        """Queue a request. Invalid input gives a FAILED sequence with `error` set; no exception."""
-        sampling = sampling or SamplingParams()
+        """Queue a request. Invalid input gives a FAILED sequence with `error` set (naming the
+        field and its value); it never raises, and never touches the engine's other requests."""
+        sampling = SamplingParams() if sampling is None else sampling
         now = self.clock() if arrival_time is None else arrival_time
         text = prompt if isinstance(prompt, str) else None
         seq = Sequence(next(self._ids), [], sampling, arrival_time=now, priority=priority)
         seq.prompt = text
         self.sequences.append(seq)
         try:
+            if not isinstance(sampling, SamplingParams):
+                raise ValueError(f"sampling must be a SamplingParams, got "
+                                 f"{type(sampling).__name__} {sampling!r:.60}")  # fmt: skip
+            if not is_int(priority):
+                raise ValueError(f"priority must be an int, got {priority!r:.40}")
             seq.prompt_token_ids = self._encode(prompt)
             self._validate(seq)
-        except ValueError as e:
-            seq.status, seq.error, seq.finish_reason = SeqStatus.FAILED, str(e), "error"
+        except Exception as e:  # bad input of any shape fails this request alone
+            seq.status, seq.error, seq.finish_reason = SeqStatus.FAILED, _message(e), "error"
             seq.finish_time = now
             return seq
         self._seeds[seq.seq_id] = (
@@ -113,8 +131,13 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt is a string but the engine has no tokenizer")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"prompt is not valid Unicode text: {e.reason} at index "
+                                 f"{e.start} ({prompt[e.start:e.end]!r})") from None  # fmt: skip
             return list(self.tokenizer.encode(prompt).ids)
-        return [int(t) for t in prompt]
+        return prompt_token_ids(prompt)
 
     def _validate(self, seq: Sequence) -> None:
         """What only the engine can check (the vocabulary, its options); the scheduler checks
@@ -188,19 +211,46 @@ class Engine:
             seqs = [q for q in seqs if q.status is SeqStatus.RUNNING]
             if not seqs:
                 return early + outputs
-            self._unread = self._dispatch_decode(seqs, k)
+            try:
+                self._unread = self._dispatch_decode(seqs, k)
+            except Exception as e:  # a request the host cannot pack fails alone
+                return early + outputs + self._fail_unbuildable(seqs, e)
             return self._step_scan(t_start, early + outputs)
         # Dispatch this step before reading the previous one's tokens (async schedule): the
         # device runs it while the host post-processes the previous step.
         prev = self._unread
-        self._unread = self._dispatch_mixed(out.scheduled, prev)
+        try:
+            self._unread = self._dispatch_mixed(out.scheduled, prev)
+        except Exception as e:  # a request the host cannot pack fails alone
+            self._unread = None
+            outputs, _ = self._read_mixed(prev)
+            return early + outputs + self._fail_unbuildable(seqs, e)
         outputs, device_s = self._read_mixed(prev)
         if not self.config.async_schedule:
             more, more_s = self._read_mixed(self._take_unread())
             outputs, device_s = outputs + more, device_s + more_s
         self._record(t_start, len(seqs), out.num_batched_tokens, decode_only, 1,
-                     len(out.preempted), device_s + waited)  # fmt: skip
+                     device_s + waited)  # fmt: skip
         return early + outputs
+
+    def _fail_unbuildable(self, seqs: list[Sequence], err: Exception) -> list[StepOutput]:
+        """A step could not be built or dispatched: fail the sequences whose own inputs cannot be
+        packed (each tried alone); if none can be singled out, every sequence of the step."""
+        bad = [s for s in seqs if self._unpackable(s)] or seqs
+        now = self.clock()
+        for seq in bad:
+            self.scheduler.fail(seq, f"request {seq.seq_id} could not be run: {_message(err)}",
+                                now)  # fmt: skip
+        return [StepOutput(seq, [], True) for seq in bad]
+
+    def _unpackable(self, seq: Sequence) -> bool:
+        try:
+            SamplingBatch.build([seq.sampling], [self._seeds[seq.seq_id]], [seq.num_tokens], 1,
+                                put=lambda x: x)  # fmt: skip
+            np.asarray(seq.all_token_ids + seq.draft_token_ids, np.int32)
+        except Exception:
+            return True
+        return False
 
     def _step_scan(self, t_start: float, early: list[StepOutput]) -> list[StepOutput]:
         """Read the unread decode scan, after dispatching the next from its final state."""
@@ -209,15 +259,19 @@ class Engine:
         results, device_s = self._collect(prev)
         outputs = self._append_all(results)
         fed = sum(len(new) for _, new in results)
-        self._record(t_start, len(prev.seqs), fed, True, prev.rounds, 0, device_s)
+        self._record(t_start, len(prev.seqs), fed, True, prev.rounds, device_s)
         return early + outputs
 
     def _append_all(self, results) -> list[StepOutput]:
         now = self.clock()
         return [self._append(seq, new_tokens, now) for seq, new_tokens in results]
 
-    def _record(self, t_start, num_seqs, num_batched, decode_only, k, preempted, device_s):
+    def _record(self, t_start, num_seqs, num_batched, decode_only, k, device_s):
+        """A StepRecord; its preemptions are every one since the last record (a schedule that
+        preempts and then runs nothing writes no record of its own)."""
         running = self.scheduler.running_seqs()
+        preempted = self.scheduler.num_preemptions - self._preemptions_recorded
+        self._preemptions_recorded = self.scheduler.num_preemptions
         self.step_records.append(
             StepRecord(
                 time=t_start,

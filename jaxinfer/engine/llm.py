@@ -6,11 +6,13 @@ from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, fields
 
+import numpy as np
+
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.data_parallel import ProcessDataParallelEngine
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.loading import load_model, model_tokenizer
-from jaxinfer.engine.request import SamplingParams, Sequence
+from jaxinfer.engine.request import SamplingParams, Sequence, is_int
 from jaxinfer.parallel.sharding import EngineShardings
 
 
@@ -46,6 +48,16 @@ class StreamEvent:
     error: str | None
 
 
+def _as_prompt_list(prompts) -> list:
+    """The prompts of a call: a str, a list of token ids or a 1-D integer array is one prompt;
+    another list or tuple holds several; anything else is one (bad) prompt that fails alone."""
+    if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
+        return [prompts]
+    if isinstance(prompts, list | tuple):
+        return [prompts] if prompts and is_int(prompts[0]) else list(prompts)
+    return [prompts]
+
+
 class LLM:
     """A model plus an engine. `LLM("tiny")`, `LLM("preset:llama3-8b", dtype="bfloat16")`,
     `LLM("/path/to/hf_dir", max_num_seqs=64)`; keyword arguments are `EngineConfig` fields."""
@@ -76,14 +88,17 @@ class LLM:
             self.engine.warmup()
 
     def _submit(self, prompts, sampling) -> list[Sequence]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        """Queue every prompt; a bad one (or its sampling) fails alone, with its error."""
+        prompts = _as_prompt_list(prompts)
+        if isinstance(sampling, list | tuple):
+            if len(sampling) != len(prompts):
+                raise ValueError(f"{len(sampling)} SamplingParams for {len(prompts)} prompts")
+            params = list(sampling)
+        else:  # one for all (a str or dict there fails every request, naming it)
+            params = [sampling] * len(prompts)
         self._n = len(prompts)
         return [
-            self.engine.add_request(p, s or SamplingParams())
+            self.engine.add_request(p, SamplingParams() if s is None else s)
             for p, s in zip(prompts, params, strict=True)
         ]
 

@@ -15,6 +15,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
@@ -24,9 +26,22 @@ class SeqStatus(enum.Enum):
     FAILED = "failed"
 
 
+MAX_SEED = 2**64  # seeds are 64-bit, as in vLLM: 0 <= seed < 2**64
+
+
+def is_int(x: object) -> bool:
+    return isinstance(x, int | np.integer) and not isinstance(x, bool | np.bool_)
+
+
+def is_real(x: object) -> bool:
+    return isinstance(x, int | float | np.integer | np.floating) and not isinstance(x, bool)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request decoding settings. temperature 0 is greedy; top_k 0, top_p 1, min_p 0 are off."""
+    """Per-request decoding settings. temperature 0 is greedy; top_k 0 or -1, top_p 1, min_p 0
+    are off. `stop` is one stop string or a sequence of them (vLLM's convention). Checked when a
+    request is submitted (`validate`): a bad field fails that request alone, naming the field."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -35,39 +50,63 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()  # stop strings (need a tokenizer to detokenize)
+    stop: tuple[str, ...] | str = ()  # stop strings (need a tokenizer to detokenize)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: sampled token's; k: also the top k
     # Benchmark knob: finish (reason "stop") after this many tokens, as if the model had emitted
     # EOS there. The server cannot know it in advance: allocation still plans for max_tokens.
     eos_after: int | None = None
 
+    def __post_init__(self) -> None:
+        # vLLM's spellings: one stop string; top_k -1 for "off". (Not a validation: `validate`
+        # names what is wrong, per request.)
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif isinstance(self.stop, list):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if isinstance(self.stop_token_ids, list):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def top_k_or_off(self) -> int:
+        """top_k with 'off' as 0."""
+        return 0 if self.top_k == -1 else self.top_k
+
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError naming the first bad field."""
+        """Raise ValueError naming the first bad field and its value."""
 
         def bad(name: str, allowed: str) -> ValueError:
             return ValueError(
                 f"SamplingParams.{name}={getattr(self, name)!r} is invalid: must be {allowed}"
             )
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise bad("max_tokens", "an int >= 1")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise bad("temperature", "a finite float >= 0")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", "an int >= 0 (0 disables)")
-        if not 0 < self.top_p <= 1:
-            raise bad("top_p", "in (0, 1]")
-        if not 0 <= self.min_p < 1:
-            raise bad("min_p", "in [0, 1)")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise bad("seed", "None or an int >= 0")
-        if self.eos_after is not None and (
-            not isinstance(self.eos_after, int) or self.eos_after < 1
+        if not is_real(self.temperature) or not (
+            math.isfinite(self.temperature) and self.temperature >= 0
         ):
+            raise bad("temperature", "a finite number >= 0")
+        if not is_int(self.top_k) or self.top_k < -1:
+            raise bad("top_k", "an int >= 0, or -1 or 0 for off")
+        if not is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "a number in (0, 1]")
+        if not is_real(self.min_p) or not 0 <= self.min_p < 1:
+            raise bad("min_p", "a number in [0, 1)")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < MAX_SEED):
+            raise bad("seed", "None or an int in [0, 2**64)")
+        if self.eos_after is not None and (not is_int(self.eos_after) or self.eos_after < 1):
             raise bad("eos_after", "None or an int >= 1")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             raise bad("logprobs", "None or an int >= 0")
+        if not isinstance(self.ignore_eos, bool | np.bool_):
+            raise bad("ignore_eos", "True or False")
+        if not isinstance(self.stop_token_ids, tuple) or not all(
+            is_int(t) for t in self.stop_token_ids
+        ):
+            raise bad("stop_token_ids", "a list of int token ids")
+        if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s
+                                                   for s in self.stop):  # fmt: skip
+            raise bad("stop", "a non-empty string or a list of them")
         if vocab_size is not None:
             if any(not 0 <= t < vocab_size for t in self.stop_token_ids):
                 raise bad("stop_token_ids", f"token ids in [0, {vocab_size})")
@@ -75,8 +114,27 @@ class SamplingParams:
                 raise bad("top_k", f"<= the vocabulary size {vocab_size}")
             if self.logprobs is not None and self.logprobs > vocab_size:
                 raise bad("logprobs", f"<= the vocabulary size {vocab_size}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise bad("stop", "a tuple of non-empty strings")
+
+
+def prompt_token_ids(prompt: object) -> list[int]:
+    """A token-id prompt as a list of ints: a list or tuple of ints, or a 1-D integer numpy
+    array. Anything else (floats, bools, strings of digits, bytes, nesting) is a ValueError
+    naming the first bad item; vLLM accepts the same."""
+    if isinstance(prompt, np.ndarray):
+        if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
+            raise ValueError(f"prompt: a numpy array of token ids must be 1-D of integers, got "
+                             f"shape {prompt.shape} dtype {prompt.dtype}")  # fmt: skip
+        return [int(t) for t in prompt]
+    if isinstance(prompt, bytes | bytearray):
+        raise ValueError("prompt is bytes: pass text (str) or a list of token ids")
+    if not isinstance(prompt, list | tuple):
+        raise ValueError(f"prompt must be a str or a list of int token ids, got "
+                         f"{type(prompt).__name__} {prompt!r:.40}")  # fmt: skip
+    for i, t in enumerate(prompt):
+        if not is_int(t):
+            raise ValueError(f"prompt token ids must be ints: item {i} is "
+                             f"{type(t).__name__} {t!r:.40}")  # fmt: skip
+    return [int(t) for t in prompt]
 
 
 @dataclass(eq=False)

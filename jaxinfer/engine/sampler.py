@@ -55,7 +55,8 @@ class SamplingBatch:
         seed = np.zeros(num_rows, np.uint32)
         position = np.zeros(num_rows, np.int32)
         for i, p in enumerate(params):
-            temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+            temperature[i], top_k[i] = p.temperature, p.top_k_or_off
+            top_p[i], min_p[i] = p.top_p, p.min_p
         seed[:n] = np.asarray(seeds, np.uint64) & 0xFFFFFFFF
         position[:n] = positions
         arrays = put((temperature, top_k, top_p, min_p, seed, position))

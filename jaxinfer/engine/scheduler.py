@@ -105,6 +105,7 @@ class Scheduler:
         self.policy = POLICIES[config.scheduler]
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        self.num_preemptions = 0  # every preemption, wherever it happens
         self._batch: list[Sequence] = []  # static: members of the current batch not yet admitted
 
     # -- queue -------------------------------------------------------------------------------------
@@ -259,6 +260,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.draft_token_ids = []
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.append(seq)
 
     # -- completion --------------------------------------------------------------------------------

@@ -1,0 +1,129 @@
+"""Bad requests fail alone, with an error naming the field and the value; the engine is never
+wedged by one; preemptions are counted once each, wherever they happen."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.llm import LLM
+from jaxinfer.engine.request import SamplingParams
+from jaxinfer.metrics import request_rows, summarize
+from jaxinfer.models.presets import preset
+from jaxinfer.models.spec import init_params
+
+SMALL = dict(max_num_seqs=4, max_num_batched_tokens=32, num_pages=48, page_size=8,
+             max_model_len=96, decode_steps=4)  # fmt: skip
+GOOD = [5, 9, 11]
+SP = SamplingParams(max_tokens=4, ignore_eos=True)
+
+# (prompt, sampling, what the error must name)
+BAD = [
+    (5, SP, "prompt must be a str or a list of int token ids, got int 5"),
+    (None, SP, "got NoneType None"),
+    ([[1, 2], [3]], SP, "item 0 is list [1, 2]"),
+    (np.array([[1, 2]]), SP, "shape (1, 2)"),
+    ("ab\ud800c", SP, "not valid Unicode"),
+    ([1.5, 2.7], SP, "item 0 is float 1.5"),
+    (["12", "3"], SP, "item 0 is str '12'"),
+    (b"abc", SP, "prompt is bytes"),
+    ([True, 2], SP, "item 0 is bool True"),
+    (GOOD, SamplingParams(temperature="hot"), "temperature='hot'"),
+    (GOOD, SamplingParams(temperature=None), "temperature=None"),
+    (GOOD, SamplingParams(top_p="0.9"), "top_p='0.9'"),
+    (GOOD, SamplingParams(stop_token_ids=None), "stop_token_ids=None"),
+    (GOOD, SamplingParams(stop_token_ids=7), "stop_token_ids=7"),
+    (GOOD, SamplingParams(stop_token_ids=("a",)), "stop_token_ids=('a',)"),
+    (GOOD, SamplingParams(max_tokens=True), "max_tokens=True"),
+    (GOOD, SamplingParams(ignore_eos="no"), "ignore_eos='no'"),
+    (GOOD, SamplingParams(seed=2**64), f"seed={2**64}"),
+    (GOOD, SamplingParams(seed=-1), "seed=-1"),
+    (GOOD, SamplingParams(top_k=-2), "top_k=-2"),
+    (GOOD, SamplingParams(stop=("",)), "stop=('',)"),
+    (GOOD, "greedy", "sampling must be a SamplingParams, got str 'greedy'"),
+    (GOOD, {"temperature": 0.0}, "sampling must be a SamplingParams, got dict"),
+]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny", **SMALL)
+
+
+def test_each_bad_request_fails_alone_naming_the_field_and_value(llm):
+    prompts = ["def f(x):\n"] + [p for p, _, _ in BAD] + [[7, 8, 9]]
+    sampling = [SP] + [s for _, s, _ in BAD] + [SP]
+    outs = llm.generate(prompts, sampling)
+    assert len(outs) == len(prompts)
+    for out, (_, _, match) in zip(outs[1:-1], BAD, strict=True):
+        assert out.error is not None and match in out.error, (match, out.error)
+        assert out.finish_reason == "error" and out.token_ids == []
+    for out in (outs[0], outs[-1]):
+        assert out.error is None and len(out.token_ids) == 4
+    # nothing was left queued: the next call runs only its own request
+    (again,) = llm.generate([[1, 2, 3]], SP)
+    assert again.error is None and not llm.engine.has_unfinished()
+    assert llm.engine.sequences == []  # every returned request was released
+
+
+def test_what_vllm_accepts_is_accepted(llm):
+    seed = 41
+    p = list(np.random.default_rng(seed).integers(0, 4000, 6))
+    outs = llm.generate(
+        [p, tuple(p), np.asarray(p, np.int64), p],
+        [SP, SP, SP, SamplingParams(max_tokens=4, ignore_eos=True, top_k=-1, temperature=0.7,
+                                    seed=2**64 - 1)],
+    )  # fmt: skip
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids, f"seed {seed}"
+    assert SamplingParams(stop="abc").stop == ("abc",)  # one stop string, not "a", "b", "c"
+    assert SamplingParams(stop=["ab", "c"]).stop == ("ab", "c")
+
+
+def test_a_stop_string_given_as_str_stops_at_that_string(llm):
+    (free,) = llm.generate(["class Stack:\n"], SamplingParams(max_tokens=24, ignore_eos=True))
+    text = free.text
+    stop = text[3:6]
+    (stopped,) = llm.generate(["class Stack:\n"], SamplingParams(max_tokens=24, ignore_eos=True,
+                                                                 stop=stop))  # fmt: skip
+    assert stopped.finish_reason == "stop" and stopped.text == text[: text.index(stop)]
+
+
+def test_a_request_whose_batch_cannot_be_built_fails_alone():
+    cfg = preset("tiny")
+    engine = Engine(EngineConfig(model="preset:tiny", **SMALL), cfg,
+                    init_params(cfg, jax.random.key(0)))  # fmt: skip
+    engine.warmup()
+    good = [engine.add_request([1, 2, 3 + i], SP) for i in range(3)]
+    bad = engine.add_request([4, 5, 6], SP)
+    engine._seeds[bad.seq_id] = 2**70  # a value that slipped past validation: packing raises
+    engine.run()
+    assert bad.error is not None and f"request {bad.seq_id} could not be run" in bad.error
+    assert all(s.error is None and len(s.output_token_ids) == 4 for s in good)
+    again = engine.add_request([1, 2], SP)
+    engine.run()
+    assert again.error is None and len(again.output_token_ids) == 4
+    assert engine.block_manager.num_free_pages == engine.block_manager.capacity
+
+
+@pytest.mark.parametrize("scheduler", ["fcfs", "static"])
+def test_every_preemption_is_counted_once(scheduler):
+    seed = 43
+    cfg = preset("tiny")
+    config = EngineConfig(model="preset:tiny", **{**SMALL, "num_pages": 12, "max_model_len": 64},
+                          scheduler=scheduler)  # fmt: skip
+    engine = Engine(config, cfg, init_params(cfg, jax.random.key(0)))
+    engine.warmup()
+    rng = np.random.default_rng(seed)
+    seqs = [engine.add_request(rng.integers(0, 500, int(n)).tolist(),
+                               SamplingParams(max_tokens=30, ignore_eos=True))
+            for n in rng.integers(5, 30, 8)]  # fmt: skip
+    engine.run()
+    by_requests = sum(s.num_preemptions for s in seqs)
+    assert by_requests > 0, f"seed {seed}: nothing was preempted"
+    assert sum(r.preemptions for r in engine.step_records) == by_requests, f"seed {seed}"
+    m = summarize(request_rows(seqs), engine.step_records, max_num_seqs=4)
+    assert m["total_preemptions"] == m["total_request_preemptions"] == by_requests
