@@ -338,22 +338,26 @@ class ModelRunner:
         calls = sorted(self._warmup_calls(), key=lambda c: (rank.get(c[0][0], 2), -int(c[0][1])))
         workers = max_workers or min(len(calls), os.cpu_count() or 1)
         lower_s, compiled = 0.0, {}
-        with ThreadPoolExecutor(max_workers=workers) as pool:
+        pool = ThreadPoolExecutor(max_workers=workers)
+        key = None
+        try:
+            for key, fn, args, static in calls:
+                t = time.perf_counter()
+                low = fn.lower(*args, **static)
+                lower_s += time.perf_counter() - t
+                compiled[key] = pool.submit(low.compile, self._options_of(key) or None)
             key = None
-            try:
-                for key, fn, args, static in calls:
-                    t = time.perf_counter()
-                    low = fn.lower(*args, **static)
-                    lower_s += time.perf_counter() - t
-                    compiled[key] = pool.submit(low.compile, self._options_of(key) or None)
-                key = None
-                for key, future in compiled.items():
-                    self._executables[key] = future.result()
-            except Exception as e:  # name what failed; compiles not yet started are dropped
-                pool.shutdown(wait=False, cancel_futures=True)
-                if key is None:
-                    raise
-                raise self._warmup_error(key, "compile" if key in compiled else "lower", e) from e
+            for key, future in compiled.items():
+                self._executables[key] = future.result()
+        except Exception as e:  # name what failed; compiles not yet started are dropped
+            pool.shutdown(wait=False, cancel_futures=True)
+            if key is None:
+                raise
+            raise self._warmup_error(key, "compile" if key in compiled else "lower", e) from e
+        except BaseException:  # an interrupt: drop the queued compiles, do not wait for them
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
         self.warmup_stats = {"executables": len(calls), "lower_s": round(lower_s, 2),
                              "lower_and_compile_s": round(time.perf_counter() - t0, 2),
                              "compile_threads": workers}  # fmt: skip
