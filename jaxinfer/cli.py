@@ -155,15 +155,26 @@ def eval_ppl(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """One serving experiment from a YAML config with dotted overrides."""
-    from jaxinfer.experiment.run import load_run_config, run_experiment
+    from jaxinfer.experiment import run as runs
 
-    rc = load_run_config(args.config, args.overrides)
-    metrics = run_experiment(rc, show_progress=not args.no_progress)
+    try:
+        rc = runs.load_run_config(args.config, args.overrides)
+    except runs.SweepConfigError as e:
+        print(f"jaxinfer run: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        with runs.stop_on_signals():
+            metrics = runs.run_experiment(rc, show_progress=not args.no_progress)
+    except runs.RunInterrupted as e:
+        print(f"jaxinfer run: {e}", file=sys.stderr)
+        e.exit_now_if_compiling()
+        return e.exit_code
     return 0 if metrics.get("compiles_after_warmup") in (0, None) else 1
 
 
 def sweep(args: argparse.Namespace) -> int:
     """Run every point of a parameter sweep (grid x zip) and merge their metrics into one table."""
+    from jaxinfer.experiment.run import RunInterrupted
     from jaxinfer.experiment.sweep import parse_axes, plan_sweep, run_sweep
 
     try:
@@ -177,8 +188,10 @@ def sweep(args: argparse.Namespace) -> int:
     except ValueError as e:  # the sweep or its worker settings; failing points are recorded
         print(f"jaxinfer sweep: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print("jaxinfer sweep: interrupted; the same command resumes it", file=sys.stderr)
+        if isinstance(e, RunInterrupted):
+            e.exit_now_if_compiling()
         return 130
     return 0 if result.ok else 1
 

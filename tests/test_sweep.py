@@ -3,7 +3,9 @@ point, failed points, and worker processes."""
 
 from __future__ import annotations
 
+import io
 import json
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -13,7 +15,14 @@ from rich.console import Console
 
 from jaxinfer.cli import main
 from jaxinfer.experiment import sweep as sweep_mod
-from jaxinfer.experiment.sweep import parse_axes, plan_sweep, point_name, run_sweep
+from jaxinfer.experiment.sweep import (
+    merge_results,
+    parse_axes,
+    plan_sweep,
+    point_name,
+    run_sweep,
+)
+from jaxinfer.metrics import write_tables
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
 # Few jit buckets (max_num_batched_tokens=16, decode_steps=1): compiling takes seconds.
@@ -52,6 +61,15 @@ def counting(monkeypatch, fail_on: dict[int, BaseException] | None = None) -> li
 
     monkeypatch.setattr(sweep_mod, "run_experiment", wrapped)
     return calls
+
+
+def fake_results(out: Path, **metrics) -> dict:
+    """The files of a finished run (metrics.json with the counts, empty tables), no engine."""
+    metrics = {"num_requests": 4, "num_completed": 4, "num_failed": 0, "failed_errors": [],
+               **metrics}  # fmt: skip
+    (out / "metrics.json").write_text(json.dumps(metrics))
+    write_tables(out, [], [])
+    return metrics
 
 
 def test_plan_grid_times_zip_cli_axes_and_names(tmp_path):
@@ -143,13 +161,11 @@ def test_failed_point_is_recorded_and_the_sweep_continues(tmp_path, monkeypatch)
     calls: list[int] = []
     broken = {1}
 
-    def fake(rc, **kwargs):  # no engine: writes metrics.json only
+    def fake(rc, **kwargs):  # no engine: writes the results files only
         calls.append(rc.workload.seed)
         if rc.workload.seed in broken:
             raise RuntimeError(f"boom at seed {rc.workload.seed}")
-        metrics = {"num_completed": 4, "goodput": 1.5 * rc.workload.seed, "failed_errors": []}
-        (Path(rc.out_dir) / "metrics.json").write_text(json.dumps(metrics))
-        return metrics
+        return fake_results(Path(rc.out_dir), goodput=1.5 * rc.workload.seed)
 
     monkeypatch.setattr(sweep_mod, "run_experiment", fake)
     cfg = sweep_config(tmp_path)
@@ -232,3 +248,64 @@ def test_worker_gpu_pinning(monkeypatch):
     monkeypatch.setattr(sweep_mod, "visible_gpus", lambda: ["0", "1"])
     prov = sweep_mod._sweep_provenance(2)
     assert {"device", "jax", "commit", "command"} <= prov.keys()
+
+
+VALID = {"num_requests": 4, "num_completed": 4, "num_failed": 0, "goodput": 2.0}
+CORRUPT_METRICS = {
+    "truncated": json.dumps(VALID).encode()[:20],
+    "empty": b"",
+    "binary": bytes(range(256)),
+    "a list": b"[4, 4, 0]",
+    "wrong keys": json.dumps({"completed": 4, "goodput": 2.0}).encode(),
+    "counts not ints": json.dumps({**VALID, "num_completed": "4"}).encode(),
+    "interrupted": json.dumps({**VALID, "interrupted": "SIGINT"}).encode(),
+}
+
+
+def _seed_sweep(tmp_path, monkeypatch) -> tuple[Path, list[int]]:
+    """A two-point sweep (workload.seed=0,1) run with a fake run_experiment; (config, calls)."""
+    calls: list[int] = []
+
+    def fake(rc, **kwargs):
+        calls.append(rc.workload.seed)
+        return fake_results(Path(rc.out_dir), goodput=1.5 * rc.workload.seed)
+
+    monkeypatch.setattr(sweep_mod, "run_experiment", fake)
+    cfg = sweep_config(tmp_path, {"grid": {"workload.seed": [0, 1]}})
+    assert run_sweep(plan_sweep(cfg, TINY), show_progress=False, console=QUIET).ok
+    assert calls == [0, 1]
+    return cfg, calls
+
+
+@pytest.mark.parametrize(
+    ("file", "content"),
+    [*(("metrics.json", c) for c in CORRUPT_METRICS.values()),
+     ("requests.parquet", b"PAR1 cut short"), ("steps.parquet", b"")],
+    ids=[*CORRUPT_METRICS, "truncated requests.parquet", "empty steps.parquet"],
+)  # fmt: skip
+def test_broken_point_is_run_again_and_its_files_kept_aside(tmp_path, monkeypatch, file, content):
+    cfg, calls = _seed_sweep(tmp_path, monkeypatch)
+    points = tmp_path / "out" / "points"
+    (points / "workload.seed=1" / file).write_bytes(content)
+    log = io.StringIO()
+    result = run_sweep(
+        plan_sweep(cfg, TINY), show_progress=False, console=Console(file=log, width=1000)
+    )
+    assert calls == [0, 1, 1] and result.ok and result.skipped == ["workload.seed=0"]
+    (aside,) = points.glob("workload.seed=1.broken-*")
+    assert (aside / file).read_bytes() == content  # kept as found
+    said = [line for line in log.getvalue().splitlines() if " is broken " in line]
+    assert len(said) == 1 and "point workload.seed=1" in said[0], log.getvalue()
+    assert str(points / "workload.seed=1" / file) in said[0] and str(aside) in said[0]
+    table = pd.read_parquet(tmp_path / "out" / "results.parquet")
+    assert table["workload.seed"].tolist() == [0, 1] and table["goodput"].tolist() == [0.0, 1.5]
+    assert json.loads((points / "workload.seed=1" / "metrics.json").read_text())["goodput"] == 1.5
+
+
+@pytest.mark.parametrize("content", CORRUPT_METRICS.values(), ids=CORRUPT_METRICS)
+def test_merge_error_names_the_broken_file(tmp_path, monkeypatch, content):
+    cfg, _ = _seed_sweep(tmp_path, monkeypatch)
+    metrics = tmp_path / "out" / "points" / "workload.seed=1" / "metrics.json"
+    metrics.write_bytes(content)
+    with pytest.raises(ValueError, match=re.escape(str(metrics))):
+        merge_results(plan_sweep(cfg, TINY))

@@ -17,12 +17,16 @@ Results folder (`out_dir` of the base config):
                              provenance
     points/<name>/           one run's results folder (metrics.json, config.yaml, ...)
     points/<name>.error.txt  traceback of a point that raised
+    points/<name>.broken-<time>/  the files of a point found broken, moved aside before its re-run
     results.parquet          one row per finished point: `point`, one column per swept key,
                              then every scalar metric of the point's metrics.json
 
 A point runs into `points/.<name>.tmp-<pid>/` and is renamed to `points/<name>/` once its
 `metrics.json` is written, so an interrupted sweep loses only the points in progress; running
-the same sweep again skips finished points, removes stale tmp folders and re-merges.
+the same sweep again skips finished points, removes stale tmp folders and re-merges. A point is
+finished when its files are whole (`point_problem`): a `metrics.json` holding a JSON object with
+the counts every run writes (and no `interrupted` mark), and readable `requests.parquet` and
+`steps.parquet`. A point folder that is not is moved aside and the point run again.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -60,6 +65,10 @@ ERROR_SUFFIX = ".error.txt"
 _TMP_MARK = ".tmp-"
 _MAX_NAME = 160  # leaves room for ".<name>.tmp-<pid>" and ".error.txt" within 255 bytes
 _UNSWEEPABLE = ("out_dir",)
+_BROKEN_MARK = ".broken-"
+# Keys every run's metrics.json has (from `summarize`): without them the file is not a run's.
+REQUIRED_METRICS = ("num_requests", "num_completed", "num_failed")
+TABLES = ("requests.parquet", "steps.parquet")
 
 
 @dataclass(frozen=True)
@@ -87,7 +96,8 @@ class SweepPlan:
         return self.out_dir / POINTS_DIR
 
     def is_done(self, name: str) -> bool:
-        return (self.points_dir / name / "metrics.json").is_file()
+        point = self.points_dir / name
+        return point.is_dir() and point_problem(point) is None
 
 
 @dataclass
@@ -315,6 +325,58 @@ def _fails(base: Path, overrides: list[str]) -> bool:
     return False
 
 
+# ---------------------------------------------------------------------------- finished points
+
+
+def read_metrics(path: Path) -> dict:
+    """A finished run's `metrics.json`; ValueError naming the file and what is wrong with it."""
+    try:
+        metrics = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+    if not isinstance(metrics, dict):
+        raise ValueError(f"{path}: holds a JSON {type(metrics).__name__}, not an object")
+    missing = [k for k in REQUIRED_METRICS if not _is_count(metrics.get(k))]
+    if missing:
+        raise ValueError(f"{path}: not a run's metrics: no integer {', '.join(missing)}")
+    if "interrupted" in metrics:
+        raise ValueError(f"{path}: of a run interrupted by {metrics['interrupted']}")
+    return metrics
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def point_problem(point: Path) -> str | None:
+    """What makes run folder `point` not a finished run (naming the file), or None if nothing."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        read_metrics(point / "metrics.json")
+    except ValueError as e:
+        return str(e)
+    for name in TABLES:
+        try:
+            pq.read_metadata(point / name)
+        except (OSError, pa.ArrowException) as e:
+            return f"{point / name}: unreadable ({type(e).__name__}: {e})"
+    return None
+
+
+def _move_aside(point: Path) -> Path:
+    """`points/<name>/` -> `points/<name>.broken-<time>/` (kept for a look, never merged)."""
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    aside = point.with_name(f"{point.name}{_BROKEN_MARK}{stamp}")
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = point.with_name(f"{point.name}{_BROKEN_MARK}{stamp}-{n}")
+    os.replace(point, aside)
+    return aside
+
+
 # ---------------------------------------------------------------------------- one point
 
 
@@ -339,15 +401,16 @@ def _run_point(
         run_experiment(
             dataclasses.replace(rc, out_dir=str(tmp)), show_progress=show_progress, console=console
         )
-        if not (tmp / "metrics.json").is_file():
-            raise RuntimeError(f"the run wrote no metrics.json into {tmp}")
+        problem = point_problem(tmp)
+        if problem is not None:
+            raise RuntimeError(f"the run left no finished results: {problem}")
         cfg_file = tmp / "config.yaml"
         if cfg_file.is_file():  # record where the results live, not the tmp folder
             cfg = OmegaConf.load(cfg_file)
             cfg.out_dir = str(final)
             OmegaConf.save(cfg, cfg_file)
-        if final.exists():  # a folder without metrics.json (never ours): replace it
-            shutil.rmtree(final)
+        if final.exists():  # appeared while the point ran (never ours): keep it aside
+            _move_aside(final)
         os.replace(tmp, final)
     except Exception:
         error = traceback.format_exc()
@@ -401,7 +464,7 @@ def merge_results(plan: SweepPlan):
         metrics_file = plan.points_dir / p.name / "metrics.json"
         if not metrics_file.is_file():
             continue
-        metrics = json.loads(metrics_file.read_text())
+        metrics = read_metrics(metrics_file)  # (its errors name the file)
         row: dict[str, Any] = {"point": p.name}
         rc = plan.run_configs.get(p.name)
         for key, given in p.overrides.items():
@@ -420,8 +483,14 @@ def merge_results(plan: SweepPlan):
     plan.out_dir.mkdir(parents=True, exist_ok=True)
     path = plan.out_dir / RESULTS_FILE
     tmp = path.with_name(f".{RESULTS_FILE}{_TMP_MARK}{os.getpid()}")
-    table.to_parquet(tmp, index=False)
-    os.replace(tmp, path)
+    try:
+        table.to_parquet(tmp, index=False)
+        os.replace(tmp, path)
+    except (OSError, ValueError, TypeError) as e:  # pyarrow's errors are ValueError/TypeError
+        tmp.unlink(missing_ok=True)
+        raise ValueError(
+            f"{path}: could not write the merged table ({type(e).__name__}: {e})"
+        ) from e
     return table
 
 
@@ -636,6 +705,16 @@ def run_sweep(
         "provenance": _sweep_provenance(workers),
     }
     (plan.out_dir / SWEEP_FILE).write_text(json.dumps(record, indent=2, default=str))
+
+    for p in plan.points:
+        point = plan.points_dir / p.name
+        problem = point_problem(point) if point.is_dir() else None
+        if problem is not None:
+            aside = _move_aside(point)
+            console.print(
+                f"point {p.name} is broken ({problem}): moved to {aside}; running it again",
+                markup=False,
+            )
 
     result = SweepResult()
     pending = [p for p in plan.points if not plan.is_done(p.name)]
