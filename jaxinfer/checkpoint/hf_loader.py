@@ -2,7 +2,12 @@
 
 The load is driven by `param_specs(cfg)`: every leaf names the HF tensor it comes from, so a tensor
 the model needs but the files lack is an error, and tensors the model does not use (e.g. old
-`rotary_emb.inv_freq` buffers, a tied `lm_head.weight`) are ignored.
+`rotary_emb.inv_freq` buffers, a tied `lm_head.weight`) are ignored, except those of layers beyond
+`cfg.num_layers` (a `num_hidden_layers` smaller than the checkpoint's would silently load a
+truncated model): they are refused unless `allow_unused_layers=True`.
+
+Every loaded param is checked for NaN/inf on the device (one scalar to the host per param); a
+non-finite weight is refused with the HF tensor's name.
 
 Memory: tensors are read one at a time from memory-mapped files, sent to the device(s) in their HF
 layout and dtype, and transposed/reshaped/cast there by a small jitted program, so the host holds
@@ -20,6 +25,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +38,7 @@ from tokenizers import Tokenizer
 
 from jaxinfer.checkpoint.errors import CheckpointError
 from jaxinfer.checkpoint.hf_config import config_from_hf
+from jaxinfer.checkpoint.integrity import count_nonfinite
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.spec import Params, ParamSpec, param_specs
 from jaxinfer.parallel.sharding import named_sharding
@@ -41,6 +48,7 @@ PathLike = str | os.PathLike[str]
 SUPPORTED_DTYPES = ("F32", "F16", "BF16")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+_LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -213,6 +221,17 @@ class _SafetensorsFiles:
                 self._where[name] = file
         self._searched = ", ".join(str(directory / f) for f in files)
 
+    def names(self) -> list[str]:
+        """Every tensor name the checkpoint lists (index weight_map, or the files' headers)."""
+        return list(self._where)
+
+    @property
+    def directory(self) -> Path:
+        return self._dir
+
+    def location(self, name: str) -> Path:
+        return self._dir / self._where[name]
+
     def _open(self, file: str):
         if file not in self._handles:
             path = self._dir / file
@@ -280,7 +299,26 @@ class _Loader:
         in_sh, out_sh = self._shardings(rule, spec.shape, spec.axes)
         raw = self._raw(rule, name, spec.shape, spec.axes, param, in_sh)
         out = _converter(rule, spec.shape, spec.dtype, out_sh)(raw)
-        return out.block_until_ready()
+        self._check_finite(out, [(name, raw)], param)
+        return out
+
+    def _check_finite(self, out: jax.Array, raws: list[tuple[str, jax.Array]], param: str) -> None:
+        """Refuse NaN/inf in `out` (also syncs with its conversion, so host copies don't pile up);
+        only then are its HF tensors counted, to name the one(s) at fault."""
+        if not int(count_nonfinite(out)):
+            return
+        for name, raw in raws:
+            count = int(count_nonfinite(raw))
+            if count:
+                raise CheckpointError(
+                    f"tensor {name!r} (for param {param}) in {self.files.location(name)} holds "
+                    f"{count} NaN/inf values"
+                )
+        names = ", ".join(repr(name) for name, _ in raws)
+        raise CheckpointError(
+            f"param {param} (from {names}) holds {int(count_nonfinite(out))} NaN/inf "
+            f"values after the cast to {out.dtype}: the checkpoint's values exceed its range"
+        )
 
     def _raws(self, rule: _Rule | _Fused, prefix: str, shape, axes, param: str) -> list[jax.Array]:
         """The HF tensor(s) behind one layer's param, on device in HF layout."""
@@ -299,7 +337,10 @@ class _Loader:
             return self.load(rule, prefix + rule.hf_name, spec, param)
         out_sh = named_sharding(self.mesh, spec.axes, spec.shape) if self.mesh is not None else None
         raws = self._raws(rule, prefix, spec.shape, spec.axes, param)
-        return _fuser(rule, spec.shape, spec.dtype, out_sh)(*raws).block_until_ready()
+        out = _fuser(rule, spec.shape, spec.dtype, out_sh)(*raws)
+        names = [prefix + part.hf_name for part in rule.parts]
+        self._check_finite(out, list(zip(names, raws, strict=True)), param)
+        return out
 
 
 def _layer_rule(key: str) -> _Rule | _Fused:
@@ -308,22 +349,46 @@ def _layer_rule(key: str) -> _Rule | _Fused:
     return _LAYER_RULES[key]
 
 
-def load_hf_params(path: PathLike, cfg: ModelConfig, mesh: Any = None) -> Params:
+def _refuse_unused_layers(files: _SafetensorsFiles, num_layers: int) -> None:
+    unused = [
+        name
+        for name in files.names()
+        if (m := _LAYER_TENSOR.match(name)) is not None and int(m.group(1)) >= num_layers
+    ]
+    if unused:
+        layers = sorted({int(_LAYER_TENSOR.match(name).group(1)) for name in unused})
+        which = ", ".join(map(str, layers)) if len(layers) <= 4 else f"{layers[0]}..{layers[-1]}"
+        shown = ", ".join(repr(name) for name in sorted(unused)[:3])
+        raise CheckpointError(
+            f"{files.directory} holds {len(unused)} tensors of layer(s) {which}, beyond the "
+            f"config's num_hidden_layers={num_layers} (e.g. {shown}); pass "
+            f"allow_unused_layers=True to load only the first {num_layers} layers"
+        )
+
+
+def load_hf_params(
+    path: PathLike, cfg: ModelConfig, mesh: Any = None, *, allow_unused_layers: bool = False
+) -> Params:
     """Params for `cfg` from the safetensors files in `path`, placed on `mesh` when given.
 
     `cfg` must describe the checkpoint (normally from `config_from_hf`); its dtypes decide the
     result's. With `cfg.weight_format` the plain weights are loaded, then quantized on the device.
+    Tensors of layers `cfg` does not have are an error unless `allow_unused_layers`.
     """
     if cfg.weight_format is not None:
         from jaxinfer.quant.transform import quantize_params
 
-        plain = load_hf_params(path, cfg.replace(weight_format=None), mesh)
+        plain_cfg = cfg.replace(weight_format=None)
+        plain = load_hf_params(path, plain_cfg, mesh, allow_unused_layers=allow_unused_layers)
         return quantize_params(cfg, plain, mesh)
     directory = _checkpoint_dir(path)
     specs = param_specs(cfg)
     params: Params = {}
     with contextlib.ExitStack() as stack:
-        loader = _Loader(_SafetensorsFiles(directory, stack), mesh)
+        files = _SafetensorsFiles(directory, stack)
+        if not allow_unused_layers:
+            _refuse_unused_layers(files, cfg.num_layers)
+        loader = _Loader(files, mesh)
         for key, spec in specs.items():
             if key == "layers":
                 continue
@@ -388,10 +453,11 @@ def load_hf_model(
     dtype: str = "bfloat16",
     param_dtype: str | None = None,
     mesh: Any = None,
+    allow_unused_layers: bool = False,
 ) -> tuple[ModelConfig, Params]:
     """(config, params) of a HF checkpoint directory; see `load_hf_config`, `load_hf_params`."""
     cfg = load_hf_config(path, dtype=dtype, param_dtype=param_dtype)
-    return cfg, load_hf_params(path, cfg, mesh)
+    return cfg, load_hf_params(path, cfg, mesh, allow_unused_layers=allow_unused_layers)
 
 
 def load_tokenizer(path: PathLike) -> Tokenizer:

@@ -130,7 +130,11 @@ class Engine:
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("prompt is a string but the engine has no tokenizer")
+                raise ValueError(
+                    f"prompt is a string but model {self.config.model!r} was loaded without a "
+                    "tokenizer (a preset has none; a checkpoint directory needs a "
+                    "tokenizer.json); pass token ids instead"
+                )
             try:
                 prompt.encode("utf-8")
             except UnicodeEncodeError as e:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import warnings
+from pathlib import Path
+
 import jax
 
 from jaxinfer.assets import REFERENCE_MODELS, reference_model_dir
@@ -18,21 +22,33 @@ def load_model(model: str, dtype: str = "float32", seed: int = 0, mesh=None):
     if model.startswith("preset:"):
         cfg = preset(model.removeprefix("preset:"), param_dtype=dtype, dtype=dtype)
         return cfg, init_params(cfg, jax.random.key(seed), mesh), None
+    tokenizer = model_tokenizer(model)  # first: a broken tokenizer.json fails before the weights
     cfg, params = load_hf_model(model, dtype=dtype, mesh=mesh)
-    return cfg, params, model_tokenizer(model)
+    return cfg, params, tokenizer
 
 
 def model_tokenizer(model: str):
-    """The tokenizer of `EngineConfig.model` (None for presets or a checkpoint without one),
-    loaded without weights or a device."""
+    """The tokenizer of `EngineConfig.model`, loaded without weights or a device: None for presets
+    and for a checkpoint directory without a tokenizer.json (prompts must then be token ids). A
+    tokenizer.json that cannot be read is a CheckpointError naming it and the reason."""
     if model in REFERENCE_MODELS:
         model = str(reference_model_dir(model))
     if model.startswith("preset:"):
         return None
-    try:
-        return load_tokenizer(model)
-    except ValueError:
+    file = Path(model) / "tokenizer.json"
+    if not os.path.lexists(file):  # (a dangling symlink is there, and unreadable)
+        others = [
+            f for f in ("tokenizer.model", "tokenizer_config.json") if (file.parent / f).exists()
+        ]
+        if others:
+            warnings.warn(
+                f"{file.parent} has {' and '.join(others)} but no tokenizer.json, the only "
+                "tokenizer file jaxinfer reads: loading it without a tokenizer (prompts must be "
+                "token ids)",
+                stacklevel=2,
+            )
         return None
+    return load_tokenizer(file)
 
 
 def model_vocab_size(model: str) -> int:
