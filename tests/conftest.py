@@ -1,13 +1,21 @@
-"""Shared test helpers."""
+"""Shared test helpers: CPU device meshes in a subprocess, fresh seeds that failures name, argparse
+refusals with their message, and the count of GPU-only tests a CPU run deselected."""
 
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+pytest_plugins = ("pytester",)  # tests of these hooks run pytest on a tiny test file
+
+SEED_ENV = "JAXINFER_TEST_SEED"
+_SEED = pytest.StashKey[int]()
+_GPU_DESELECTED = pytest.StashKey[int]()
 
 
 @pytest.fixture
@@ -23,3 +31,74 @@ def run_on_cpu_devices():
         assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
     return run
+
+
+@pytest.fixture
+def fresh_seed(request) -> int:
+    """A seed drawn for this run (tests draw fresh random inputs). A failure of the test names it
+    in its report and in the one-line summary; `JAXINFER_TEST_SEED=<seed>` replays it."""
+    seed = int(os.environ.get(SEED_ENV) or secrets.randbelow(2**32))
+    request.node.stash[_SEED] = seed
+    return seed
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    seed = item.stash.get(_SEED, None)
+    if report.failed and seed is not None:
+        replay = f"{SEED_ENV}={seed} python -m pytest '{item.nodeid}'"
+        longrepr = report.longrepr
+        if hasattr(longrepr, "addsection"):  # shown under the traceback, whatever --show-capture
+            longrepr.addsection("fresh seed", f"seed {seed}; replay: {replay}")
+        else:
+            report.sections.append(("fresh seed", f"seed {seed}; replay: {replay}"))
+        crash = getattr(longrepr, "reprcrash", None)
+        if crash is not None:  # the "FAILED test - message" line
+            crash.message = f"[seed {seed}] {crash.message}"
+    return report
+
+
+@pytest.fixture
+def refused(capsys):
+    """refused(fn, argv): what an argparse refusal of `fn(argv)` printed to stderr (it must exit
+    with argparse's status 2), for the test to check that the message names the bad input."""
+
+    def run(fn, argv) -> str:
+        with pytest.raises(SystemExit) as exit_info:
+            fn(argv)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2, (argv, exit_info.value.code, err)
+        return err
+
+    return run
+
+
+# ---- "N GPU-only tests deselected": a CPU run (`-m 'not gpu'`, the default) says what it skipped.
+# Under xdist each worker collects (and deselects) the whole selection; the controller prints.
+
+
+def pytest_deselected(items):
+    config = items[0].config if items else None
+    if config is None:
+        return
+    gpu = sum(item.get_closest_marker("gpu") is not None for item in items)
+    config.stash[_GPU_DESELECTED] = config.stash.get(_GPU_DESELECTED, 0) + gpu
+    if hasattr(config, "workeroutput"):  # an xdist worker: report to the controller
+        config.workeroutput["gpu_deselected"] = config.stash[_GPU_DESELECTED]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    n = getattr(node, "workeroutput", {}).get("gpu_deselected", 0)
+    config = node.config
+    config.stash[_GPU_DESELECTED] = max(config.stash.get(_GPU_DESELECTED, 0), n)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    n = config.stash.get(_GPU_DESELECTED, 0)
+    if n:
+        terminalreporter.write_line(
+            f"{n} GPU-only test{'s' * (n != 1)} deselected (run them on the device: "
+            "python -m pytest -m gpu)"
+        )

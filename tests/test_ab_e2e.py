@@ -56,16 +56,22 @@ def test_merge_means_rounds_and_changes_against_the_base(ab, tmp_path):
     assert prov["commit"] == "abc" and prov["mismatch"] == {"commit": ["abc", "def"]}
 
 
-def test_bad_variants_are_refused(ab, tmp_path):
+def test_bad_variants_are_refused_by_name(ab, tmp_path, refused):
     out = ["--out", str(tmp_path / "x.json")]
-    for bad in (["--variant", "a="], ["--variant", "a=", "--variant", "a=--smoke"],
-                ["--variant", "a", "--variant", "b="], ["--variant", "a=", "--variant", "b=--out y"],
-                ["--variant", "a b=", "--variant", "c="],
-                ["--variant", "a=", "--variant", "b=", "--common", "--out z"],
-                ["--variant", "a=", "--variant", "b=--out=y"],
-                ["--variant", "a=", "--variant", "b=", "--rounds", "0"]):  # fmt: skip
-        with pytest.raises(SystemExit):
-            ab.parse_args(out + bad)
+    two = ["--variant", "a=", "--variant", "b="]
+    for bad, message in [
+        (["--variant", "a="], "give at least two --variant (the first is the base)"),
+        (["--variant", "a=", "--variant", "a=--smoke"], "--variant 'a' given twice"),
+        (["--variant", "a", "--variant", "b="], "--variant 'a': expected NAME=ARGS"),
+        (["--variant", "a b=", "--variant", "c="], "--variant 'a b=': expected NAME=ARGS"),
+        (["--variant", "a=", "--variant", "b=--out y"], "--variant b: --out is set per run"),
+        (["--variant", "a=", "--variant", "b=--out=y"], "--variant b: --out is set per run"),
+        (["--variant", "a=", "--variant", "b='open"], "--variant b: No closing quotation"),
+        ([*two, "--common", "--out z"], "--common: --out is set per run"),
+        ([*two, "--common", "'open"], "--common: No closing quotation"),
+        ([*two, "--rounds", "0"], "--rounds must be at least 1"),
+    ]:
+        assert message in refused(ab.parse_args, out + bad), bad
 
 
 def test_smoke_ab_runs_merges_and_resumes(ab, tmp_path):
@@ -97,7 +103,7 @@ def test_smoke_ab_runs_merges_and_resumes(ab, tmp_path):
     assert again["runs"]["base_r0"] == result["runs"]["base_r0"]
 
 
-def test_a_variant_runs_another_checkouts_code(ab, tmp_path, capsys):
+def test_a_variant_runs_another_checkouts_code(ab, tmp_path, refused):
     """`--tree NAME=PATH@COMMIT`: that variant's runs use PATH's bench_e2e.py, PATH first on the
     import path and COMMIT as the recorded commit; a tree without the script is refused."""
     root = Path(ab.__file__).resolve().parents[1]
@@ -111,7 +117,6 @@ def test_a_variant_runs_another_checkouts_code(ab, tmp_path, capsys):
         env["PYTHONPATH"].split(os.pathsep)[0] == str(root) and env["JAXINFER_COMMIT"] == "abc123"
     )
     assert ab.run_env(args, "after") is None
-    for bad in (f"nope={root}", f"before={tmp_path}"):
-        with pytest.raises(SystemExit):
-            ab.parse_args([*out, "--tree", bad])
-        assert "expected NAME=PATH[@COMMIT]" in capsys.readouterr().err, bad
+    for bad in (f"nope={root}", f"before={tmp_path}", f"before{root}"):
+        err = refused(ab.parse_args, [*out, "--tree", bad])
+        assert f"--tree {bad!r}: expected NAME=PATH[@COMMIT]" in err, bad

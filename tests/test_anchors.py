@@ -52,8 +52,8 @@ def test_quick_run_writes_every_row_with_a_positive_value_and_its_method(anchors
     assert roof["value"] == pytest.approx(roof["weight_bytes"] / (fastest * 1e12) * 1e3)
 
 
-def test_timed_gemms_compute_the_scaled_product(anchors):
-    key = jax.random.key(random.randrange(2**31))
+def test_timed_gemms_compute_the_scaled_product(anchors, fresh_seed):
+    key = jax.random.key(fresh_seed)
     m, k, n = 16, 64, 24
     a, b = anchors.gemm_operands(key, m, k, n, fp8=False)
     ref = np.asarray(a, np.float32) @ np.asarray(b, np.float32).T
@@ -69,8 +69,8 @@ def test_timed_gemms_compute_the_scaled_product(anchors):
                                    atol=2e-2 * np.abs(ref).max())  # fmt: skip
 
 
-def test_loop_time_is_per_iteration_and_reaches_the_minimum_loop(anchors):
-    per_iter = random.uniform(1e-4, 1e-2)
+def test_loop_time_is_per_iteration_and_reaches_the_minimum_loop(anchors, fresh_seed):
+    per_iter = random.Random(fresh_seed).uniform(1e-4, 1e-2)
     calls = []
 
     def run(n):  # a fake clock: exactly per_iter a loop iteration

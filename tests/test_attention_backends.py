@@ -28,9 +28,9 @@ def load_model(seed: int = 0):
     return cfg, init_params(cfg, jax.random.key(seed))
 
 
-def test_pallas_backend_matches_xla_through_prefill_and_decode():
+def test_pallas_backend_matches_xla_through_prefill_and_decode(fresh_seed):
     cfg, params = load_model()
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(fresh_seed)
     p1, p2 = [list(rng.integers(1, cfg.vocab_size, n)) for n in (21, 7)]
     hidden = {}
     for backend in ("xla", "pallas"):
@@ -49,7 +49,7 @@ def test_pallas_backend_matches_xla_through_prefill_and_decode():
         assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
 
 
-def test_decode_step_writes_kv_in_the_kernel(monkeypatch):
+def test_decode_step_writes_kv_in_the_kernel(monkeypatch, fresh_seed):
     """A decode step on the Pallas backend writes its K/V inside the attention kernel (no XLA
     scatter): the same hidden states and the same pages (bar the scratch page, where only the
     scatter writes padding tokens) as with `fused_kv_write` off, and the fused launch ran."""
@@ -64,7 +64,7 @@ def test_decode_step_writes_kv_in_the_kernel(monkeypatch):
 
     monkeypatch.setattr(mosaic_gpu, "_launch", spy)
     cfg, params = load_model()
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(fresh_seed)
     p1, p2 = [list(rng.integers(1, cfg.vocab_size, n)) for n in (21, 16)]
     prefill = build_ragged_batch([p1, p2], [0, 0], [[5, 2], [7]], num_tokens=48, num_seqs=4,
                                  pages_per_seq=4, max_q_len=48)  # fmt: skip
@@ -95,11 +95,11 @@ def test_decode_step_writes_kv_in_the_kernel(monkeypatch):
         assert np.all(out[True][1][:, page, :, slot] != 0)
 
 
-def test_mixed_step_and_kernel_options():
+def test_mixed_step_and_kernel_options(fresh_seed):
     """A step mixing a decode token and a prompt chunk (the kernel's two launches) against XLA,
     after an XLA prefill; kernel options reach the kernel (a bad value raises there)."""
     cfg, params = load_model()
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(fresh_seed)
     p1, p2 = [list(rng.integers(1, cfg.vocab_size, n)) for n in (21, 9)]
     prefill = build_ragged_batch([p1], [0], [[5, 2]], num_tokens=32, num_seqs=4, pages_per_seq=4,
                                  max_q_len=32)  # fmt: skip

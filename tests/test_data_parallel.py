@@ -41,7 +41,7 @@ PROCESS_SCRIPT = textwrap.dedent("""
     if __name__ == "__main__":
         from jaxinfer.engine.llm import LLM
         from jaxinfer.engine.request import SamplingParams
-        rng = np.random.default_rng()
+        rng = np.random.default_rng(int(sys.argv[1]))  # the test's fresh seed
         prompts = [rng.integers(1, 4000, int(n)).tolist() for n in rng.integers(3, 40, 20)]
         prompts.insert(5, [])  # a bad request fails alone
         sp = SamplingParams(max_tokens=7, ignore_eos=True)
@@ -65,13 +65,13 @@ PROCESS_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_process_replicas_serve_one_queue_with_one_engines_tokens(tmp_path: Path):
+def test_process_replicas_serve_one_queue_with_one_engines_tokens(tmp_path: Path, fresh_seed):
     """One worker process per replica (on the CPU here): same greedy tokens as one engine, both
     take work, a bad request fails alone, a second run reuses the workers, 0 compiles."""
     script = tmp_path / "dp_process.py"
     script.write_text(PROCESS_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=600, cwd=Path(__file__).parent.parent)  # fmt: skip
+    proc = subprocess.run([sys.executable, str(script), str(fresh_seed)], capture_output=True,
+                          text=True, timeout=600, cwd=Path(__file__).parent.parent)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     good = [i for i in range(21) if i != 5]

@@ -44,8 +44,8 @@ def empty_pool(num_pages, page_size, hkv, d):
     return pages, jnp.zeros((num_pages, hkv), jnp.float32)
 
 
-def test_round_trip_is_within_e4m3_rounding_and_uses_the_full_range():
-    rng = np.random.default_rng()
+def test_round_trip_is_within_e4m3_rounding_and_uses_the_full_range(fresh_seed):
+    rng = np.random.default_rng(fresh_seed)
     x = (rng.standard_normal((6, 16, 2, 32)) * rng.uniform(0.01, 100, (6, 1, 2, 1))).astype(
         np.float32
     )
@@ -58,8 +58,8 @@ def test_round_trip_is_within_e4m3_rounding_and_uses_the_full_range():
     np.testing.assert_array_equal(np.abs(np.asarray(q, np.float32)).max(axis=(1, 3)), E4M3_MAX)
 
 
-def test_prefill_write_into_fresh_pages_equals_whole_page_quantization():
-    rng = np.random.default_rng()
+def test_prefill_write_into_fresh_pages_equals_whole_page_quantization(fresh_seed):
+    rng = np.random.default_rng(fresh_seed)
     num_pages, ps, hkv, d = 5, 8, 2, 16
     x = rng.standard_normal((num_pages, ps, hkv, d)).astype(np.float32)
     page = np.repeat(rng.permutation(num_pages), ps).astype(np.int32)
@@ -75,8 +75,8 @@ def test_prefill_write_into_fresh_pages_equals_whole_page_quantization():
     np.testing.assert_array_equal(np.asarray(pages, np.float32), np.asarray(want_q, np.float32))
 
 
-def test_growing_tokens_written_one_at_a_time_requantize_pages_and_stay_close():
-    rng = np.random.default_rng()
+def test_growing_tokens_written_one_at_a_time_requantize_pages_and_stay_close(fresh_seed):
+    rng = np.random.default_rng(fresh_seed)
     num_pages, ps, hkv, d, n = 4, 8, 2, 16, 24
     growth = 1.25 ** np.arange(n)  # every token larger than the last: the scale keeps growing
     new = (rng.standard_normal((n, hkv, d)) * growth[:, None, None]).astype(np.float32)
@@ -96,9 +96,9 @@ def test_growing_tokens_written_one_at_a_time_requantize_pages_and_stay_close():
     np.testing.assert_allclose(np.asarray(scales)[rows], amax / E4M3_MAX, rtol=1e-6)
 
 
-def test_batch_write_with_shared_pages_is_close_and_independent_of_token_order():
+def test_batch_write_with_shared_pages_is_close_and_independent_of_token_order(fresh_seed):
     """Tokens sharing a page in one call (a prefill chunk after context): duplicate scatters."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(fresh_seed)
     num_pages, ps, hkv, d = 6, 8, 2, 16
     ctx = rng.standard_normal((5, hkv, d)).astype(np.float32)  # seq A: 5 tokens in page 4
     page = np.array([4] * 5, np.int32)
@@ -125,8 +125,8 @@ def test_batch_write_with_shared_pages_is_close_and_independent_of_token_order()
     np.testing.assert_allclose(deq, np.asarray(one_by_one), atol=0.1 * np.abs(new).max())
 
 
-def test_reused_page_does_not_inherit_a_stale_scale():
-    rng = np.random.default_rng()
+def test_reused_page_does_not_inherit_a_stale_scale(fresh_seed):
+    rng = np.random.default_rng(fresh_seed)
     pages, scales = empty_pool(4, 8, 2, 16)
     big = 1e4 * rng.standard_normal((8, 2, 16)).astype(np.float32)
     pages, scales = write_one_at_a_time(pages, scales, big, np.full(8, 3), np.arange(8))
@@ -138,8 +138,8 @@ def test_reused_page_does_not_inherit_a_stale_scale():
     np.testing.assert_allclose(deq, small, rtol=HALF_ULP, atol=HALF_SUBNORMAL * 1e-2)
 
 
-def test_write_kv_quantizes_one_layer_of_stacked_pools_with_a_traced_layer():
-    rng = np.random.default_rng()
+def test_write_kv_quantizes_one_layer_of_stacked_pools_with_a_traced_layer(fresh_seed):
+    rng = np.random.default_rng(fresh_seed)
     cfg = preset("tiny")
     kv = init_kv_cache(cfg, 6, 4, "fp8")
     assert kv.is_quantized and kv.k_scales.shape == (cfg.num_layers, 6, cfg.num_kv_heads)
@@ -164,8 +164,10 @@ def quantize_case(pages):
 
 
 @pytest.mark.parametrize("decode_only", [True, False], ids=["max_q_len=1", "ragged"])
-def test_reference_attention_on_fp8_pages_equals_attention_on_dequantized_pages(decode_only):
-    rng = np.random.default_rng()
+def test_reference_attention_on_fp8_pages_equals_attention_on_dequantized_pages(
+    decode_only, fresh_seed
+):
+    rng = np.random.default_rng(fresh_seed)
     page_size = 8
     ctx_lens = [0, page_size - 1, 2 * page_size, 29]
     q_lens = [1] * 4 if decode_only else [9, 1, 5, 1]

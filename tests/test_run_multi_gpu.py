@@ -20,8 +20,8 @@ def table(rng, tokens):
     })  # fmt: skip
 
 
-def test_compare_tables_matches_points_by_name_and_flags_count_changes():
-    rng = np.random.default_rng()
+def test_compare_tables_matches_points_by_name_and_flags_count_changes(fresh_seed):
+    rng = np.random.default_rng(fresh_seed)
     one = table(rng, [500, 700])
     many = one.iloc[::-1].reset_index(drop=True).copy()  # other row order, same points
     many["output_throughput"] *= 1.01
@@ -35,10 +35,11 @@ def test_compare_tables_matches_points_by_name_and_flags_count_changes():
     assert compare_tables(one, other)["same_points"] is False
 
 
-def test_bad_arguments_are_named(tmp_path):
-    with pytest.raises(SystemExit):
-        main(["--gpus", "1", "--out", str(tmp_path / "x.json")])
-    with pytest.raises(SystemExit):
-        main(["--gpus", "2", "--parts", "sweeps,bogus", "--out", str(tmp_path / "x.json")])
-    with pytest.raises(SystemExit):
-        main(["--gpus", "2", "--dp-backends", "process,mpi", "--out", str(tmp_path / "x.json")])
+def test_bad_arguments_are_named(tmp_path, refused):
+    out = ["--out", str(tmp_path / "x.json")]
+    for bad, message in [
+        (["--gpus", "1"], "--gpus 1: a multi-GPU run needs at least 2"),
+        (["--gpus", "2", "--parts", "sweeps,bogus"], "--parts: unknown ['bogus']; choose from"),
+        (["--gpus", "2", "--dp-backends", "process,mpi"], "--dp-backends: unknown ['mpi']"),
+    ]:
+        assert message in refused(main, bad + out), bad

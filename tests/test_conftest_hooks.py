@@ -1,0 +1,56 @@
+"""tests/conftest.py's hooks, run by pytest on a tiny test folder with this conftest: a CPU run
+prints how many GPU-only tests it deselected, and a failing test names its fresh seed, which
+replays it. Each in one process and under xdist (`make test` runs `-n 2`)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+RUNS = dict(argvalues=[[], ["-n", "2"]], ids=["one_process", "xdist"])
+
+
+@pytest.fixture
+def folder(pytester):
+    pytester.makeconftest((Path(__file__).parent / "conftest.py").read_text())
+    pytester.makeini('[pytest]\nmarkers = gpu: needs a GPU\naddopts = -m "not gpu"\n')
+    return pytester
+
+
+@pytest.mark.parametrize("extra", **RUNS)
+def test_a_cpu_run_says_how_many_gpu_tests_it_deselected(folder, extra):
+    gpu, twice = "import pytest\n@pytest.mark.gpu\n", "@pytest.mark.parametrize('n', [1, 2])\n"
+    folder.makepyfile(
+        test_a=f"def test_cpu(): pass\n{gpu}{twice}def test_gpu(n): pass",
+        test_b=f"{gpu}def test_gpu(): pass\ndef test_fast(): pass",
+    )
+    out = folder.runpytest_subprocess("-k", "not fast", *extra)  # one non-GPU test deselected too
+    out.assert_outcomes(passed=1)
+    out.stdout.fnmatch_lines(["3 GPU-only tests deselected (run them on the device: "
+                              "python -m pytest -m gpu)"])  # fmt: skip
+    gpu_run = folder.runpytest_subprocess("-m", "gpu", *extra)
+    gpu_run.assert_outcomes(passed=3)
+    gpu_run.stdout.no_fnmatch_line("*GPU-only*")
+
+
+@pytest.mark.parametrize("extra", **RUNS)
+def test_a_failure_names_its_fresh_seed_which_replays_it(folder, extra, monkeypatch):
+    folder.makepyfile(
+        test_seeded="def test_draws(fresh_seed):\n"
+        "    assert fresh_seed < 0, 'a seed is never negative'\n"
+        "def test_unseeded(): assert False, 'no seed here'\n"
+    )
+    out = folder.runpytest_subprocess(*extra)
+    out.assert_outcomes(failed=2)
+    text = out.stdout.str()
+    # in the one-line summary, and under the traceback with the command that replays it
+    (seed,) = re.findall(r"FAILED \S*test_draws - \[seed (\d+)\] AssertionError: a seed", text)
+    assert f"seed {seed}; replay: JAXINFER_TEST_SEED={seed} python -m pytest" in text, text
+    assert "[seed" not in re.search(r"FAILED \S*test_unseeded.*", text)[0]
+
+    monkeypatch.setenv("JAXINFER_TEST_SEED", seed)
+    again = folder.runpytest_subprocess("-k", "draws", *extra)
+    again.assert_outcomes(failed=1)
+    assert f"[seed {seed}] AssertionError" in again.stdout.str()
