@@ -127,9 +127,9 @@ def test_bad_requests_fail_alone_with_clear_errors(model, prompts):
     engine = make_engine(model)
     cases = [
         ([], greedy(4), "prompt is empty"),
-        (prompts[0], SamplingParams(max_tokens=0), "max_tokens"),
-        (prompts[0], SamplingParams(top_p=1.5), "top_p"),
-        (prompts[0], SamplingParams(temperature=-1.0), "temperature"),
+        (prompts[0], SamplingParams(stop_token_ids=(10**6,)), "stop_token_ids"),
+        (prompts[0], SamplingParams(top_k=10**6), "top_k"),
+        (prompts[0], SamplingParams(logit_bias={10**6: 1.0}), "logit_bias"),
         ([1] * 250, greedy(10), "max_model_len"),
         ([10**6], greedy(4), "prompt token ids"),
         (prompts[0], SamplingParams(stop=("x",)), "tokenizer"),

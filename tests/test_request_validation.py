@@ -3,6 +3,8 @@ wedged by one; preemptions are counted once each, wherever they happen."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -20,6 +22,16 @@ SMALL = dict(max_num_seqs=4, max_num_batched_tokens=32, num_pages=48, page_size=
 GOOD = [5, 9, 11]
 SP = SamplingParams(max_tokens=4, ignore_eos=True)
 
+
+def unchecked(**fields) -> SamplingParams:
+    """SamplingParams with fields set past the check at construction (as a caller that built a
+    valid one and changed it could): the engine checks again at submission."""
+    sp = SamplingParams()
+    for name, value in fields.items():
+        object.__setattr__(sp, name, value)
+    return sp
+
+
 # (prompt, sampling, what the error must name)
 BAD = [
     (5, SP, "prompt must be a str or a list of int token ids, got int 5"),
@@ -31,18 +43,18 @@ BAD = [
     (["12", "3"], SP, "item 0 is str '12'"),
     (b"abc", SP, "prompt is bytes"),
     ([True, 2], SP, "item 0 is bool True"),
-    (GOOD, SamplingParams(temperature="hot"), "temperature='hot'"),
-    (GOOD, SamplingParams(temperature=None), "temperature=None"),
-    (GOOD, SamplingParams(top_p="0.9"), "top_p='0.9'"),
-    (GOOD, SamplingParams(stop_token_ids=None), "stop_token_ids=None"),
-    (GOOD, SamplingParams(stop_token_ids=7), "stop_token_ids=7"),
-    (GOOD, SamplingParams(stop_token_ids=("a",)), "stop_token_ids=('a',)"),
-    (GOOD, SamplingParams(max_tokens=True), "max_tokens=True"),
-    (GOOD, SamplingParams(ignore_eos="no"), "ignore_eos='no'"),
-    (GOOD, SamplingParams(seed=2**64), f"seed={2**64}"),
-    (GOOD, SamplingParams(seed=-1), "seed=-1"),
-    (GOOD, SamplingParams(top_k=-2), "top_k=-2"),
-    (GOOD, SamplingParams(stop=("",)), "stop=('',)"),
+    (GOOD, unchecked(temperature="hot"), "temperature='hot'"),
+    (GOOD, unchecked(temperature=None), "temperature=None"),
+    (GOOD, unchecked(top_p="0.9"), "top_p='0.9'"),
+    (GOOD, unchecked(stop_token_ids=None), "stop_token_ids=None"),
+    (GOOD, unchecked(stop_token_ids=7), "stop_token_ids=7"),
+    (GOOD, unchecked(stop_token_ids=("a",)), "stop_token_ids=('a',)"),
+    (GOOD, unchecked(max_tokens=True), "max_tokens=True"),
+    (GOOD, unchecked(ignore_eos="no"), "ignore_eos='no'"),
+    (GOOD, unchecked(seed=2**64), f"seed={2**64}"),
+    (GOOD, unchecked(seed=-1), "seed=-1"),
+    (GOOD, unchecked(top_k=-2), "top_k=-2"),
+    (GOOD, unchecked(stop=("",)), "stop=('',)"),
     (GOOD, "greedy", "sampling must be a SamplingParams, got str 'greedy'"),
     (GOOD, {"temperature": 0.0}, "sampling must be a SamplingParams, got dict"),
 ]
@@ -67,6 +79,26 @@ def test_each_bad_request_fails_alone_naming_the_field_and_value(llm):
     (again,) = llm.generate([[1, 2, 3]], SP)
     assert again.error is None and not llm.engine.has_unfinished()
     assert llm.engine.sequences == []  # every returned request was released
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        (dict(temperature="hot"), "temperature='hot'"),
+        (dict(top_p="0.9"), "top_p='0.9'"),
+        (dict(max_tokens=0), "max_tokens=0"),
+        (dict(max_tokens=True), "max_tokens=True"),
+        (dict(stop_token_ids=7), "stop_token_ids=7"),
+        (dict(seed=2**64), f"seed={2**64}"),
+        (dict(repetition_penalty=0.0), "repetition_penalty=0.0"),
+        (dict(presence_penalty=2.5), "presence_penalty=2.5"),
+        (dict(logit_bias={3: 101}), "logit_bias=((3, 101),)"),
+        (dict(logit_bias={"x": 1.0}), "logit_bias=(('x', 1.0),)"),
+    ],
+)
+def test_bad_sampling_params_are_refused_when_built(fields, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        SamplingParams(**fields)
 
 
 def test_what_vllm_accepts_is_accepted(llm):

@@ -87,6 +87,12 @@ class EngineConfig:
         }
     )
     num_logprobs: int = 0  # top-k logprobs computed on device (static; requests may ask <= this)
+    # Repetition / presence / frequency penalties and logit biases (SamplingParams): the engine's
+    # sampling then counts each row's context on the device (an extra [rows, vocab] pass per
+    # step, and each mixed step is read before the next is built); off, requests that ask for
+    # them fail naming this key. At most `max_logit_bias` biased tokens per request.
+    penalties: bool = False
+    max_logit_bias: int = 32
     # Threads compiling warm-up buckets at once (0: one per core, at most one per bucket).
     compile_workers: int = 0
     # Engine replicas behind one request queue, a worker process per GPU each loading the model
@@ -141,6 +147,8 @@ class EngineConfig:
             raise bad("max_num_batched_tokens", f">= max_num_seqs ({self.max_num_seqs})")
         if self.num_logprobs < 0:
             raise bad("num_logprobs", "an int >= 0")
+        if self.max_logit_bias < 0:
+            raise bad("max_logit_bias", "an int >= 0")
         if self.data_parallel < 1:
             raise bad("data_parallel", "an int >= 1 (replicas, one per device)")
         if self.compile_workers < 0:

@@ -157,6 +157,12 @@ class Engine:
             )
         if seq.sampling.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop (stop strings) needs a tokenizer")
+        if seq.sampling.uses_penalties and not self.config.penalties:
+            raise ValueError("SamplingParams penalties / logit_bias need an engine built with "
+                             "engine.penalties=true")  # fmt: skip
+        if len(seq.sampling.logit_bias) > self.config.max_logit_bias:
+            raise ValueError(f"SamplingParams.logit_bias has {len(seq.sampling.logit_bias)} "
+                             f"entries > engine.max_logit_bias={self.config.max_logit_bias}")  # fmt: skip
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._unread is not None
@@ -173,10 +179,12 @@ class Engine:
                 self._seeds.pop(s.seq_id, None)
 
     # -- warm-up and compile accounting ------------------------------------------------------
-    def warmup(self) -> float:
+    def warmup(self, progress=None) -> float:
+        """Compile every executable the engine can use; `progress(done, total)` is called as
+        they finish. Returns the seconds taken."""
         t0 = time.perf_counter()
         compile_count()  # install the listener before compiling
-        self.runner.warmup(max_workers=self.config.compile_workers or None)
+        self.runner.warmup(max_workers=self.config.compile_workers or None, progress=progress)
         self.warmup_s = time.perf_counter() - t0
         self._compiles_at_warmup = compile_count()
         return self.warmup_s
@@ -194,6 +202,9 @@ class Engine:
         if isinstance(self._unread, UnreadScan):
             return self._step_scan(t_start, [])
         early, waited = [], 0.0
+        if self.config.penalties and isinstance(self._unread, UnreadMixed):
+            # Penalties count the real tokens of every context: read the step in flight first.
+            early, waited = self._read_mixed(self._take_unread())
         if self.proposer is not None:
             # A proposer extends real tokens (inflight.py, 7): a plain step in flight is read
             # first. A verification in flight is read after the next step, which is then a
@@ -320,7 +331,8 @@ class Engine:
     def _sampling(self, seqs: list[Sequence], positions: list[int], rows: int) -> SamplingBatch:
         """`positions`: where each sequence's first sampled token will sit (keys its draw)."""
         return SamplingBatch.build([s.sampling for s in seqs], [self._seeds[s.seq_id] for s in seqs],
-                                   positions, rows, put=self.runner.put)  # fmt: skip
+                                   positions, rows, put=self.runner.put,
+                                   max_logit_bias=self.runner.max_logit_bias())  # fmt: skip
 
     def _dispatch_mixed(self, scheduled: list[ScheduledSeq], prev) -> UnreadMixed:
         """Build and dispatch one mixed step; the host does not wait for it.
@@ -345,7 +357,11 @@ class Engine:
                      for s in scheduled]  # fmt: skip
         sb = self._sampling(seqs, positions, self.config.max_num_seqs)
         prev_outs = prev.outs if isinstance(prev, UnreadMixed) else None
-        outs = self.runner.run_mixed(batch, num_drafts, sb, prev_outs)
+        history = self.runner.history_arrays(
+            [s.seq.all_token_ids + s.seq.draft_token_ids[: s.num_draft_tokens] for s in scheduled],
+            [s.seq.num_prompt_tokens for s in scheduled], self.config.max_num_seqs,
+        )  # fmt: skip
+        outs = self.runner.run_mixed(batch, num_drafts, sb, prev_outs, history)
         self.overlapped_steps += prev_outs is not None
         samplers = []
         for i, s in enumerate(scheduled):

@@ -117,11 +117,12 @@ def mixed_step(params, kv: KVCache, batch: RaggedBatch, num_drafts: jax.Array,
 
 
 @partial(jax.jit, static_argnames=("num_logprobs", "out_sharding"))
-def sample_step(logits, drafts, num_drafts, shift, sb: SamplingBatch, *, num_logprobs: int,
-                out_sharding=None):  # fmt: skip
+def sample_step(logits, drafts, num_drafts, shift, sb: SamplingBatch, history=None, *,
+                num_logprobs: int, out_sharding=None):  # fmt: skip
     """(tokens [S, K], counts [S], logprobs [S, K], top logprobs [S, K, k], top ids [S, K, k]):
-    every row sampled, and how many of them each sequence keeps (`accept_drafts`)."""
-    tokens, lp, top_lp, top_ids = sample_rows(logits, sb, shift, num_logprobs)
+    every row sampled, and how many of them each sequence keeps (`accept_drafts`). `history`:
+    (tokens [S, L], prompt lengths [S]) of the sequences, for penalties (`sampler.sample`)."""
+    tokens, lp, top_lp, top_ids = sample_rows(logits, sb, shift, num_logprobs, history)
     out = tokens, accept_drafts(tokens, drafts, num_drafts), lp, top_lp, top_ids
     return _constrain(out, out_sharding)
 
@@ -135,6 +136,10 @@ class DecodeState:
     stop_ids: jax.Array  # [S, MAX_STOP_IDS], -1 padded
     active: jax.Array  # [S] bool; padding rows False
     proposer: Any = None  # the on-device proposer's state (None without one)
+    # Penalties (engine.penalties): each row's tokens by position [S, L] (-1: none), and its
+    # prompt length [S]; each round writes the tokens it feeds.
+    history: jax.Array | None = None
+    num_prompt: jax.Array | None = None
 
 
 @partial(
@@ -161,6 +166,10 @@ def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingB
             drafts, pstate = proposer.propose_device(pstate, st.tokens, st.positions)
             fed = jnp.concatenate([fed, drafts.astype(jnp.int32)], axis=1)
         positions = st.positions[:, None] + j
+        history = st.history
+        if history is not None:  # the fed tokens are the context of the rows after them
+            cols = jnp.minimum(positions, history.shape[1] - 1)
+            history = history.at[jnp.arange(rows)[:, None], cols].set(fed)
         # Active rows come first (the host packs them so): row i is sequence i.
         batch = RaggedBatch(
             tokens=fed.reshape(-1),
@@ -171,10 +180,11 @@ def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingB
         )
         hidden, kv = forward_paged(params, cfg, batch, kv, attention=attention)
         logits = compute_logits(params, cfg, hidden).reshape(rows, k, -1)
-        step_sb = SamplingBatch(sb.temperature, sb.top_k, sb.top_p, sb.min_p, sb.seed,
-                                st.positions + 1, sb.filtered)  # fmt: skip
-        tok, lp, top_lp, top_ids = sample_rows(logits, step_sb, jnp.zeros_like(st.positions),
-                                               num_logprobs)  # fmt: skip
+        step_sb = dataclasses.replace(sb, position=st.positions + 1)
+        tok, lp, top_lp, top_ids = sample_rows(
+            logits, step_sb, jnp.zeros_like(st.positions), num_logprobs,
+            None if history is None else (history, st.num_prompt),
+        )  # fmt: skip
         live = st.active & (st.remaining > 0)
         n = jnp.minimum(accept_drafts(tok, fed[:, 1:], jnp.full(rows, gamma)), st.remaining)
         stops = jnp.any(tok[:, :, None] == st.stop_ids[:, None, :], axis=-1) & (j < n[:, None])
@@ -194,6 +204,8 @@ def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingB
             stop_ids=st.stop_ids,
             active=st.active,
             proposer=pstate,
+            history=history,
+            num_prompt=st.num_prompt,
         )
         return (kv, new), (tok, n, lp, top_lp, top_ids)
 
@@ -264,11 +276,12 @@ class ModelRunner:
                                       np.ones(s, np.int32), np.zeros(s, np.int32)))  # fmt: skip
         return self._no_prev
 
-    def run_mixed(self, batch: RaggedBatch, num_drafts, sb: SamplingBatch, prev=None):
+    def run_mixed(self, batch: RaggedBatch, num_drafts, sb: SamplingBatch, prev=None,
+                  history=None):  # fmt: skip
         """Dispatch one mixed step; returns its device arrays (tokens [S, K], counts [S],
         logprobs, top logprobs, top ids), by the batch's sequence order. `num_drafts`: a host
         array [max_num_seqs], or None for none; `prev`: the previous step's outputs (its tokens
-        and counts)."""
+        and counts); `history`: the sequences' tokens, for penalties (`history_arrays`)."""
         no_tokens, no_counts, no_drafts = self.no_prev()
         prev_tokens, prev_counts = (no_tokens, no_counts) if prev is None else prev[:2]
         num_drafts = no_drafts if num_drafts is None else self.put(num_drafts)
@@ -278,11 +291,27 @@ class ModelRunner:
             (logits, drafts, shift), self.kv = exe(*args)
         else:  # a shape warm-up did not compile: jit compiles it (and the engine counts it)
             (logits, drafts, shift), self.kv = mixed_step(*args, **self._mixed_static())
-        args = (logits, drafts, args[3], shift, sb)
+        args = (logits, drafts, args[3], shift, sb, history)
         exe = self._executables.get(("sample", sb.filtered))
         if exe is not None:
             return exe(*args)
         return sample_step(*args, **self._sample_static())
+
+    def history_arrays(self, token_lists: list[list[int]], prompt_lens: list[int], rows: int):
+        """(tokens [rows, max_model_len] -1 padded, prompt lengths [rows]) on the device: what
+        penalties count (None on an engine without `engine.penalties`)."""
+        if not self.config.penalties:
+            return None
+        hist = np.full((rows, self.config.max_model_len), -1, np.int32)
+        for i, toks in enumerate(token_lists):
+            hist[i, : len(toks)] = toks[: self.config.max_model_len]
+        num_prompt = np.zeros(rows, np.int32)
+        num_prompt[: len(prompt_lens)] = prompt_lens
+        return self.put((hist, num_prompt))
+
+    def max_logit_bias(self) -> int | None:
+        """The `max_logit_bias` of SamplingBatch.build (None: no penalties)."""
+        return self.config.max_logit_bias if self.config.penalties else None
 
     def decode_table(self, pages: list[list[int]], rows: int) -> jax.Array:
         table = np.full((rows, self.config.pages_per_seq), SCRATCH_PAGE, np.int32)
@@ -305,10 +334,15 @@ class ModelRunner:
             return out
 
         p = self.scan_proposer
+        seqs = seqs or []
+        history = self.history_arrays([s.all_token_ids for s in seqs],
+                                      [s.num_prompt_tokens for s in seqs], rows)  # fmt: skip
         state = DecodeState(
             *self.put((pad(last_tokens), pad(positions), pad(remaining), stops,
                        np.arange(rows) < n)),
-            proposer=None if p is None else self.put(p.device_state(seqs or [], rows)),
+            proposer=None if p is None else self.put(p.device_state(seqs, rows)),
+            history=None if history is None else history[0],
+            num_prompt=None if history is None else history[1],
         )  # fmt: skip
         return self.decode_table(pages, rows), state, rows
 
@@ -322,8 +356,9 @@ class ModelRunner:
         return outs, final
 
     # -- warm-up -------------------------------------------------------------------------------
-    def warmup(self, max_workers: int | None = None) -> None:
-        """Compile every bucket (in parallel), then run each once on an all-padding batch.
+    def warmup(self, max_workers: int | None = None, progress=None) -> None:
+        """Compile every bucket (in parallel), then run each once on an all-padding batch;
+        `progress(done, total)` is called as executables finish compiling.
 
         Padding batches only touch the scratch page. `max_workers` bounds the compile threads
         (default: the host's cores, at most one per bucket; 1 compiles one bucket at a time).
@@ -347,8 +382,10 @@ class ModelRunner:
                 lower_s += time.perf_counter() - t
                 compiled[key] = pool.submit(low.compile, self._options_of(key) or None)
             key = None
-            for key, future in compiled.items():
+            for i, (key, future) in enumerate(compiled.items()):
                 self._executables[key] = future.result()
+                if progress is not None:
+                    progress(i + 1, len(calls))
         except Exception as e:  # name what failed; compiles not yet started are dropped
             pool.shutdown(wait=False, cancel_futures=True)
             if key is None:
@@ -363,8 +400,11 @@ class ModelRunner:
                              "compile_threads": workers}  # fmt: skip
         for key, _, args, _ in calls:  # run each once: first-call work stays out of serving
             if key[0] == "mixed":
-                sb = SamplingBatch.build([], [], [], self.config.max_num_seqs, put=self.put)
-                jax.block_until_ready(self.run_mixed(args[2], None, sb))
+                s = self.config.max_num_seqs
+                sb = SamplingBatch.build([], [], [], s, put=self.put,
+                                         max_logit_bias=self.max_logit_bias())  # fmt: skip
+                history = self.history_arrays([], [], s)
+                jax.block_until_ready(self.run_mixed(args[2], None, sb, history=history))
             elif key[0] == "decode":
                 jax.block_until_ready(self.run_decode(*args[2:], key[2]))
             else:
@@ -434,18 +474,22 @@ class ModelRunner:
                               (self.params, self.kv, batch, zeros(s), *prev),
                               self._mixed_static()))  # fmt: skip
         logits = zeros((s, rows_k, self.cfg.vocab_size), np.float32)
+        bias = self.max_logit_bias()
         for filtered in (False, True):  # all-greedy batches, and batches where some row samples
-            sb = dataclasses.replace(SamplingBatch.build([], [], [], s, put=self.put),
+            sb = dataclasses.replace(SamplingBatch.build([], [], [], s, put=self.put,
+                                                         max_logit_bias=bias),
                                      filtered=filtered)  # fmt: skip
             calls.append((("sample", filtered), sample_step,
-                          (logits, zeros((s, rows_k - 1)), zeros(s), zeros(s), sb),
+                          (logits, zeros((s, rows_k - 1)), zeros(s), zeros(s), sb,
+                           self.history_arrays([], [], s)),
                           self._sample_static()))  # fmt: skip
         if c.decode_steps > 1:
             for rows in self.seq_buckets:
                 table = zeros((rows, c.pages_per_seq))
                 state = self._padding_state(rows)
                 for filtered in (False, True):
-                    sb = dataclasses.replace(SamplingBatch.build([], [], [], rows, put=self.put),
+                    sb = dataclasses.replace(SamplingBatch.build([], [], [], rows, put=self.put,
+                                                                 max_logit_bias=bias),
                                              filtered=filtered)  # fmt: skip
                     calls.append((("decode", rows, c.decode_steps, filtered), decode_loop,
                                   (self.params, self.kv, table, state, sb),
@@ -456,6 +500,9 @@ class ModelRunner:
         """A DecodeState of `rows` padding rows (warm-up)."""
         z = np.zeros(rows, np.int32)
         p = self.scan_proposer
+        history = self.history_arrays([], [], rows)
         return DecodeState(*self.put((z, z, z, np.full((rows, MAX_STOP_IDS), -1, np.int32),
                                       np.zeros(rows, bool))),
-                           proposer=None if p is None else self.put(p.device_state([], rows)))  # fmt: skip
+                           proposer=None if p is None else self.put(p.device_state([], rows)),
+                           history=None if history is None else history[0],
+                           num_prompt=None if history is None else history[1])  # fmt: skip

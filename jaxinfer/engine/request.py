@@ -40,8 +40,11 @@ def is_real(x: object) -> bool:
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding settings. temperature 0 is greedy; top_k 0 or -1, top_p 1, min_p 0
-    are off. `stop` is one stop string or a sequence of them (vLLM's convention). Checked when a
-    request is submitted (`validate`): a bad field fails that request alone, naming the field."""
+    are off. `stop` is one stop string or a sequence of them (vLLM's convention). Penalties
+    (repetition 1, presence and frequency 0 and no `logit_bias`: off) need an engine built with
+    `engine.penalties`; `logit_bias` maps token ids to values added to their logits
+    (`engine.sampler` has the semantics). Checked when built, naming the field and the value,
+    and again when submitted (against the vocabulary and the engine's options)."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -56,16 +59,29 @@ class SamplingParams:
     # Benchmark knob: finish (reason "stop") after this many tokens, as if the model had emitted
     # EOS there. The server cannot know it in advance: allocation still plans for max_tokens.
     eos_after: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] | dict[int, float] = ()
 
     def __post_init__(self) -> None:
-        # vLLM's spellings: one stop string; top_k -1 for "off". (Not a validation: `validate`
-        # names what is wrong, per request.)
+        # vLLM's spellings: one stop string; lists for tuples; a dict of logit biases.
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
         if isinstance(self.stop_token_ids, list):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.logit_bias, dict):
+            items = tuple((int(k) if isinstance(k, str) and k.isdigit() else k, v)
+                          for k, v in self.logit_bias.items())  # fmt: skip
+            object.__setattr__(self, "logit_bias", items)
+        self.validate()
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0 or bool(self.logit_bias))  # fmt: skip
 
     @property
     def top_k_or_off(self) -> int:
@@ -107,6 +123,19 @@ class SamplingParams:
         if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s
                                                    for s in self.stop):  # fmt: skip
             raise bad("stop", "a non-empty string or a list of them")
+        if not is_real(self.repetition_penalty) or not (
+            math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0
+        ):
+            raise bad("repetition_penalty", "a finite number > 0 (1: off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not is_real(value) or not -2 <= value <= 2:
+                raise bad(name, "a number in [-2, 2] (0: off)")
+        if not isinstance(self.logit_bias, tuple) or not all(
+            isinstance(kv, tuple) and len(kv) == 2 and is_int(kv[0]) and is_real(kv[1])
+            and -100 <= kv[1] <= 100 for kv in self.logit_bias
+        ):  # fmt: skip
+            raise bad("logit_bias", "a map of int token ids to numbers in [-100, 100]")
         if vocab_size is not None:
             if any(not 0 <= t < vocab_size for t in self.stop_token_ids):
                 raise bad("stop_token_ids", f"token ids in [0, {vocab_size})")
@@ -114,6 +143,8 @@ class SamplingParams:
                 raise bad("top_k", f"<= the vocabulary size {vocab_size}")
             if self.logprobs is not None and self.logprobs > vocab_size:
                 raise bad("logprobs", f"<= the vocabulary size {vocab_size}")
+            if any(not 0 <= t < vocab_size for t, _ in self.logit_bias):
+                raise bad("logit_bias", f"token ids in [0, {vocab_size})")
 
 
 def prompt_token_ids(prompt: object) -> list[int]:

@@ -7,7 +7,14 @@ shares, whichever slot it sits in, and after preemption and recompute.
 Filters are applied in one descending sort of the (temperature-scaled) logits: keep rank < top_k,
 then the smallest prefix whose renormalised probability mass reaches top_p (nucleus; Holtzman et
 al. 2020), and tokens with p >= min_p * p_max (min-p sampling; Nguyen et al. 2024). Log-probs are of
-the raw model distribution (before temperature and filters).
+the raw model distribution (before penalties, temperature and filters).
+
+Penalties (engines with `engine.penalties`, vLLM's semantics), applied to the logits before
+greedy or sampled choice, in this order: `logit_bias` added; `repetition_penalty` r on every token
+of the prompt or the output so far (a logit l > 0 becomes l / r, else l * r; Keskar et al. 2019);
+`frequency_penalty` times the token's count in the output, and `presence_penalty` once if it occurs
+there, subtracted (OpenAI's definitions). A row's context is its `history` before the position it
+samples, so a verification's row j counts the drafts before it.
 """
 
 from __future__ import annotations
@@ -31,12 +38,14 @@ class SamplingBatch:
     top_k: jax.Array  # i32; 0 = off
     top_p: jax.Array  # f32; 1 = off
     min_p: jax.Array  # f32; 0 = off
-    seed: jax.Array  # u32
+    seed: jax.Array  # u32: the seed's low 32 bits
     position: jax.Array  # i32: position of the token being sampled
     # Static (part of the compiled shape): whether any row samples. False compiles greedy only.
     # A host-side flag rather than `lax.cond` on the device: on a GPU a conditional copies its
     # predicate to the host, which blocked every step's dispatch until the step had run.
     filtered: bool = field(default=True, metadata=dict(static=True))
+    seed_hi: jax.Array | None = None  # u32: the seed's high 32 bits (seeds are 64-bit)
+    penalties: Penalties | None = None  # engines with `engine.penalties` only
 
     @staticmethod
     def build(
@@ -45,30 +54,87 @@ class SamplingBatch:
         positions: list[int],
         num_rows: int,
         put=jax.device_put,
+        max_logit_bias: int | None = None,
     ) -> SamplingBatch:
-        """Host-side packing (padding rows greedy); `put` moves the arrays to the device(s)."""
+        """Host-side packing (padding rows greedy); `put` moves the arrays to the device(s).
+        `max_logit_bias` (an engine with penalties): pack the penalties, that many bias entries
+        per row."""
         n = len(params)
         temperature = np.zeros(num_rows, np.float32)
         top_k = np.zeros(num_rows, np.int32)
         top_p = np.ones(num_rows, np.float32)
         min_p = np.zeros(num_rows, np.float32)
-        seed = np.zeros(num_rows, np.uint32)
         position = np.zeros(num_rows, np.int32)
         for i, p in enumerate(params):
             temperature[i], top_k[i] = p.temperature, p.top_k_or_off
             top_p[i], min_p[i] = p.top_p, p.min_p
-        seed[:n] = np.asarray(seeds, np.uint64) & 0xFFFFFFFF
+        seeds64 = np.zeros(num_rows, np.uint64)
+        seeds64[:n] = seeds
+        seed, seed_hi = (seeds64 & 0xFFFFFFFF).astype(np.uint32), (seeds64 >> 32).astype(np.uint32)
         position[:n] = positions
-        arrays = put((temperature, top_k, top_p, min_p, seed, position))
-        return SamplingBatch(*arrays, bool((temperature > 0).any()))
+        pen = None if max_logit_bias is None else Penalties.pack(params, num_rows, max_logit_bias)
+        arrays = put((temperature, top_k, top_p, min_p, seed, position, seed_hi, pen))
+        filtered = bool((temperature > 0).any())
+        return SamplingBatch(*arrays[:6], filtered, arrays[6], arrays[7])
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Penalties:
+    """Per-row penalty settings ([S] each; off: repetition 1, presence and frequency 0) and
+    logit biases (`bias_ids`/`bias_values` [S, B], padded with bias 0)."""
+
+    repetition: jax.Array
+    presence: jax.Array
+    frequency: jax.Array
+    bias_ids: jax.Array
+    bias_values: jax.Array
+
+    @staticmethod
+    def pack(params: list[SamplingParams], num_rows: int, max_bias: int) -> Penalties:
+        rep = np.ones(num_rows, np.float32)
+        pres = np.zeros(num_rows, np.float32)
+        freq = np.zeros(num_rows, np.float32)
+        ids = np.zeros((num_rows, max_bias), np.int32)
+        vals = np.zeros((num_rows, max_bias), np.float32)
+        for i, p in enumerate(params):
+            rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
+            for j, (t, b) in enumerate(p.logit_bias):
+                ids[i, j], vals[i, j] = t, b
+        return Penalties(rep, pres, freq, ids, vals)
+
+    def rows(self, k: int) -> Penalties:
+        """Each row repeated k times (a verification's rows)."""
+        return jax.tree.map(lambda x: jnp.repeat(x, k, axis=0), self)
+
+
+def apply_penalties(logits, pen: Penalties, history, num_prompt, position):
+    """logits [R, V] after the penalties of the module docstring. `history` [R, L]: the token at
+    each position of the row's sequence (-1: none); the row's context is positions < `position`
+    [R] (the one it samples), of which the first `num_prompt` [R] are the prompt."""
+    r, v = logits.shape
+    logits = logits.at[jnp.arange(r)[:, None], pen.bias_ids].add(pen.bias_values)
+    p = jnp.arange(history.shape[1], dtype=jnp.int32)[None, :]
+    seen = (history >= 0) & (p < position[:, None])
+    output = seen & (p >= num_prompt[:, None])
+    rows = jnp.broadcast_to(jnp.arange(r)[:, None], history.shape)
+    ids = jnp.clip(history, 0, v - 1)
+    counts = jnp.zeros((r, v), jnp.float32).at[rows, ids].add(output.astype(jnp.float32))
+    appears = jnp.zeros((r, v), bool).at[rows, ids].max(seen)
+    rep = pen.repetition[:, None]
+    logits = jnp.where(appears, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - pen.frequency[:, None] * counts - pen.presence[:, None] * (counts > 0)
 
 
 def sample(
-    logits: jax.Array, sb: SamplingBatch, num_logprobs: int = 0
+    logits: jax.Array, sb: SamplingBatch, num_logprobs: int = 0, history=None
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """logits [S, V] fp32 -> (tokens [S], token logprob [S], top logprobs [S, k], top ids [S, k])."""
+    """logits [S, V] fp32 -> (tokens [S], token logprob [S], top logprobs [S, k], top ids [S, k]).
+    `history` = (tokens [S, L], num_prompt [S]) when `sb.penalties` is set."""
     logits = logits.astype(jnp.float32)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
+    if sb.penalties is not None:
+        logits = apply_penalties(logits, sb.penalties, *history, sb.position)
     greedy = jnp.argmax(logits, axis=-1)
 
     # The sort over the vocabulary dominates a decode step's sampling cost: a batch whose rows
@@ -99,29 +165,37 @@ def _sample_filtered(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
     keep = keep.at[:, 0].set(True)  # the most likely token always survives
     filtered = jnp.where(keep, sorted_logits, -jnp.inf)
 
-    def draw(seed, position, row):
-        key = jax.random.fold_in(jax.random.key(seed), position)
+    hi = jnp.zeros_like(sb.seed) if sb.seed_hi is None else sb.seed_hi
+
+    def draw(seed, seed_hi, position, row):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), seed_hi), position)
         return jax.random.categorical(key, row)
 
-    choice = jax.vmap(draw)(sb.seed, sb.position, filtered)
+    choice = jax.vmap(draw)(sb.seed, hi, sb.position, filtered)
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
 
 
-def sample_rows(logits, sb: SamplingBatch, shift, num_logprobs: int = 0):
+def sample_rows(logits, sb: SamplingBatch, shift, num_logprobs: int = 0, history=None):
     """Sample K rows per sequence: logits [S, K, V] fp32, `sb` per sequence, where row j of
     sequence s samples the token at position `sb.position[s] + shift[s] + j` (its key, so a seeded
-    request samples the same token at a position whether it is drafted or not). Returns tokens
-    [S, K], their logprobs [S, K], top logprobs [S, K, k] and ids."""
+    request samples the same token at a position whether it is drafted or not). `history`: see
+    `sample` (per sequence). Returns tokens [S, K], their logprobs [S, K], top logprobs
+    [S, K, k] and ids."""
     s, k, v = logits.shape
     if k == 1:
         sb = dataclasses.replace(sb, position=sb.position + shift)
-        return tuple(x[:, None] for x in sample(logits[:, 0], sb, num_logprobs))
+        return tuple(x[:, None] for x in sample(logits[:, 0], sb, num_logprobs, history))
+    rep = lambda x: None if x is None else jnp.repeat(x, k, axis=0)  # noqa: E731
     rows = SamplingBatch(
-        *(jnp.repeat(x, k) for x in (sb.temperature, sb.top_k, sb.top_p, sb.min_p, sb.seed)),
+        *(rep(x) for x in (sb.temperature, sb.top_k, sb.top_p, sb.min_p, sb.seed)),
         ((sb.position + shift)[:, None] + jnp.arange(k, dtype=jnp.int32)).reshape(-1),
         sb.filtered,
+        rep(sb.seed_hi),
+        None if sb.penalties is None else sb.penalties.rows(k),
     )
-    out = sample(logits.reshape(s * k, v), rows, num_logprobs)
+    if history is not None:
+        history = tuple(rep(x) for x in history)
+    out = sample(logits.reshape(s * k, v), rows, num_logprobs, history)
     return tuple(x.reshape(s, k, *x.shape[1:]) for x in out)
 
 
