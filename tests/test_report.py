@@ -230,3 +230,47 @@ def test_errors(tmp_path, capsys):
         write_report([tmp_path / "a", tmp_path / "b"], tmp_path / "r", x="workload.rate")
     assert main(["report", str(tmp_path / "empty")]) == 2
     assert "neither a run folder" in capsys.readouterr().err
+
+
+def test_report_of_committed_results_never_rewrites_their_report_unasked(
+    tmp_path, monkeypatch, capsys
+):
+    committed = tmp_path / "repo" / "experiments" / "results" / "cpu"
+    make_run(committed / "one", 1.0)
+    make_run(committed / "two", 2.0)
+    make_run(tmp_path / "mine", 1.0)
+    mine = tmp_path / "mine"
+    monkeypatch.chdir(tmp_path / "repo")
+    assert main(["report", "experiments/results/cpu/one"]) == 0
+    assert capsys.readouterr().out == "report: runs/report-cpu-one/report.md\n"
+    assert main(["report", str(committed / "one"), str(committed / "two")]) == 0
+    assert capsys.readouterr().out == "report: runs/report-cpu/report.md\n"
+    assert table((tmp_path / "repo" / "runs" / "report-cpu" / "report.md").read_text()).keys() == {
+        "one", "two"
+    }  # fmt: skip
+    assert not (committed / "one" / "report").exists() and not (committed / "report").exists()
+    # Asked for by name, the committed report is written; results elsewhere keep RESULTS/report.
+    assert main(["report", str(committed / "one"), "--out", str(committed / "one" / "report")]) == 0
+    assert (committed / "one" / "report" / "report.md").is_file()
+    assert main(["report", str(mine)]) == 0
+    assert (mine / "report" / "report.md").is_file()
+
+
+def test_sweep_point_without_env_json_shows_its_own_provenance(tmp_path):
+    sweep = tmp_path / "sweep"
+    points = []
+    for rate, commit in ((1.0, "c1"), (2.0, "c2")):
+        name = f"r{rate:g}"
+        make_run(sweep / "points" / name, rate, env={"commit": commit})
+        env = json.loads((sweep / "points" / name / "env.json").read_text())
+        (sweep / "points" / name / "env.json").unlink()
+        points.append(
+            {"name": name, "overrides": {"workload.arrival.rate": rate}, "provenance": env}
+        )
+    spec = {"grid": {"workload.arrival.rate": [1.0, 2.0]}, "zip": {}, "points": points,
+            "provenance": {**ENV, "commit": "c3", "ran": ["r2"]}}  # fmt: skip
+    (sweep / "sweep.json").write_text(json.dumps(spec))
+    found, _ = load_points([sweep])
+    assert [p.env["commit"] for p in found] == ["c1", "c2"]
+    md = write_report([sweep], tmp_path / "rep").read_text()
+    assert "| commit | c1 (r1); c2 (r2) |" in md and "c3" not in md

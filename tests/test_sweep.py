@@ -6,10 +6,12 @@ from __future__ import annotations
 import io
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pandas as pd
 import pytest
+import yaml
 from omegaconf import OmegaConf
 from rich.console import Console
 
@@ -118,16 +120,24 @@ def test_two_point_grid_writes_table_and_sweep_json(tmp_path):
     spec = json.loads((out / "sweep.json").read_text())
     assert spec["config"] == str(cfg) and spec["overrides"] == TINY
     assert spec["grid"] == {"engine.scheduler": ["fcfs", "static"]} and spec["zip"] == {}
-    assert spec["points"] == [
+    assert [{k: p[k] for k in ("name", "overrides")} for p in spec["points"]] == [
         {"name": names[0], "overrides": {"engine.scheduler": "fcfs"}},
         {"name": names[1], "overrides": {"engine.scheduler": "static"}},
     ]
     assert {"device", "jax", "commit", "date", "command"} <= spec["provenance"].keys()
+    assert spec["provenance"]["ran"] == names
     for name, scheduler in zip(names, ["fcfs", "static"], strict=True):
         point = out / "points" / name
         assert json.loads((point / "metrics.json").read_text())["num_completed"] == 4
         config = OmegaConf.load(point / "config.yaml")
         assert config.engine.scheduler == scheduler and config.out_dir == str(point)
+        # Each point's provenance is its run's; its config hash is of its config.yaml.
+        (entry,) = [p for p in spec["points"] if p["name"] == name]
+        assert entry["provenance"] == json.loads((point / "env.json").read_text())
+        stored = yaml.safe_load((point / "config.yaml").read_text())
+        del stored["out_dir"]
+        assert (point / "config.sha256").read_text().strip() == entry["config_sha256"]
+        assert entry["config_sha256"] == sweep_mod.config_hash(stored)
     assert sorted(p.name for p in (out / "points").iterdir()) == names  # no tmp folders left
 
 
@@ -223,10 +233,21 @@ def test_two_workers_match_one_worker(tmp_path):
         cfg = sweep_config(
             tmp_path / f"w{workers}", {"grid": {"engine.scheduler": ["fcfs", "static"]}}
         )
+        log = io.StringIO()
         result = run_sweep(
-            plan_sweep(cfg, TINY), workers=workers, show_progress=False, console=QUIET
-        )
+            plan_sweep(cfg, TINY), workers=workers, show_progress=False,
+            console=Console(file=log, width=10_000),
+        )  # fmt: skip
         assert result.ok and len(result.ran) == 2
+        # Each point's line names its final folder (it ran in a tmp folder, renamed after).
+        out = tmp_path / f"w{workers}" / "out"
+        said = [ln for ln in log.getvalue().splitlines() if ln.startswith(("done ", "results:"))]
+        assert sorted(said) == [
+            f"done {out / 'points' / 'engine.scheduler=fcfs'}",
+            f"done {out / 'points' / 'engine.scheduler=static'}",
+            f"results: {out / 'results.parquet'} (2 points)",
+        ], log.getvalue()
+        assert ".tmp-" not in log.getvalue()
         spec = json.loads((tmp_path / f"w{workers}" / "out" / "sweep.json").read_text())
         assert spec["workers"] == workers
         tables.append(result.table[deterministic])
@@ -309,3 +330,110 @@ def test_merge_error_names_the_broken_file(tmp_path, monkeypatch, content):
     metrics.write_bytes(content)
     with pytest.raises(ValueError, match=re.escape(str(metrics))):
         merge_results(plan_sweep(cfg, TINY))
+
+
+ROOT = QUICKSTART.parent.parent
+EXPERIMENT_CONFIGS = sorted((ROOT / "experiments").glob("*/config.yaml"))
+
+
+@pytest.mark.parametrize("config", EXPERIMENT_CONFIGS, ids=lambda p: p.parent.name)
+def test_experiment_sweep_writes_under_runs_and_only_an_override_remakes_committed_results(config):
+    name = config.parent.name
+    assert plan_sweep(config).out_dir == Path("runs") / name  # a user's run: no tracked file
+    committed = f"experiments/results/cpu/{name}"
+    readme = config.with_name("README.md")
+    if readme.is_file():
+        text = readme.read_text()
+    else:  # the experiments README gives the command for every claim
+        text = (ROOT / "experiments" / "README.md").read_text().replace("<claim>", name)
+    assert f"jaxinfer sweep experiments/{name}/config.yaml out_dir={committed}" in text
+    assert f"jaxinfer report {committed} --out {committed}/report" in text
+    # That command plans exactly the points of the committed folder.
+    spec = json.loads((ROOT / committed / "sweep.json").read_text())
+    plan = plan_sweep(config, [f"out_dir={ROOT / committed}"])
+    assert [p.name for p in plan.points] == [p["name"] for p in spec["points"]]
+
+
+def fake_run(monkeypatch, commit: list[str]) -> list[int]:
+    """run_experiment without an engine, writing what a run writes: config.yaml, env.json (of
+    commit `commit[0]`), metrics.json and the tables. Returns the seeds it ran."""
+    calls: list[int] = []
+
+    def fake(rc, **kwargs):
+        calls.append(rc.workload.seed)
+        out = Path(rc.out_dir)
+        (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(rc)))
+        (out / "env.json").write_text(json.dumps({"commit": commit[0], "date": f"d-{commit[0]}"}))
+        return fake_results(out, goodput=1.5 * rc.workload.seed)
+
+    monkeypatch.setattr(sweep_mod, "run_experiment", fake)
+    return calls
+
+
+def test_rerun_with_another_config_is_refused_naming_the_keys(tmp_path, monkeypatch, capsys):
+    calls = fake_run(monkeypatch, ["c1"])
+    cfg = sweep_config(tmp_path, {"grid": {"workload.seed": [0, 1]}})
+    assert run_sweep(plan_sweep(cfg, TINY), show_progress=False, console=QUIET).ok
+    out, points = tmp_path / "out", tmp_path / "out" / "points"
+    files = {f: (out / f).read_bytes() for f in ("sweep.json", "results.parquet")}
+    other = [o.replace("max_num_seqs=2", "max_num_seqs=4") for o in TINY]
+    assert other != TINY
+
+    with pytest.raises(ValueError) as e:
+        run_sweep(plan_sweep(cfg, other), show_progress=False, console=QUIET)
+    assert str(e.value) == (
+        f"2 points in {out} were run with another config (workload.seed=0 differs in: "
+        f"engine.max_num_seqs 2 -> 4); use a new out_dir, or delete {points / 'workload.seed=0'} "
+        f"{points / 'workload.seed=1'}"
+    )
+    assert main(["sweep", str(cfg), *other, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "differs in: engine.max_num_seqs 2 -> 4" in err, err
+    assert calls == [0, 1]  # nothing ran, nothing was written
+    assert {f: (out / f).read_bytes() for f in files} == files
+
+    # A folder without config.sha256 (made before it) is compared through its config.yaml.
+    (points / "workload.seed=0" / "config.sha256").unlink()
+    shutil.rmtree(points / "workload.seed=1")
+    with pytest.raises(ValueError) as e:
+        more = [o.replace("num_requests=4", "num_requests=5") for o in other]
+        run_sweep(plan_sweep(cfg, more), show_progress=False, console=QUIET)
+    assert str(e.value) == (
+        f"point workload.seed=0 in {out} was run with another config (differs in: "
+        f"engine.max_num_seqs 2 -> 4, workload.num_requests 4 -> 5); use a new out_dir, or "
+        f"delete {points / 'workload.seed=0'}"
+    )
+    result = run_sweep(plan_sweep(cfg, TINY), show_progress=False, console=QUIET)
+    assert result.skipped == ["workload.seed=0"] and calls == [0, 1, 1]  # same config: reused
+    # A hash of another config refuses the point even when its config.yaml agrees.
+    (points / "workload.seed=1" / "config.sha256").write_text("0" * 64 + "\n")
+    with pytest.raises(ValueError, match=r"point workload\.seed=1 .*config\.sha256 is of another"):
+        run_sweep(plan_sweep(cfg, TINY), show_progress=False, console=QUIET)
+
+
+def test_rerun_keeps_provenance_of_the_points_it_did_not_run(tmp_path, monkeypatch):
+    commit = ["old"]
+    calls = fake_run(monkeypatch, commit)
+    monkeypatch.setattr(sweep_mod, "provenance", lambda *a: {"commit": commit[0]})
+    cfg = sweep_config(tmp_path, {"grid": {"workload.seed": [0, 1]}})
+    assert run_sweep(plan_sweep(cfg, TINY), show_progress=False, console=QUIET).ok
+    out = tmp_path / "out"
+    files = ("sweep.json", "results.parquet")
+    before = {f: ((out / f).read_bytes(), (out / f).stat()) for f in files}
+
+    # Everything finished: a later commit's re-run rewrites neither file.
+    commit[0] = "new"
+    result = run_sweep(plan_sweep(cfg, TINY), show_progress=False, console=QUIET)
+    assert result.skipped == ["workload.seed=0", "workload.seed=1"] and calls == [0, 1]
+    for f, (data, stat) in before.items():
+        now = (out / f).stat()
+        assert (out / f).read_bytes() == data, f
+        assert (now.st_ino, now.st_mtime_ns) == (stat.st_ino, stat.st_mtime_ns), f
+
+    # One point run again: only it has the new commit; the sweep's provenance says what it ran.
+    (out / "points" / "workload.seed=1" / "metrics.json").write_text("")
+    assert run_sweep(plan_sweep(cfg, TINY), show_progress=False, console=QUIET).ok
+    assert calls == [0, 1, 1]
+    spec = json.loads((out / "sweep.json").read_text())
+    assert [p["provenance"]["commit"] for p in spec["points"]] == ["old", "new"]
+    assert spec["provenance"] == {"commit": "new", "ran": ["workload.seed=1"]}

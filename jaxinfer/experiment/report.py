@@ -10,7 +10,10 @@ first, then `config.yaml` differences). The x key orders the latency-throughput 
 `workload.arrival.rate` when it varies, else the first varying key; every other varying key splits
 the curve into one line per value, unless it is one-to-one with x (zipped with it in a sweep).
 
-Writes `report.md` and `*.png` into the output folder. Plots use matplotlib's `Figure` API (Agg
+Writes `report.md` and `*.png` into the output folder: by default `RESULTS/report/`, but for
+committed results (under `experiments/results/`) `runs/report-<path below it>/` (e.g.
+`runs/report-cpu-chunked_prefill/`), so that their tracked report is rewritten only when asked
+for (`--out RESULTS/report`). Plots use matplotlib's `Figure` API (Agg
 canvas, no pyplot global state), so rendering is headless.
 """
 
@@ -36,6 +39,7 @@ from jaxinfer.metrics.tables import REQUESTS_FILE, STEPS_FILE
 
 DEFAULT_X = "workload.arrival.rate"
 IGNORED_KEYS = frozenset({"name", "out_dir"})  # differ per point by construction
+COMMITTED_RESULTS = ("experiments", "results")  # a tracked folder: reports of it go elsewhere
 PROVENANCE_KEYS = ("device", "jax", "commit", "date")
 # (header, metrics.json key, scale): latencies are stored in seconds and shown in ms.
 TABLE_COLUMNS = (
@@ -119,16 +123,22 @@ def _sweep_points(d: Path, prefix: str) -> tuple[list[Point], list[str]]:
         rows = {
             str(r["point"]): r for r in pd.read_parquet(d / "results.parquet").to_dict("records")
         }
-    entries = [(str(p["name"]), dict(p.get("overrides") or {})) for p in spec.get("points", [])]
+    # Provenance of a point whose env.json is gone: its own in sweep.json, else (sweep.json of
+    # before per-point provenance) the sweep's.
+    fallback = {} if "ran" in (spec.get("provenance") or {}) else spec.get("provenance") or {}
+    entries = [
+        (str(p["name"]), dict(p.get("overrides") or {}), p.get("provenance") or fallback)
+        for p in spec.get("points", [])
+    ]
     if not entries:  # results.parquet alone: its dotted columns are the overrides
-        entries = [(n, {k: _py(v) for k, v in r.items() if "." in k}) for n, r in rows.items()]
+        entries = [(n, {k: _py(v) for k, v in r.items() if "." in k}, {}) for n, r in rows.items()]
     points, notes = [], []
-    for name, ov in entries:
+    for name, ov, env in entries:
         row = {k: v for k, v in rows.get(name, {}).items() if k != "point" and k not in ov}
         p = _run_point(prefix + name, d / "points" / name, ov, row)
         if p is not None:
             p.zipped = frozenset(spec.get("zip") or ())
-            p.env = p.env or dict(spec.get("provenance") or {})  # the sweep's, if the run's is gone
+            p.env = p.env or dict(env)
             points.append(p)
         elif (d / "points" / f"{name}.error.txt").is_file():
             notes.append(f"point `{name}` of `{d}` failed: see `points/{name}.error.txt`")
@@ -462,11 +472,27 @@ def _figure(file: str | None, note: str, alt: str) -> list[str]:
     return [f"![{alt}]({file})", ""] if file else [f"_Skipped: {note}._", ""]
 
 
-def default_out(paths: list[Path]) -> Path:
-    """`<RESULTS>/report`, or `<common parent>/report` for several folders."""
+def _committed_part(path: Path) -> tuple[str, ...] | None:
+    """The parts of `path` below an `experiments/results/` folder (committed results), or None."""
+    parts = path.resolve().parts
+    for i in range(len(parts) - 1):
+        if parts[i : i + 2] == COMMITTED_RESULTS:
+            return parts[i + 2 :]
+    return None
+
+
+def default_out(paths: list[Path], runs: Path = Path("runs")) -> Path:
+    """`<RESULTS>/report`, or `<common parent>/report` for several folders; for committed results
+    (under `experiments/results/`) `runs/report-<their path below it, joined by ->`, so that a
+    report of them never rewrites a tracked one unless its folder is asked for by name."""
     if len(paths) == 1:
-        return Path(paths[0]) / "report"
-    return Path(os.path.commonpath([Path(p).resolve() for p in paths])) / "report"
+        folder = Path(paths[0])
+    else:
+        folder = Path(os.path.commonpath([Path(p).resolve() for p in paths]))
+    below = _committed_part(folder)
+    if below is None:
+        return folder / "report"
+    return runs / f"report-{'-'.join(below) or 'results'}"
 
 
 def write_report(

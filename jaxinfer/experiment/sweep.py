@@ -11,11 +11,14 @@ The points are the cartesian product of the grid lists times the zip lists advan
 file's; plain `key=value` overrides apply to every point. Every point's config is built and
 validated by `load_run_config` before anything runs.
 
-Results folder (`out_dir` of the base config):
+Results folder (`out_dir` of the base config; the experiment configs point it under `runs/`, and
+their committed results are remade only with an explicit `out_dir=experiments/results/...`):
 
-    sweep.json               config path, overrides, grid, zip, points [{name, overrides}],
-                             provenance
-    points/<name>/           one run's results folder (metrics.json, config.yaml, ...)
+    sweep.json               config path, overrides, grid, zip, points [{name, overrides,
+                             config_sha256, provenance: the env.json of the run that made it}],
+                             provenance of the last invocation that ran points (`ran`: which)
+    points/<name>/           one run's results folder (metrics.json, config.yaml, ...) and
+                             config.sha256, the hash of its resolved config (`point_config`)
     points/<name>.error.txt  traceback of a point that raised
     points/<name>.broken-<time>/  the files of a point found broken, moved aside before its re-run
     results.parquet          one row per finished point: `point`, one column per swept key,
@@ -26,19 +29,25 @@ A point runs into `points/.<name>.tmp-<pid>/` and is renamed to `points/<name>/`
 the same sweep again skips finished points, removes stale tmp folders and re-merges. A point is
 finished when its files are whole (`point_problem`): a `metrics.json` holding a JSON object with
 the counts every run writes (and no `interrupted` mark), and readable `requests.parquet` and
-`steps.parquet`. A point folder that is not is moved aside and the point run again.
+`steps.parquet`. A point folder that is not is moved aside and the point run again. A finished
+point run with another config than the one asked for (`config_difference`: other base overrides,
+an edited config file) is an error before anything runs or is written: its results are not this
+sweep's, and rerunning over them would lose them. `sweep.json` and `results.parquet` are left
+untouched when an invocation changes nothing in them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import filecmp
 import hashlib
 import itertools
 import json
 import math
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -51,8 +60,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from jaxinfer.experiment.run import RunConfig, load_run_config, run_experiment
@@ -69,6 +80,8 @@ _BROKEN_MARK = ".broken-"
 # Keys every run's metrics.json has (from `summarize`): without them the file is not a run's.
 REQUIRED_METRICS = ("num_requests", "num_completed", "num_failed")
 TABLES = ("requests.parquet", "steps.parquet")
+CONFIG_HASH_FILE = "config.sha256"  # in a point folder, next to its resolved config.yaml
+_SHOWN_DIFFERENCES = 3
 
 
 @dataclass(frozen=True)
@@ -96,8 +109,13 @@ class SweepPlan:
         return self.out_dir / POINTS_DIR
 
     def is_done(self, name: str) -> bool:
+        """Finished, with the config asked for (see `config_difference`)."""
         point = self.points_dir / name
-        return point.is_dir() and point_problem(point) is None
+        return (
+            point.is_dir()
+            and point_problem(point) is None
+            and config_difference(point, self.run_configs[name]) is None
+        )
 
 
 @dataclass
@@ -377,6 +395,90 @@ def _move_aside(point: Path) -> Path:
     return aside
 
 
+def point_config(rc: RunConfig) -> dict:
+    """The resolved run config as plain data, as `config.yaml` holds it, without `out_dir` (a
+    point's results do not depend on where they are written: tmp folder, renamed, moved)."""
+    cfg = yaml.safe_load(OmegaConf.to_yaml(OmegaConf.structured(rc)))
+    cfg.pop("out_dir", None)
+    return cfg
+
+
+def config_hash(cfg: dict) -> str:
+    """sha256 of the canonical JSON of `cfg` (keys sorted)."""
+    text = json.dumps(cfg, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _dotted(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_dotted(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _differences(ran: dict, asked: dict) -> str:
+    """`engine.max_num_seqs 8 -> 16, ...`: changed keys first, then keys only one side has."""
+    a, b = _dotted(ran), _dotted(asked)
+    keys = [k for k in dict.fromkeys([*b, *a]) if a.get(k, ...) != b.get(k, ...)]
+    keys.sort(key=lambda k: (k not in a) or (k not in b))  # (stable: config order kept)
+
+    def show(d: dict, k: str) -> str:
+        return json.dumps(d[k], default=str) if k in d else "(absent)"
+
+    shown = [f"{k} {show(a, k)} -> {show(b, k)}" for k in keys[:_SHOWN_DIFFERENCES]]
+    more = len(keys) - len(shown)
+    return ", ".join(shown) + (f" and {more} more" if more > 0 else "")
+
+
+def config_difference(point: Path, rc: RunConfig) -> str | None:
+    """None when the run in folder `point` was made with config `rc` (`out_dir` aside), else how
+    they differ (`engine.max_num_seqs 8 -> 16`). The point's `config.sha256` decides; a folder
+    without one (made before it was written) is compared through its `config.yaml`."""
+    asked = point_config(rc)
+    stored = point / CONFIG_HASH_FILE
+    if stored.is_file() and stored.read_text().strip() == config_hash(asked):
+        return None
+    try:
+        ran = yaml.safe_load((point / "config.yaml").read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        return f"its config.yaml is unreadable ({type(e).__name__})"
+    if not isinstance(ran, dict):
+        return "its config.yaml is not a mapping"
+    ran.pop("out_dir", None)
+    if ran != asked:
+        return _differences(ran, asked)
+    # The same config.yaml under a hash of another config (one of the two edited by hand): not
+    # provably the run asked for.
+    return f"its {CONFIG_HASH_FILE} is of another config" if stored.is_file() else None
+
+
+def _check_configs(plan: SweepPlan) -> None:
+    """ValueError if a finished point of `plan.out_dir` was run with another config."""
+    wrong = {}
+    for p in plan.points:
+        point = plan.points_dir / p.name
+        if point.is_dir() and point_problem(point) is None:
+            why = config_difference(point, plan.run_configs[p.name])
+            if why is not None:
+                wrong[p.name] = why
+    if not wrong:
+        return
+    (first, why), *_ = wrong.items()
+    folders = " ".join(str(plan.points_dir / n) for n in wrong)
+    if len(wrong) == 1:
+        raise ValueError(
+            f"point {first} in {plan.out_dir} was run with another config (differs in: {why}); "
+            f"use a new out_dir, or delete {folders}"
+        )
+    raise ValueError(
+        f"{len(wrong)} points in {plan.out_dir} were run with another config ({first} differs "
+        f"in: {why}); use a new out_dir, or delete {folders}"
+    )
+
+
 # ---------------------------------------------------------------------------- one point
 
 
@@ -404,6 +506,7 @@ def _run_point(
         problem = point_problem(tmp)
         if problem is not None:
             raise RuntimeError(f"the run left no finished results: {problem}")
+        (tmp / CONFIG_HASH_FILE).write_text(config_hash(point_config(rc)) + "\n")
         cfg_file = tmp / "config.yaml"
         if cfg_file.is_file():  # record where the results live, not the tmp folder
             cfg = OmegaConf.load(cfg_file)
@@ -456,7 +559,8 @@ def _column_values(values: list[Any]) -> list[Any]:
 
 
 def merge_results(plan: SweepPlan):
-    """Write `results.parquet` (one row per finished point) and return it as a DataFrame."""
+    """Write `results.parquet` (one row per finished point; unless it already holds exactly
+    that) and return it as a DataFrame."""
     import pandas as pd
 
     rows = []
@@ -485,7 +589,10 @@ def merge_results(plan: SweepPlan):
     tmp = path.with_name(f".{RESULTS_FILE}{_TMP_MARK}{os.getpid()}")
     try:
         table.to_parquet(tmp, index=False)
-        os.replace(tmp, path)
+        if path.is_file() and filecmp.cmp(tmp, path, shallow=False):
+            tmp.unlink()  # the same table: a committed file stays untouched
+        else:
+            os.replace(tmp, path)
     except (OSError, ValueError, TypeError) as e:  # pyarrow's errors are ValueError/TypeError
         tmp.unlink(missing_ok=True)
         raise ValueError(
@@ -667,6 +774,62 @@ def _sweep_provenance(workers: int) -> dict:
         return pool.submit(provenance, command).result()
 
 
+def _run_env(point: Path) -> dict | None:
+    """The provenance a finished point's run wrote (`env.json`), or None."""
+    try:
+        env = json.loads((point / "env.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return env if isinstance(env, dict) else None
+
+
+def _sweep_record(plan: SweepPlan, workers: int, invocation: dict, ran: list[str]) -> dict:
+    """sweep.json: the plan, each point's config hash and the provenance of the run that made it
+    (None until it has finished), and the provenance of this invocation with the points it ran."""
+    points = []
+    for p in plan.points:
+        point = plan.points_dir / p.name
+        done = point.is_dir() and point_problem(point) is None
+        points.append({
+            "name": p.name,
+            "overrides": p.overrides,
+            "config_sha256": config_hash(point_config(plan.run_configs[p.name])),
+            "provenance": _run_env(point) if done else None,
+        })  # fmt: skip
+    return {
+        "config": plan.config,
+        "overrides": plan.overrides,
+        "grid": plan.grid,
+        "zip": plan.zip,
+        "out_dir": str(plan.out_dir),
+        "workers": workers,
+        "points": points,
+        "provenance": {**invocation, "ran": list(ran)},
+    }
+
+
+_INVOCATION_KEYS = ("workers", "provenance")
+
+
+def _write_sweep_file(plan: SweepPlan, record: dict) -> None:
+    """Write sweep.json, unless this invocation ran nothing and the file already says the rest:
+    then the earlier invocation's provenance stays (and a committed file stays untouched)."""
+    path = plan.out_dir / SWEEP_FILE
+    if not record["provenance"]["ran"] and path.is_file():
+        try:
+            old = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            old = None
+        new = json.loads(json.dumps(record, default=str))  # as it would read back
+        if isinstance(old, dict) and all(
+            old.get(k) == v for k, v in new.items() if k not in _INVOCATION_KEYS
+        ):
+            return
+    tmp = path.with_name(f".{SWEEP_FILE}{_TMP_MARK}{os.getpid()}")
+    tmp.write_text(json.dumps(record, indent=2, default=str))
+    os.replace(tmp, path)
+
+
 # ---------------------------------------------------------------------------- the sweep
 
 
@@ -690,21 +853,13 @@ def run_sweep(
         raise ValueError(f"gpus_per_worker={gpus_per_worker} is invalid: must be an int >= 0")
     console = console or Console()
     devices = worker_devices(workers, gpus_per_worker) if workers > 1 else [None]
+    _check_configs(plan)  # before anything is written
     plan.points_dir.mkdir(parents=True, exist_ok=True)
     stale = _remove_stale_tmp(plan.points_dir)
     if stale:
         console.print(f"removed {len(stale)} unfinished point folder(s) of an earlier sweep")
-    record = {
-        "config": plan.config,
-        "overrides": plan.overrides,
-        "grid": plan.grid,
-        "zip": plan.zip,
-        "out_dir": str(plan.out_dir),
-        "workers": workers,
-        "points": [{"name": p.name, "overrides": p.overrides} for p in plan.points],
-        "provenance": _sweep_provenance(workers),
-    }
-    (plan.out_dir / SWEEP_FILE).write_text(json.dumps(record, indent=2, default=str))
+    invocation = _sweep_provenance(workers)
+    _write_sweep_file(plan, _sweep_record(plan, workers, invocation, []))
 
     for p in plan.points:
         point = plan.points_dir / p.name
@@ -720,7 +875,11 @@ def run_sweep(
     pending = [p for p in plan.points if not plan.is_done(p.name)]
     result.skipped = [p.name for p in plan.points if p not in pending]
     if result.skipped:
-        console.print(f"{len(result.skipped)} of {len(plan.points)} points already finished")
+        console.print(
+            f"{len(result.skipped)} of {len(plan.points)} points already finished in "
+            f"{plan.points_dir}",
+            markup=False,
+        )
     columns = (
         TextColumn("[bold]sweep"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()
     )  # fmt: skip
@@ -730,9 +889,9 @@ def run_sweep(
             progress.update(task, completed=len(result.skipped))
 
             def on_done(name: str, ok: bool, error: str | None) -> None:
-                if ok:
+                if ok:  # its final folder (the one it ran in is renamed by now)
                     result.ran.append(name)
-                    progress.console.print(f"[green]done[/] {name}")
+                    progress.console.print(f"[green]done[/] {escape(str(plan.points_dir / name))}")
                 else:
                     result.failed[name] = error or "failed"
                     last = (error or "failed").strip().splitlines()[-1]
@@ -749,6 +908,7 @@ def run_sweep(
             elif pending:
                 _run_in_workers(plan, pending, workers, devices, on_done)
     finally:  # also on Ctrl-C: the table holds every point finished so far
+        _write_sweep_file(plan, _sweep_record(plan, workers, invocation, result.ran))
         result.table = merge_results(plan)
     if result.failed:
         console.print(
@@ -756,4 +916,5 @@ def run_sweep(
             f"{plan.points_dir}/<name>{ERROR_SUFFIX}"
         )
     console.print(f"results: {plan.out_dir / RESULTS_FILE} ({len(result.table)} points)")
+    console.print(f"report:  jaxinfer report {shlex.quote(str(plan.out_dir))}", markup=False)
     return result
