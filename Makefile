@@ -8,13 +8,16 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 
 $(VENV)/.core: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
+	@echo "installing jaxinfer and its dependencies into $(VENV) (about a minute)..."
 	$(PIP) install -e .
 	touch $@
 
 # torch is pinned to the CPU build served from this machine's disk before the test extra asks for
 # any torch, so pip never pulls a multi-GB CUDA build.
 $(VENV)/.test: $(VENV)/.core
+	@echo "installing torch (CPU build) into $(VENV) (a minute or more)..."
 	$(PIP) install torch==2.13.0
+	@echo "installing the test tools (pytest, ruff, transformers, ...) into $(VENV) (about a minute)..."
 	$(PIP) install -e '.[test]'
 	touch $@
 

@@ -423,6 +423,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a CPU smoke run")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch rows")
     args = ap.parse_args(argv)
+    if not args.quick and jax.default_backend() != "gpu":  # 4 GiB buffers, 8192^3 GEMMs
+        ap.exit(2, f"anchors.py needs a GPU (JAX backend: {jax.default_backend()}); --quick runs "
+                "its CPU smoke version\n")  # fmt: skip
     s = sizes(args.quick)
     command = [sys.executable, "experiments/anchors.py", *(sys.argv[1:] if argv is None else argv)]
     result = {

@@ -86,6 +86,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if not args.smoke and jax.default_backend() != "gpu":  # minutes, then out of memory
+        print(f"bench_decode_attention.py needs a GPU (JAX backend: {jax.default_backend()}); "
+              "--smoke runs its CPU smoke version", file=sys.stderr)  # fmt: skip
+        raise SystemExit(2)
     heads, head_dim = ((4, 2), 64) if args.smoke else ((32, 8), 128)
     result = {
         **provenance([sys.executable, *(sys.argv if argv is None else [__file__, *argv])]),

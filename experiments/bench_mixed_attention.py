@@ -127,6 +127,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if not args.smoke and jax.default_backend() != "gpu":  # minutes, then out of memory
+        print(f"bench_mixed_attention.py needs a GPU (JAX backend: {jax.default_backend()}); "
+              "--smoke runs its CPU smoke version", file=sys.stderr)  # fmt: skip
+        raise SystemExit(2)
     bench = _bench_module()
     arrays, stats = make_step(args)
     q, *operands = arrays

@@ -721,6 +721,10 @@ def main(argv=None) -> dict:
             print(f"{case.label}: {case.kv_bytes / 1e9:.2f} GB K/V, {kv_sets_for(case)} set(s)")
         return {}
     on_gpu = jax.default_backend() == "gpu"
+    if not (on_gpu or args.smoke):  # GPU shapes on a CPU: minutes, then out of memory
+        print(f"bench_paged_attention.py needs a GPU (JAX backend: {jax.default_backend()}); "
+              "--smoke runs its CPU smoke version", file=sys.stderr)  # fmt: skip
+        raise SystemExit(2)
     result = {
         **provenance([sys.executable, *(sys.argv if argv is None else [__file__, *argv])]),
         "timing_method": TIMING_METHOD,

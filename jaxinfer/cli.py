@@ -2,13 +2,20 @@
 
 jaxinfer quickstart [--out runs/quickstart]      greedy generation with a tiny model (CPU or GPU)
 jaxinfer generate --model HF_DIR --prompt TEXT   greedy continuation from a real checkpoint
+jaxinfer run CONFIG [k=v ...]                    one serving experiment (experiment/run.py)
 jaxinfer sweep CONFIG [k=v ...] [--grid k=a,b]   a parameter sweep of `run` (experiment/sweep.py)
+
+Options and positionals may come in any order. A user's error (a config value, a checkpoint, a
+missing file) is one line, `jaxinfer COMMAND: error: MESSAGE`, exit status 2; `jaxinfer --debug
+COMMAND ...` raises it with its traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -16,7 +23,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from omegaconf.errors import OmegaConfBaseException
 
+from jaxinfer import __version__
+from jaxinfer.checkpoint.errors import CheckpointError
 from jaxinfer.generate import greedy_generate
 from jaxinfer.models.dense import forward
 from jaxinfer.models.presets import preset
@@ -89,31 +99,82 @@ def quickstart(args: argparse.Namespace) -> int:
         "paged_vs_full_forward_mismatches": mismatches,
         "samples": samples,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    from jaxinfer.experiment.run import fresh_results_dir
+
+    out = fresh_results_dir(args.out, overwrite=args.overwrite)  # never another run's folder
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     for sample in samples[:3]:
         print(f"--- {model_name}, greedy\n{sample}")
     print(
         f"---\n{len(prompts)} prompts, {new_tokens} tokens in {elapsed:.3f}s "
         f"({metrics['output_tok_s']} tok/s) on {metrics['device']}; "
-        f"paged decode vs full forward mismatches: {mismatches}; wrote {args.out / 'metrics.json'}"
+        f"paged decode vs full forward mismatches: {mismatches}"
     )
+    print(f"results: {out}")
     return 0 if mismatches == 0 else 1
 
 
-def generate(args: argparse.Namespace) -> int:
-    from jaxinfer.checkpoint import load_hf_model, load_tokenizer
+def _read_prompts(path: Path) -> list[str]:
+    """Prompts of a file: JSON lines (strings, or objects with a "prompt") for *.jsonl, else one
+    prompt per line."""
+    text = path.read_text()
+    if path.suffix != ".jsonl":
+        return [line for line in text.splitlines() if line.strip()]
+    prompts = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON: {e}") from None
+        prompt = item.get("prompt") if isinstance(item, dict) else item
+        if not isinstance(prompt, str):
+            raise ValueError(f'{path}:{n}: expected a string or an object with a "prompt"')
+        prompts.append(prompt)
+    return prompts
 
-    cfg, params = load_hf_model(args.model, dtype=args.dtype)
-    tokenizer = load_tokenizer(args.model)
-    ids = tokenizer.encode(args.prompt).ids
-    if cfg.bos_token_id is not None and (not ids or ids[0] != cfg.bos_token_id):
-        ids = [cfg.bos_token_id, *ids]
-    (out,) = greedy_generate(
-        params, cfg, [ids], args.max_new_tokens, eos_token_ids=cfg.eos_token_ids
-    )
-    print(args.prompt + tokenizer.decode(out))
-    return 0
+
+def generate(args: argparse.Namespace) -> int:
+    """Continuations of prompts through the engine, with vLLM's sampling flags."""
+    from jaxinfer.engine.llm import LLM
+    from jaxinfer.engine.request import SamplingParams
+
+    prompts = list(args.prompt or [])
+    for path in args.prompts_file or []:
+        prompts += _read_prompts(path)
+    if not prompts:
+        print("jaxinfer generate: error: give --prompt or --prompts-file", file=sys.stderr)
+        return 2
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                              top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                              seed=args.seed, repetition_penalty=args.repetition_penalty,
+                              presence_penalty=args.presence_penalty,
+                              frequency_penalty=args.frequency_penalty)  # fmt: skip
+    rows = 1 << max(0, len(prompts) - 1).bit_length()  # one decode bucket holding them all
+    llm = LLM(str(args.model), dtype=args.dtype, max_num_seqs=rows, decode_buckets=[rows],
+              max_num_batched_tokens=max(512, rows), max_model_len=args.max_model_len,
+              penalties=sampling.uses_penalties)  # fmt: skip
+    cfg = llm.engine.model_config
+    ids = []
+    for prompt in prompts:  # the model's BOS first, as transformers' generate sees it
+        toks = list(llm.tokenizer.encode(prompt).ids) if llm.tokenizer is not None else None
+        if toks is None:
+            raise ValueError(f"model {str(args.model)!r} has no tokenizer for text prompts")
+        if cfg.bos_token_id is not None and (not toks or toks[0] != cfg.bos_token_id):
+            toks = [cfg.bos_token_id, *toks]
+        ids.append(toks)
+    outs = llm.generate(ids, sampling)
+    for prompt, out in zip(prompts, outs, strict=True):
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
+                              "finish_reason": out.finish_reason, "error": out.error}))  # fmt: skip
+        elif out.error:
+            print(f"[error] {out.error}", file=sys.stderr)
+        else:
+            print(prompt + out.text)
+    return 0 if any(o.error is None for o in outs) else 1
 
 
 def train(args: argparse.Namespace) -> int:
@@ -144,7 +205,8 @@ def eval_ppl(args: argparse.Namespace) -> int:
 
     rows = []
     for model in args.models:
-        row = heldout_perplexity(model, seq_len=args.seq_len, max_windows=args.max_windows)
+        row = heldout_perplexity(model, seq_len=args.seq_len, max_windows=args.max_windows,
+                                 show_progress=not args.no_progress)  # fmt: skip
         print(json.dumps(row))
         rows.append(row)
     if args.out:
@@ -154,14 +216,19 @@ def eval_ppl(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """One serving experiment from a YAML config with dotted overrides."""
+    """One serving experiment from a YAML config with dotted overrides, into a results folder of
+    its own (see RUN_DESCRIPTION)."""
     from jaxinfer.experiment import run as runs
 
-    try:
-        rc = runs.load_run_config(args.config, args.overrides)
-    except runs.SweepConfigError as e:
-        print(f"jaxinfer run: error: {e}", file=sys.stderr)
-        return 2
+    rc = runs.load_run_config(args.config, args.overrides)
+    if args.print_config:
+        print(runs.config_yaml(rc), end="")
+        return 0
+    runs.preflight(rc)  # (before a folder is taken)
+    out = runs.fresh_results_dir(rc.out_dir, overwrite=args.overwrite)
+    if out != Path(rc.out_dir):
+        print(f"{rc.out_dir} is in use: this run writes to {out} (--overwrite: write there)")
+    rc = dataclasses.replace(rc, out_dir=str(out))
     try:
         with runs.stop_on_signals():
             metrics = runs.run_experiment(rc, show_progress=not args.no_progress)
@@ -169,6 +236,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"jaxinfer run: {e}", file=sys.stderr)
         e.exit_now_if_compiling()
         return e.exit_code
+    print(f"results: {out}\nreport:  jaxinfer report {shlex.quote(str(out))}")
+    if not metrics["num_completed"]:
+        print(
+            f"jaxinfer run: error: none of the {metrics['num_requests']} requests succeeded (the "
+            f"reasons above; every one in {out / 'metrics.json'})",
+            file=sys.stderr,
+        )
+        return 1
     return 0 if metrics.get("compiles_after_warmup") in (0, None) else 1
 
 
@@ -177,7 +252,7 @@ def sweep(args: argparse.Namespace) -> int:
     from jaxinfer.experiment.run import RunInterrupted
     from jaxinfer.experiment.sweep import parse_axes, plan_sweep, run_sweep
 
-    try:
+    try:  # (a ValueError, of the sweep or its worker settings, is main's; points record theirs)
         plan = plan_sweep(
             args.config, args.overrides, grid=parse_axes(args.grid), zipped=parse_axes(args.zip)
         )
@@ -185,9 +260,6 @@ def sweep(args: argparse.Namespace) -> int:
             plan, workers=args.workers, gpus_per_worker=args.gpus_per_worker,
             show_progress=not args.no_progress,
         )  # fmt: skip
-    except ValueError as e:  # the sweep or its worker settings; failing points are recorded
-        print(f"jaxinfer sweep: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt as e:
         print("jaxinfer sweep: interrupted; the same command resumes it", file=sys.stderr)
         if isinstance(e, RunInterrupted):
@@ -200,34 +272,116 @@ def report(args: argparse.Namespace) -> int:
     """Markdown report with plots of run or sweep results folders."""
     from jaxinfer.experiment.report import default_out, write_report
 
-    try:
-        path = write_report(args.results, args.out or default_out(args.results), args.x, args.title)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"jaxinfer report: error: {e}", file=sys.stderr)
-        return 2
+    path = write_report(args.results, args.out or default_out(args.results), args.x, args.title)
     print(f"report: {path}")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="jaxinfer", description="JAX LLM inference research")
-    sub = parser.add_subparsers(dest="command", required=True)
+RUN_DESCRIPTION = """\
+One serving experiment: the YAML config, the dotted key=value overrides applied over it, run on
+the wall clock into its out_dir: config.yaml (resolved), env.json, requests.parquet,
+steps.parquet and metrics.json (summary, times in seconds). --print-config shows the resolved
+config, every key with its value.
+
+config sections (the schema, every key's type, default and allowed values: the dataclasses named)
+  name      the run's name (str)
+  out_dir   its results folder (default runs/${name}). One that holds anything already is never
+            written into: the run takes a new timestamped sibling, unless --overwrite
+  engine    EngineConfig, jaxinfer/engine/config.py: model, dtype, KV pages, batch limits,
+            scheduler, allocation, chunked prefill, decode steps, attention backend, mesh
+  workload  WorkloadSpec, jaxinfer/workload/spec.py: kind, num_requests, prompt_len and
+            output_len (LengthSpec), arrival (ArrivalSpec), seed, trace_path
+  sampling  SamplingDefaults, jaxinfer/experiment/run.py: temperature, top_k, top_p, min_p,
+            ignore_eos, max_tokens
+  slo       SLOSpec, jaxinfer/experiment/run.py: ttft and tpot in seconds (goodput and SLO
+            attainment in the metrics)
+
+exit status: 0 done (some requests may have failed: the summary says which and why); 1 no request
+succeeded, or something compiled after the warm-up; 2 a config error (one line); 130 / 143
+stopped by SIGINT / SIGTERM, what ran kept."""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Each option's default after its help (not a None / False / empty one: the help says what
+    leaving it out means); descriptions as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        d = action.default
+        if d is None or d is False or (isinstance(d, list | tuple) and not d):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: options and positionals in any order (`sweep CONFIG --grid k=a,b
+    more=overrides`), by argparse's intermixed parsing, which the top-level parser (it has
+    subcommands) cannot use; help through `HelpFormatter`."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+        self._parsing = False
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self._parsing:  # (the intermixed parse's own two passes)
+            return super().parse_known_args(args, namespace)
+        self._parsing = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._parsing = False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jaxinfer", description="JAX LLM inference research", formatter_class=HelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument(
+        "--debug", action="store_true", help="raise errors with their traceback, not in one line"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
     q = sub.add_parser("quickstart", help="greedy generation with the shipped tiny model")
-    q.add_argument("--preset", default=None, help="random weights of this shape instead")
-    q.add_argument("--max-new-tokens", type=int, default=32)
-    q.add_argument("--seed", type=int, default=0)
-    q.add_argument("--out", type=Path, default=Path("runs/quickstart"))
+    q.add_argument("--preset", default=None, help="random weights of this preset's shape instead")
+    q.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per prompt")
+    q.add_argument("--seed", type=int, default=0, help="page shuffling (and a preset's weights)")
+    q.add_argument("--out", type=Path, default=Path("runs/quickstart"),
+                   help="results folder; one holding anything gets a timestamped sibling")  # fmt: skip
+    q.add_argument("--overwrite", action="store_true", help="write into --out even if it is used")
     q.set_defaults(func=quickstart)
-    g = sub.add_parser("generate", help="greedy continuation from a Hugging Face model directory")
-    g.add_argument("--model", type=Path, required=True)
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max-new-tokens", type=int, default=32)
-    g.add_argument("--dtype", default="bfloat16")
+    g = sub.add_parser("generate", help="continue prompts with a model (a Hugging Face directory, "
+                       "a shipped model such as tiny, or preset:NAME)")  # fmt: skip
+    g.add_argument("--model", required=True, help="HF model directory, tiny, or preset:NAME")
+    g.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    g.add_argument("--prompts-file", type=Path, action="append",
+                   help="prompts, one per line (or JSON lines in a .jsonl file)")  # fmt: skip
+    g.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=32,
+                   help="tokens to generate per prompt")  # fmt: skip
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass kept (1: off)")
+    g.add_argument("--top-k", type=int, default=0, help="tokens kept (0 or -1: off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="min probability / top's (0: off)")
+    g.add_argument("--seed", type=int, default=None, help="per-request seed (default: random)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="on the prompt's and output's tokens (1: off)")  # fmt: skip
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="per output token (0: off)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="per occurrence in the output (0: off)")  # fmt: skip
+    g.add_argument("--max-model-len", type=int, default=1024, help="prompt + output tokens")
+    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="weights and activations")  # fmt: skip
+    g.add_argument("--json", action="store_true",
+                   help="one JSON object per prompt: prompt, text, token_ids, finish_reason, error")  # fmt: skip
     g.set_defaults(func=generate)
-    r = sub.add_parser("run", help="run a serving experiment config")
-    r.add_argument("config", type=Path)
-    r.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    r.add_argument("--no-progress", action="store_true")
+    r = sub.add_parser("run", help="run a serving experiment config", description=RUN_DESCRIPTION)
+    r.add_argument("config", type=Path, help="YAML run config (sections below)")
+    r.add_argument("overrides", nargs="*", help="optional dotted key=value overrides, as in "
+                   "engine.page_size=32 (in any order with the options)")  # fmt: skip
+    r.add_argument("--overwrite", action="store_true",
+                   help="write into out_dir even if it holds an earlier run (default: a new "
+                        "timestamped sibling)")  # fmt: skip
+    r.add_argument("--print-config", action="store_true", help="print the resolved config; no run")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.set_defaults(func=run)
     w = sub.add_parser("sweep", help="run a grid/zip sweep of a serving experiment config")
     w.add_argument("config", type=Path, help="run config, optionally with a `sweep:` section")
@@ -236,28 +390,58 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--zip", action="append", metavar="KEY=V1,V2", help="axis zipped with others")
     w.add_argument("--workers", type=int, default=1, help="worker processes (1: in-process)")
     w.add_argument("--gpus-per-worker", type=int, default=1, help="GPUs pinned per worker")
-    w.add_argument("--no-progress", action="store_true")
+    w.add_argument("--no-progress", action="store_true", help="no progress bars")
     w.set_defaults(func=sweep)
     t = sub.add_parser("train", help="train a reference model on the stdlib corpus")
-    t.add_argument("config", type=Path)
+    t.add_argument("config", type=Path, help="YAML train config (jaxinfer/train/config.py)")
     t.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    t.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    t.add_argument("--no-progress", action="store_true")
+    t.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="dtype of the exported Hugging Face weights")  # fmt: skip
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.set_defaults(func=train)
     e = sub.add_parser("eval-ppl", help="held-out perplexity of HF model directories")
-    e.add_argument("models", nargs="+", type=Path)
-    e.add_argument("--seq-len", type=int, default=256)
-    e.add_argument("--max-windows", type=int, default=None)
-    e.add_argument("--out", type=Path, default=None)
+    e.add_argument("models", nargs="+", type=Path, help="Hugging Face model directories")
+    e.add_argument("--seq-len", type=int, default=256, help="tokens per evaluation window")
+    e.add_argument("--max-windows", type=int, default=None, help="at most this many (default: all)")
+    e.add_argument("--out", type=Path, default=None, help="JSON results file (default: none)")
+    e.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     e.set_defaults(func=eval_ppl)
     p = sub.add_parser("report", help="Markdown report and plots of run or sweep results")
     p.add_argument("results", nargs="+", type=Path, help="run or sweep folders (several: compared)")
-    p.add_argument("--out", type=Path, default=None, help="default: RESULTS/report/")
+    p.add_argument("--out", type=Path, default=None,
+                   help="default: RESULTS/report/; for committed results under "
+                        "experiments/results/, runs/report-<path below it>/")  # fmt: skip
     p.add_argument("--x", default=None, help="dotted key ordering the latency-throughput curve")
-    p.add_argument("--title", default=None)
+    p.add_argument("--title", default=None, help="default: from the folders' names")
     p.set_defaults(func=report)
-    args = parser.parse_args(argv)
-    return args.func(args)
+    return parser
+
+
+# A user's errors (a config value, a checkpoint, a path given), printed in one line.
+USER_ERRORS = (OmegaConfBaseException, CheckpointError, ValueError, FileNotFoundError)
+
+
+def _one_line(e: BaseException) -> str:
+    if isinstance(e, OmegaConfBaseException):
+        from jaxinfer.experiment.run import config_error_message
+
+        return config_error_message(e)
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if getattr(args, "overrides", None):
+            from jaxinfer.experiment.run import check_overrides
+
+            check_overrides(args.overrides)
+        return args.func(args)
+    except USER_ERRORS as e:
+        if args.debug:
+            raise
+        print(f"jaxinfer {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

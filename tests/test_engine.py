@@ -309,3 +309,12 @@ def test_compiler_options_reach_each_kinds_compile(model, prompts):
                        ({"decode>=many": {}}, r"compiler_options.decode>=many")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
             EngineConfig(model="preset:tiny", compiler_options=bad)
+
+
+def test_max_model_len_past_the_models_positions_is_refused(model):
+    cfg, params = model
+    too_long = EngineConfig(model="preset:tiny", **{**SMALL, "max_model_len": 4096})
+    with pytest.raises(
+        ValueError, match=r"max_model_len=4096 exceeds .*max_position_embeddings=2048"
+    ):
+        Engine(too_long, cfg, params)

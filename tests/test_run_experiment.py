@@ -19,6 +19,7 @@ from rich.console import Console
 
 from jaxinfer.cli import main
 from jaxinfer.engine.engine import Engine
+from jaxinfer.experiment import run as runs
 from jaxinfer.experiment.run import load_run_config, run_experiment
 from jaxinfer.metrics import REQUEST_COLUMNS, SLO, read_tables, request_rows, step_row, summarize
 
@@ -41,7 +42,74 @@ def test_invalid_config_names_the_key(override, names):
         load_run_config(QUICKSTART, [override])
 
 
-def test_small_run_writes_results_with_zero_compiles_after_warmup(tmp_path):
+@pytest.mark.parametrize(
+    ("override", "key", "allowed"),
+    [
+        ("sampling.max_tokens=0", "sampling.max_tokens=0", "int >= 1"),
+        ("sampling.temperature=-1", "sampling.temperature=-1.0", ">= 0"),
+        ("sampling.top_p=1.5", "sampling.top_p=1.5", "(0, 1]"),
+        ("sampling.min_p=1", "sampling.min_p=1.0", "[0, 1)"),
+        ("sampling.top_k=-2", "sampling.top_k=-2", "-1 or 0 for off"),
+        ("workload.num_requests=0", "workload.num_requests=0", "int >= 1"),
+        ("workload.prompt_len.lo=0", "workload.prompt_len.lo=0", "int >= 1"),
+        ("workload.output_len.hi=8", "workload.output_len.hi=8", ">= lo=16"),
+        ("workload.arrival.rate=-1", "workload.arrival.rate=-1.0", "> 0"),
+        ("workload.prompt_len.lo=600", "workload.prompt_len.hi=192", ">= lo=600"),
+    ],
+)
+def test_sampling_and_workload_values_are_refused_at_load_naming_the_key(override, key, allowed):
+    """Each would otherwise fail every request at run time (after the warm-up), or, for
+    max_tokens=0, silently become 1."""
+    with pytest.raises(ValueError) as info:
+        load_run_config(QUICKSTART, [override])
+    assert str(info.value).startswith(key) and allowed in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragments"),
+    [
+        (["workload.prompt_len.lo=500", "workload.prompt_len.hi=600"],
+         ["500 prompt tokens (workload.prompt_len)", "16 output tokens (workload.output_len)",
+          "= 516 > engine.max_model_len=512"]),
+        (["workload.kind=shared_prefix", "workload.system_prompt_len=490"],
+         ["506 prompt tokens (workload.prompt_len + workload.system_prompt_len)"]),
+        (["sampling.max_tokens=64", "workload.prompt_len.lo=512", "workload.prompt_len.hi=600"],
+         ["+ 1 output tokens (sampling.max_tokens, cut to engine.max_model_len) = 513"]),
+        (["engine.num_pages=2"],
+         ["= 32 tokens, 2 KV pages of engine.page_size=16", "engine.num_pages=2 holds 1"]),
+    ],
+)  # fmt: skip
+def test_a_workload_no_request_of_which_fits_the_engine_is_refused_at_load(overrides, fragments):
+    with pytest.raises(ValueError, match=r"^every request would be refused: ") as info:
+        load_run_config(QUICKSTART, overrides)
+    for fragment in fragments:
+        assert fragment in str(info.value), str(info.value)
+    load_run_config(QUICKSTART, ["engine.num_pages=3"])  # the shortest fits: some may run
+
+
+@pytest.mark.parametrize(
+    ("override", "fragments"),
+    [
+        ("engine.max_model_len=100000", ["engine.max_model_len=100000",
+                                         "max_position_embeddings=2048", "engine.model=tiny"]),
+        ("sampling.top_k=5000", ["sampling.top_k=5000", "vocabulary size 4096"]),
+    ],
+)  # fmt: skip
+def test_what_the_model_cannot_serve_is_refused_before_a_weight_or_a_file(
+    tmp_path, capsys, monkeypatch, override, fragments
+):
+    """max_model_len over the model's positions ended in a device OOM at warm-up; top_k over
+    its vocabulary failed every request. Refused from the model's config.json alone."""
+    monkeypatch.setattr(runs, "load_model", lambda *a, **k: pytest.fail("weights loaded"))
+    out = tmp_path / "run"
+    assert main(["run", str(QUICKSTART), override, f"out_dir={out}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxinfer run: error: ") and err.count("\n") == 1, err
+    assert all(f in err for f in fragments), err
+    assert not out.exists()
+
+
+def test_small_run_writes_results_with_zero_compiles_after_warmup(tmp_path, capsys):
     out = tmp_path / "run"
     overrides = [
         f"out_dir={out}", "workload.num_requests=12", "workload.arrival.rate=50",
@@ -49,6 +117,9 @@ def test_small_run_writes_results_with_zero_compiles_after_warmup(tmp_path):
         "workload.output_len.hi=24",
     ]  # fmt: skip
     assert main(["run", str(QUICKSTART), *overrides, "--no-progress"]) == 0
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed[-2:] == [f"results: {out}", f"report:  jaxinfer report {out}"]
+    assert not any("requests failed" in line for line in printed)
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["num_completed"] == 12 and metrics["num_failed"] == 0
     assert metrics["compiles_after_warmup"] == 0
@@ -154,6 +225,67 @@ def test_run_of_a_sweep_config_says_to_sweep_it_in_one_line(tmp_path, capsys):
     assert err.count("\n") == 1 and f"jaxinfer sweep {path}" in err and "sweep:" in err
 
 
+def _trace(path: Path, prompt_lens: list[int]) -> Path:
+    rows = [{"prompt_token_ids": list(range(1, n + 1)), "output_len": 4} for n in prompt_lens]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("prompt_lens", "code"), [([200, 300, 200], 1), ([200, 10, 300], 0)], ids=["all", "some"]
+)
+def test_failed_requests_are_summarised_and_a_run_with_none_served_exits_1(
+    tmp_path, capsys, prompt_lens, code
+):
+    """Prompts over max_model_len=128 (a trace's lengths are known only as it is read): the
+    count and the kinds of error printed, exit status 1 when no request succeeded."""
+    trace = _trace(tmp_path / "trace.jsonl", prompt_lens)
+    out = tmp_path / "run"
+    overrides = [*TINY, f"out_dir={out}", "workload.kind=trace", f"workload.trace_path={trace}",
+                 "workload.num_requests=null", "workload.arrival.process=all_at_once"]  # fmt: skip
+    assert main(["run", str(QUICKSTART), *overrides, "--no-progress"]) == code
+    captured = capsys.readouterr()
+    failed = sum(n > 128 for n in prompt_lens)
+    summary = captured.out[captured.out.index(f"{failed} of 3 requests failed:") :].splitlines()
+    assert re.fullmatch(
+        rf"  {failed} x request \d: prompt \(\d+ tokens\) \+ max_tokens \(4\) = \d+ exceeds "
+        r"max_model_len=128",
+        summary[1],
+    ), summary  # one kind of error, with its count
+    assert summary[2:] == [f"results: {out}", f"report:  jaxinfer report {out}"]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["num_failed"] == failed and len(metrics["failed_errors"]) == failed
+    if code:
+        assert captured.err == (
+            f"jaxinfer run: error: none of the 3 requests succeeded (the reasons above; every "
+            f"one in {out / 'metrics.json'})\n"
+        )
+
+
+def test_summary_shows_units_goodput_with_an_slo_and_explains_a_zero_itl():
+    m = {"num_completed": 9, "ttft_median": 0.01234, "tpot_p99": 0.2, "itl_median": 0.0,
+         "duration_s": 2.5, "output_throughput": 100.0, "host_ms_mean": 1.5,
+         "slo_ttft": 1.0, "slo_tpot": 0.1, "goodput": 3.2, "slo_attainment": 0.8}  # fmt: skip
+    console = Console(record=True, width=200, file=open(os.devnull, "w"))  # noqa: SIM115
+
+    def rows(metrics):
+        console.print(runs.summary_table("x", metrics))
+        text = console.export_text()
+        return dict(re.findall(r"│ (.+?) +│ +(\S+) │", text))
+
+    assert rows(m) == {
+        "completed requests": "9", "duration (s)": "2.5", "output throughput (tok/s)": "100",
+        "TTFT median (ms)": "12.34", "TPOT p99 (ms)": "200", "ITL median (ms)": "0",
+        "goodput (req/s within TTFT 1000 ms, TPOT 100 ms)": "3.2",
+        "SLO attainment (% of requests)": "80", "host time per step, mean (ms)": "1.5",
+    }  # fmt: skip
+    no_slo = {**m, "slo_ttft": None, "slo_tpot": None}
+    assert not any("goodput" in k or "SLO" in k for k in rows(no_slo))
+    (note,) = runs.summary_notes(m)
+    assert "ITL median 0 ms" in note and "decode scan" in note
+    assert runs.summary_notes({**m, "itl_median": 0.004}) == []
+
+
 def _start_run(out: Path, overrides: list[str]) -> subprocess.Popen:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "jaxinfer.cli", "run", str(QUICKSTART), f"out_dir={out}",
@@ -225,3 +357,14 @@ def test_sigint_during_warm_up_ends_the_run_at_once(tmp_path):
         f"in {out}; no request ran, so no tables and no metrics.json"
     )
     assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "env.json"]
+
+
+def test_sampling_penalties_reach_the_requests_and_need_the_engine_option(tmp_path):
+    """The sampling section takes penalties; without engine.penalties the config is refused at
+    load (each request would fail alone at run time)."""
+    from jaxinfer.experiment.run import load_run_config
+
+    with pytest.raises(ValueError, match=r"engine\.penalties=true"):
+        load_run_config(None, ["sampling.repetition_penalty=0.5"])
+    rc = load_run_config(None, ["sampling.repetition_penalty=0.5", "engine.penalties=true"])
+    assert rc.sampling.repetition_penalty == 0.5

@@ -192,6 +192,13 @@ def config_from_hf(
     deliberately ignored so the caller, not the file, decides memory use. `source` names the file
     in error messages.
     """
+    for name, value in (
+        ("dtype", dtype),
+        ("param_dtype", param_dtype),
+    ):  # the caller's, not the file's
+        if value is not None and value not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"{name}={value!r} is invalid: must be one of float32, bfloat16, "
+                             "float16")  # fmt: skip
     arch = _architecture(hf, source)
     for key in _REQUIRED_KEYS:
         if hf.get(key) is None:

@@ -25,6 +25,7 @@ from jaxinfer.engine.request import Sequence as Request
 # -- one process per replica ------------------------------------------------------------------------
 _STOP = "stop"
 _NO_MORE = None  # in the request queue: this run has no more requests (one per worker)
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def _serve(engine: Engine, requests, tokenizer) -> tuple[list, dict]:
@@ -67,10 +68,37 @@ def _serve(engine: Engine, requests, tokenizer) -> tuple[list, dict]:
     return outs, stats
 
 
-def _worker(rank: int, config: dict, setup, control, requests, results) -> None:
+def _exit_with_parent(parent_pid: int, *, death_signal: bool) -> None:
+    """A worker never outlives the process that started it: its control queue would block forever
+    (the workers of a killed test lived on for 43 minutes, issue 35). On Linux the kernel kills it
+    when the thread that started it ends (PR_SET_PDEATHSIG; only asked for when that thread is the
+    main one, which ends with its process); a thread that polls the parent pid covers the rest
+    (other systems, engines built off the main thread, a parent gone before prctl)."""
+    import os
+    import signal
+    import sys
+    import threading
+
+    if death_signal and sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            import ctypes
+
+            ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:  # an orphan is re-parented: the pid changes
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def _worker(rank: int, config: dict, setup, control, requests, results, parent_pid: int,
+            death_signal: bool) -> None:  # fmt: skip
     """A replica's process: load the model on the one GPU it sees, then serve commands."""
     import traceback
 
+    _exit_with_parent(parent_pid, death_signal=death_signal)
     try:
         from jaxinfer.engine.loading import load_model
 
@@ -132,6 +160,7 @@ class ProcessDataParallelEngine:
 
     `setup(engine)`, a picklable function, runs in every worker on its engine before warm-up (e.g.
     to trim compile buckets). On a machine without GPUs the workers run on the CPU (tests).
+    Workers exit when this process does, however it ends (`close()`, interpreter exit, kill -9).
     """
 
     def __init__(self, config: EngineConfig, *, setup=None, gpu_ids: Sequence[str] | None = None,
@@ -139,6 +168,7 @@ class ProcessDataParallelEngine:
         import dataclasses
         import multiprocessing as mp
         import os
+        import threading
 
         n = config.data_parallel
         if gpu_ids is None:
@@ -161,13 +191,16 @@ class ProcessDataParallelEngine:
         self._compiles: int | None = None
         self._procs = []
         fields = dataclasses.asdict(config)
+        # The kernel's parent-death signal follows the thread that starts a worker: only the main
+        # thread lives as long as this process (_exit_with_parent).
+        death_signal = threading.current_thread() is threading.main_thread()
         saved = os.environ.get("CUDA_VISIBLE_DEVICES")
         try:
             for r in range(n):
                 os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu_ids[r]).strip()
                 p = ctx.Process(target=_worker, name=f"replica-{r}", daemon=True,
                                 args=(r, fields, setup, self._controls[r], self._requests,
-                                      self._results))  # fmt: skip
+                                      self._results, os.getpid(), death_signal))  # fmt: skip
                 p.start()
                 self._procs.append(p)
         finally:

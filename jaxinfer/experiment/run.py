@@ -6,6 +6,12 @@ command) first; `requests.parquet` and `steps.parquet` (per request / per step) 
 Finished sequences and step records leave the engine once they are in the tables, so host memory
 does not grow with the number of requests (the summary reads the tables back once, at the end).
 
+The folder is the caller's: `run_experiment` writes into `out_dir` as given (a sweep gives each
+point a fresh one). `jaxinfer run` never writes into another run's folder unasked: when `out_dir`
+is not empty it takes a new timestamped sibling (`fresh_results_dir`) unless `--overwrite`.
+Config errors are found before anything is written: values at `load_run_config`, what the model
+cannot serve (from its config, no weights) at `preflight`.
+
 A run stopped by SIGINT (or SIGTERM, inside `stop_on_signals`) keeps what it did: the tables of
 the requests that finished and the steps that ran, and a `metrics.json` of that part marked
 `"interrupted": "SIGINT"`; then it raises `RunInterrupted`, whose message says what was kept.
@@ -14,14 +20,18 @@ the requests that finished and the steps that ran, and a `metrics.json` of that 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
+import math
 import os
+import re
 import signal
 import sys
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,20 +41,25 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from jaxinfer.assets import REFERENCE_MODELS, reference_model_dir
+from jaxinfer.checkpoint import load_hf_config
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.loading import load_model
 from jaxinfer.engine.request import SamplingParams, Sequence
 from jaxinfer.metrics import SLO, request_rows, summarize
 from jaxinfer.metrics.tables import TableAppender
+from jaxinfer.models.config import ModelConfig
+from jaxinfer.models.presets import preset
 from jaxinfer.parallel.sharding import EngineShardings
 from jaxinfer.provenance import provenance
-from jaxinfer.workload import WorkloadSpec, build_workload
+from jaxinfer.workload import LengthSpec, WorkloadSpec, build_workload
 
 # Table parts are written 1, 2, 4 and 8 s into serving, then every 10 s: a short run has its
 # tables early, a long one writes few parts (each flush stalls the serving loop a few ms).
 FIRST_FLUSH_S = 1.0
 MAX_FLUSH_INTERVAL_S = 10.0
+MAX_FAILURE_KINDS = 3  # kinds of request error the run's failure summary shows (metrics: all)
 
 
 class SweepConfigError(ValueError):
@@ -108,6 +123,10 @@ class SamplingDefaults:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    # (penalties and logit biases need engine.penalties: true)
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     ignore_eos: bool = True  # benchmarks generate exactly the workload's output lengths
     # None: each request's max_tokens is its workload output length (the server knows it). A number:
     # max_tokens = min(this, max_model_len - prompt) and the request ends at its workload length
@@ -131,8 +150,10 @@ class RunConfig:
     slo: SLOSpec = field(default_factory=SLOSpec)
 
 
-def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
-    """Schema <- YAML <- dotted overrides. Errors name the key, the value and what is allowed."""
+def load_run_config(path: str | Path | None, overrides: Seq[str] = ()) -> RunConfig:
+    """Schema <- YAML <- dotted overrides, then the sampling and workload values checked (before
+    any model is loaded). One-line ValueErrors name the key, the value and what is allowed."""
+    check_overrides(overrides)
     try:
         cfg = OmegaConf.structured(RunConfig)
         if path is not None:
@@ -145,15 +166,124 @@ def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunCo
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
         rc = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
-        raise ValueError(f"invalid run config {path or ''}: {e}") from e
-    rc.workload.validate()
+        where = f" {path}" if path is not None else ""
+        raise ValueError(f"invalid run config{where}: {config_error_message(e)}") from e
+    _check_values(rc)
     return rc
 
 
-def run_experiment(rc: RunConfig, *, show_progress: bool = True, console: Console | None = None):
-    """Run `rc` into its `out_dir` (see the module docstring); the metrics. A KeyboardInterrupt
-    (SIGINT, or `Signalled`) stops it: what it did is kept, then `RunInterrupted` is raised."""
-    console = console or Console()
+def config_yaml(rc: RunConfig) -> str:
+    """The resolved config as YAML (`config.yaml` of a results folder, `--print-config`)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(rc))
+
+
+def check_overrides(overrides: Seq[str]) -> None:
+    """Every override is `dotted.key=value` (omegaconf reads a bare `key` as key=None, and the
+    error then says "Incompatible value 'None'"); a ValueError shows the first that is not."""
+    for i, arg in enumerate(overrides):
+        key, sep, _ = arg.partition("=")
+        if sep and key.strip():
+            continue
+        after = overrides[i + 1] if i + 1 < len(overrides) else None
+        guess = sep == "" and after and "=" not in after
+        hint = f"; did you mean {arg}={after}?" if guess else ", as in engine.scheduler=static"
+        raise ValueError(
+            f"override {arg!r} is not key=value: overrides are dotted key=value pairs{hint}"
+        )
+
+
+def config_error_message(e: OmegaConfBaseException) -> str:
+    """One line for an omegaconf error (its text adds lines of reference and object types)."""
+    msg = (getattr(e, "msg", None) or str(e)).strip().splitlines()[0]
+    key = getattr(e, "full_key", None)
+    return f"{key}: {msg}" if key else msg
+
+
+def _sampling_params(s: SamplingDefaults, max_tokens: int, eos_after: int | None = None):
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+        min_p=s.min_p, ignore_eos=s.ignore_eos, eos_after=eos_after,
+        repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+    )  # fmt: skip
+
+
+def _check_values(rc: RunConfig) -> None:
+    """The sampling and workload sections, and whether any request of the workload can fit the
+    engine: every bad value is refused here, before a warm-up, naming its config key (at run
+    time each request would fail alone, with the reason only in metrics.json)."""
+    s = rc.sampling
+    if s.max_tokens is not None and (isinstance(s.max_tokens, bool) or s.max_tokens < 1):
+        raise ValueError(
+            f"sampling.max_tokens={s.max_tokens!r} is invalid: must be null (each request's "
+            f"workload output length) or an int >= 1"
+        )
+    try:
+        sp = _sampling_params(s, max_tokens=s.max_tokens or 1)
+    except ValueError as e:
+        raise ValueError(str(e).replace("SamplingParams.", "sampling.", 1)) from None
+    if sp.uses_penalties and not rc.engine.penalties:
+        raise ValueError("sampling's penalties need engine.penalties=true (the engine compiles "
+                         "its sampling with them)")  # fmt: skip
+    try:
+        rc.workload.validate()
+    except ValueError as e:
+        raise ValueError(f"workload.{e}") from None
+    _check_shortest_request_fits(rc)
+
+
+def _least(length: LengthSpec) -> int:
+    return length.value if length.dist == "fixed" else length.lo  # (lognormal: clipped to lo)
+
+
+def _check_shortest_request_fits(rc: RunConfig) -> None:
+    """Refuse a workload none of whose requests the engine would admit (the scheduler refuses a
+    prompt + max_tokens over max_model_len, or over the KV pages of the whole cache). A request's
+    total is nondecreasing in its prompt and output lengths, so the shortest decides. (A trace's
+    lengths are known only once it is read: its requests are checked one by one as they come.)"""
+    w, e = rc.workload, rc.engine
+    if w.kind == "trace":
+        return
+    shared = w.kind == "shared_prefix"
+    prompt = _least(w.prompt_len) + (w.system_prompt_len if shared else 0)
+    prompt_keys = "workload.prompt_len" + (" + workload.system_prompt_len" if shared else "")
+    if rc.sampling.max_tokens is None:
+        out, out_key = _least(w.output_len), "workload.output_len"
+    else:  # as `_max_tokens`
+        out = max(1, min(rc.sampling.max_tokens, e.max_model_len - prompt))
+        out_key = "sampling.max_tokens, cut to engine.max_model_len"
+    total = prompt + out
+    shortest = (
+        f"the shortest request has {prompt} prompt tokens ({prompt_keys}) + {out} output tokens "
+        f"({out_key}) = {total}"
+    )
+    if total > e.max_model_len:
+        raise ValueError(
+            f"every request would be refused: {shortest} > engine.max_model_len={e.max_model_len}"
+        )
+    pages, capacity = math.ceil(total / e.page_size), e.num_pages - 1  # page 0: scratch
+    if pages > capacity:
+        raise ValueError(
+            f"every request would be refused: {shortest} tokens, {pages} KV pages of "
+            f"engine.page_size={e.page_size}, but engine.num_pages={e.num_pages} holds {capacity} "
+            f"(one is the scratch page)"
+        )
+
+
+def model_config(model: str, dtype: str = "float32") -> ModelConfig:
+    """The config of `EngineConfig.model` (a preset's, or a checkpoint's config.json), without
+    loading weights (`load_model` resolves the same names)."""
+    if model.startswith("preset:"):
+        return preset(model.removeprefix("preset:"), param_dtype=dtype, dtype=dtype)
+    return load_hf_config(reference_model_dir(model) if model in REFERENCE_MODELS else model,
+                          dtype=dtype)  # fmt: skip
+
+
+def preflight(rc: RunConfig) -> None:
+    """What the engine cannot run, refused before a results folder or a weight is touched:
+    data-parallel replicas, and from the model's config (no weights), an `engine.max_model_len`
+    over its positions (KV pools and page tables sized for it exhaust the device at warm-up) and
+    a `sampling.top_k` over its vocabulary (every request would fail)."""
     if rc.engine.data_parallel > 1:
         raise ValueError(
             f"engine.data_parallel={rc.engine.data_parallel}: an experiment run measures one "
@@ -161,11 +291,51 @@ def run_experiment(rc: RunConfig, *, show_progress: bool = True, console: Consol
             f"API (experiments/bench_data_parallel.py). To use N GPUs for a sweep, run `jaxinfer "
             f"sweep --workers N` (one worker per GPU)."
         )  # fmt: skip
+    cfg = model_config(rc.engine.model, rc.engine.dtype)
+    positions = cfg.max_position_embeddings
+    if rc.engine.max_model_len > positions:
+        raise ValueError(
+            f"engine.max_model_len={rc.engine.max_model_len} exceeds the model's "
+            f"max_position_embeddings={positions} (engine.model={rc.engine.model}): set "
+            f"engine.max_model_len <= {positions}"
+        )
+    try:
+        _sampling_params(rc.sampling, max_tokens=1).validate(vocab_size=cfg.vocab_size)
+    except ValueError as e:
+        raise ValueError(
+            f"{str(e).replace('SamplingParams.', 'sampling.', 1)} (engine.model={rc.engine.model})"
+        ) from None
+
+
+def fresh_results_dir(out_dir: str | Path, *, overwrite: bool = False) -> Path:
+    """`out_dir` when it does not exist, is empty, or `overwrite`; else a new sibling named by the
+    time (`runs/quickstart-20261201-120301`, then `-2`, `-3` within one second), created here so
+    that two runs started together cannot take the same one: a run never replaces another's."""
+    out = Path(out_dir)
+    out = out if out.name else out.resolve()  # ("." has no name to extend)
+    if overwrite or not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return out
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in itertools.count(1):
+        sibling = out.with_name(f"{out.name}-{stamp}" + (f"-{n}" if n > 1 else ""))
+        try:
+            sibling.mkdir(parents=True)
+        except FileExistsError:
+            continue
+        return sibling
+    raise AssertionError("unreachable")
+
+
+def run_experiment(rc: RunConfig, *, show_progress: bool = True, console: Console | None = None):
+    """Run `rc` into its `out_dir` (see the module docstring); the metrics. A KeyboardInterrupt
+    (SIGINT, or `Signalled`) stops it: what it did is kept, then `RunInterrupted` is raised."""
+    console = console or Console()
+    preflight(rc)
     out = Path(rc.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.json").unlink(missing_ok=True)  # an earlier run's: the folder is this run's
     tables = TableAppender(out)  # (removes an earlier run's tables)
-    (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(rc)))
+    (out / "config.yaml").write_text(config_yaml(rc))
     env = provenance()  # every results file says where, on what and how it was made
     (out / "env.json").write_text(json.dumps(env, indent=2))
 
@@ -178,10 +348,16 @@ def run_experiment(rc: RunConfig, *, show_progress: bool = True, console: Consol
         workload = build_workload(rc.workload, cfg.vocab_size, encode)
         phase = "warm-up"
         console.print(f"{rc.name}: warm-up (compiling every batch shape)")
-        warmup_s = _warm_up(engine)
+        with Progress(TextColumn("  compiled"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=console, transient=True,
+                      disable=not show_progress) as bar:  # fmt: skip
+            task = bar.add_task("warm-up", total=None)
+            warmup_s = _warm_up(engine, lambda done, total: bar.update(task, completed=done,
+                                                                       total=total))  # fmt: skip
         phase = "serving"
         _serve(rc, engine, workload, tables, show_progress=show_progress, console=console)
-        metrics = _metrics(rc, env, *tables.finish(), engine, warmup_s, len(workload))
+        rows, steps = tables.finish()
+        metrics = _metrics(rc, env, rows, steps, engine, warmup_s, len(workload))
         _write_json(out / "metrics.json", metrics)
     except KeyboardInterrupt as e:
         signum = getattr(e, "signum", signal.SIGINT)
@@ -203,11 +379,13 @@ def run_experiment(rc: RunConfig, *, show_progress: bool = True, console: Consol
             signum, compiling=False,
         ) from e  # fmt: skip
     console.print(summary_table(rc.name, metrics))
-    console.print(f"results: {out}")
+    for line in [*summary_notes(metrics), failure_summary(rows)]:
+        if line:
+            console.print(line, markup=False, highlight=False, soft_wrap=True)  # (copyable)
     return metrics
 
 
-def _warm_up(engine: Engine) -> float:
+def _warm_up(engine: Engine, progress=None) -> float:
     """`engine.warmup()` in a helper thread while this one waits with a timeout, so a signal acts
     at once: a KeyboardInterrupt raised inside the warm-up itself would wait for every compile
     already queued in the runner's thread pool (`model_runner.py` does not cancel them).
@@ -216,7 +394,7 @@ def _warm_up(engine: Engine) -> float:
 
     def target() -> None:
         try:
-            result["s"] = engine.warmup()
+            result["s"] = engine.warmup(progress=progress)
         except BaseException as e:  # re-raised in the calling thread
             result["error"] = e
 
@@ -248,11 +426,9 @@ def _serve(rc: RunConfig, engine: Engine, workload, tables: TableAppender, *,
             while pending and pending[0].arrival_time <= now:
                 req = pending.popleft()
                 prompt = req.prompt_token_ids if req.prompt_token_ids is not None else req.prompt
-                sampling = SamplingParams(
-                    max_tokens=_max_tokens(rc, req), temperature=s.temperature, top_k=s.top_k,
-                    top_p=s.top_p, min_p=s.min_p, ignore_eos=s.ignore_eos,
-                    eos_after=None if s.max_tokens is None else req.output_len,
-                )  # fmt: skip
+                sampling = _sampling_params(
+                    s, _max_tokens(rc, req), None if s.max_tokens is None else req.output_len
+                )
                 seq = engine.add_request(prompt, sampling, arrival_time=t0 + req.arrival_time)
                 if seq.is_finished:  # rejected on arrival
                     finished.append(seq)
@@ -319,22 +495,90 @@ def _max_tokens(rc: RunConfig, req) -> int:
     return max(1, min(rc.sampling.max_tokens, rc.engine.max_model_len - prompt_len))
 
 
+# (row, metrics.json key, scale): metrics.json keeps seconds; latencies are shown in ms, as in
+# `jaxinfer report`. Goodput rows come after the latencies when the config sets an SLO.
+SUMMARY_ROWS = (
+    ("completed requests", "num_completed", 1),
+    ("failed requests", "num_failed", 1),
+    ("duration (s)", "duration_s", 1),
+    ("request throughput (req/s)", "request_throughput", 1),
+    ("output throughput (tok/s)", "output_throughput", 1),
+    ("total token throughput (tok/s)", "total_token_throughput", 1),
+    ("TTFT median (ms)", "ttft_median", 1e3),
+    ("TTFT p99 (ms)", "ttft_p99", 1e3),
+    ("TPOT median (ms)", "tpot_median", 1e3),
+    ("TPOT p99 (ms)", "tpot_p99", 1e3),
+    ("ITL median (ms)", "itl_median", 1e3),
+    ("ITL p99 (ms)", "itl_p99", 1e3),
+    ("E2E latency median (ms)", "e2e_median", 1e3),
+    ("E2E latency p99 (ms)", "e2e_p99", 1e3),
+)
+STEP_ROWS = (
+    ("KV cache use, mean (fraction of pages)", "kv_use_mean", 1),
+    ("KV cache use, max (fraction of pages)", "kv_use_max", 1),
+    ("wasted KV slots, mean (fraction)", "wasted_slot_fraction_mean", 1),
+    ("preemptions", "total_preemptions", 1),
+    ("host time per step, mean (ms)", "host_ms_mean", 1),
+    ("device time per step, mean (ms)", "device_ms_mean", 1),
+    ("warm-up (s)", "warmup_s", 1),
+    ("compiles after warm-up", "compiles_after_warmup", 1),
+)
+
+
+def _slo_rows(m: dict) -> tuple[tuple[str, str, float], ...]:
+    """Goodput rows, when the run had an SLO (`summarize` then counts the requests meeting it)."""
+    slos = (("TTFT", m.get("slo_ttft")), ("TPOT", m.get("slo_tpot")))
+    bounds = [f"{name} {s * 1e3:g} ms" for name, s in slos if s is not None]
+    if not bounds:
+        return ()
+    return (
+        (f"goodput (req/s within {', '.join(bounds)})", "goodput", 1),
+        ("SLO attainment (% of requests)", "slo_attainment", 100),
+    )
+
+
 def summary_table(name: str, m: dict) -> Table:
+    """The run's metrics, units in the row names (see `SUMMARY_ROWS`)."""
     table = Table(title=f"{name}: summary")
     table.add_column("metric")
     table.add_column("value", justify="right")
-
-    def fmt(v):
-        return "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
-
-    keys = (
-        "num_completed", "num_failed", "duration_s", "request_throughput", "output_throughput",
-        "total_token_throughput", "ttft_median", "ttft_p99", "tpot_median", "tpot_p99",
-        "itl_median", "itl_p99", "e2e_median", "kv_use_mean", "kv_use_max",
-        "wasted_slot_fraction_mean", "total_preemptions", "host_ms_mean", "device_ms_mean",
-        "warmup_s", "compiles_after_warmup",
-    )  # fmt: skip
-    for k in keys:
-        if k in m:
-            table.add_row(k, fmt(m[k]))
+    for label, key, scale in (*SUMMARY_ROWS, *_slo_rows(m), *STEP_ROWS):
+        if key in m:
+            v = m[key]
+            v = v * scale if isinstance(v, int | float) and scale != 1 else v
+            table.add_row(
+                label, "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
+            )
     return table
+
+
+def summary_notes(m: dict) -> list[str]:
+    """Notes a reader of the summary needs to read it right."""
+    notes = []
+    if m.get("itl_median") == 0:
+        notes.append(
+            "note: ITL median 0 ms: the tokens of one decode scan (engine.decode_steps tokens per "
+            "jitted call) reach the host together, so most gaps between tokens are 0; TPOT is the "
+            "per-token pace"
+        )
+    return notes
+
+
+def failure_summary(rows: list[dict]) -> str | None:
+    """'N of M requests failed' and the kinds of error (the messages with their numbers masked),
+    most frequent first, one example each; None when none failed. (metrics.json: every error.)"""
+    errors = [r["error"] or "no error recorded" for r in rows if r["failed"]]
+    if not errors:
+        return None
+    kinds = Counter(re.sub(r"\d+", "N", e) for e in errors)
+    example: dict[str, str] = {}
+    for e in errors:
+        example.setdefault(re.sub(r"\d+", "N", e), e)
+    lines = [f"{len(errors)} of {len(rows)} requests failed:"]
+    lines += [f"  {n} x {example[k]}" for k, n in kinds.most_common(MAX_FAILURE_KINDS)]
+    if len(kinds) > MAX_FAILURE_KINDS:
+        lines.append(
+            f"  and {len(kinds) - MAX_FAILURE_KINDS} more kinds of error (failed_errors in "
+            f"metrics.json)"
+        )
+    return "\n".join(lines)

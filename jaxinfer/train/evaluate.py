@@ -8,6 +8,16 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from jaxinfer.checkpoint import load_hf_model, load_tokenizer
 from jaxinfer.train.corpus import stdlib_corpus
@@ -23,25 +33,35 @@ def heldout_perplexity(
     max_windows: int | None = None,
     heldout_fraction: float = 0.05,
     dtype: str = "float32",
+    show_progress: bool = True,
 ) -> dict:
     """Perplexity per token (and bits per byte) over non-overlapping held-out windows.
 
     Every held-out token but the first of each window is scored once, with at most `seq_len`
-    tokens of context. The uniform baseline's perplexity is the vocabulary size.
+    tokens of context. The uniform baseline's perplexity is the vocabulary size. Progress (the
+    load, then windows scored of N) goes to stderr: stdout carries the results.
     """
-    cfg, params = load_hf_model(model_dir, dtype=dtype, param_dtype=dtype)
-    tokenizer = load_tokenizer(model_dir)
-    texts = stdlib_corpus(heldout_fraction=heldout_fraction).texts("heldout")
-    stream = encode_stream(tokenizer, texts)
-    windows = eval_windows(stream, seq_len, max_windows)
-    windows = windows[: max(batch_size, len(windows) // batch_size * batch_size)]
-    nats = heldout_loss(params, cfg, windows, batch_size)
+    # `jaxinfer train` exports to <out_dir>/hf: name the run, not "hf".
+    name = Path(model_dir).name if Path(model_dir).name != "hf" else Path(model_dir).parent.name
+    columns = (TextColumn(f"[bold]{escape(name)}[/] {{task.description}}"), BarColumn(),
+               MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())  # fmt: skip
+    console = Console(stderr=True)
+    with Progress(*columns, console=console, disable=not show_progress) as progress:
+        task = progress.add_task("loading the model", total=None)
+        cfg, params = load_hf_model(model_dir, dtype=dtype, param_dtype=dtype)
+        tokenizer = load_tokenizer(model_dir)
+        progress.update(task, description="tokenizing the held-out files")
+        texts = stdlib_corpus(heldout_fraction=heldout_fraction).texts("heldout")
+        stream = encode_stream(tokenizer, texts)
+        windows = eval_windows(stream, seq_len, max_windows)
+        windows = windows[: max(batch_size, len(windows) // batch_size * batch_size)]
+        progress.update(task, description=f"held-out windows of {seq_len} tokens scored",
+                        total=len(windows))  # fmt: skip
+        nats = heldout_loss(params, cfg, windows, batch_size,
+                            on_batch=lambda n: progress.advance(task, n))  # fmt: skip
     tokens_per_byte = len(stream) / sum(len(t.encode()) + 1 for t in texts)
     return {
-        # `jaxinfer train` exports to <out_dir>/hf: name the run, not "hf".
-        "model": Path(model_dir).name
-        if Path(model_dir).name != "hf"
-        else Path(model_dir).parent.name,
+        "model": name,
         "num_params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(params))),
         "vocab_size": cfg.vocab_size,
         "heldout_tokens": int(windows.shape[0] * seq_len),

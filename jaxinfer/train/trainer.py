@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -17,7 +18,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from tokenizers import Tokenizer
 
 from jaxinfer.models.config import ModelConfig
@@ -78,14 +87,23 @@ def _eval_loss(params, tokens, *, cfg: ModelConfig):
     return lm_loss(params, cfg, tokens)
 
 
-def heldout_loss(params: Params, cfg: ModelConfig, windows: np.ndarray, batch_size: int) -> float:
-    """Mean nats per token over `windows` (full batches; the remainder is dropped)."""
+def heldout_loss(
+    params: Params,
+    cfg: ModelConfig,
+    windows: np.ndarray,
+    batch_size: int,
+    on_batch: Callable[[int], object] | None = None,
+) -> float:
+    """Mean nats per token over `windows` (full batches; the remainder is dropped). `on_batch(n)`
+    is called after each batch with its number of windows (a progress bar's advance)."""
     n = max(1, len(windows) // batch_size) * batch_size
     windows = windows[:n] if len(windows) >= batch_size else windows
-    losses = [
-        float(_eval_loss(params, jnp.asarray(windows[i : i + batch_size]), cfg=cfg))
-        for i in range(0, len(windows), batch_size)
-    ]
+    losses = []
+    for i in range(0, len(windows), batch_size):
+        batch = windows[i : i + batch_size]
+        losses.append(float(_eval_loss(params, jnp.asarray(batch), cfg=cfg)))
+        if on_batch is not None:
+            on_batch(len(batch))
     return float(np.mean(losses))
 
 
@@ -94,6 +112,26 @@ def load_or_train_tokenizer(tc: TrainConfig, corpus) -> Tokenizer:
     if path.exists():
         return Tokenizer.from_file(str(path))
     return train_bpe_tokenizer(corpus.texts("train"), tc.vocab_size, path)
+
+
+def load_data(
+    tc: TrainConfig, status: Callable[[str], object] = lambda text: None
+) -> tuple[Tokenizer, np.ndarray, np.ndarray]:
+    """(tokenizer, train token stream, held-out windows) of `tc`; `status(text)` names each phase
+    as it starts (a fresh tokenizer is trained, and the train split is tokenized: seconds)."""
+    status("reading the stdlib corpus")
+    corpus = stdlib_corpus(
+        heldout_fraction=tc.heldout_fraction, include_tests=tc.corpus_include_tests
+    )
+    trains = not tc.tokenizer_path.exists()
+    status(f"{'training' if trains else 'loading'} the tokenizer ({tc.tokenizer_path.name})")
+    tokenizer = load_or_train_tokenizer(tc, corpus)
+    status(f"tokenizing {len(corpus.train)} train and {len(corpus.heldout)} held-out files")
+    train_stream = encode_stream(tokenizer, corpus.texts("train"))
+    heldout = eval_windows(
+        encode_stream(tokenizer, corpus.texts("heldout")), tc.seq_len, tc.eval_windows
+    )
+    return tokenizer, train_stream, heldout
 
 
 class _Log:
@@ -117,15 +155,16 @@ def train(tc: TrainConfig, *, show_progress: bool = True) -> tuple[ModelConfig, 
         )
     saved.write_text(config_yaml(tc))
 
-    corpus = stdlib_corpus(
-        heldout_fraction=tc.heldout_fraction, include_tests=tc.corpus_include_tests
-    )
-    tokenizer = load_or_train_tokenizer(tc, corpus)
+    loading = (SpinnerColumn(finished_text="[green]✓"), TextColumn(f"[bold]{tc.name}"),
+               TextColumn("{task.description}"), TimeElapsedColumn())  # fmt: skip
+    with Progress(*loading, disable=not show_progress) as progress:
+        task = progress.add_task("", total=None)
+        tokenizer, train_stream, heldout = load_data(
+            tc, lambda text: progress.update(task, description=text)
+        )
+        progress.update(task, total=1, completed=1, description=f"data: {len(train_stream):,} "
+                        f"train tokens, {len(heldout)} held-out windows")  # fmt: skip
     eos = tokenizer.token_to_id(EOS)
-    train_stream = encode_stream(tokenizer, corpus.texts("train"))
-    heldout = eval_windows(
-        encode_stream(tokenizer, corpus.texts("heldout")), tc.seq_len, tc.eval_windows
-    )
     cfg = model_config(tc, tokenizer.get_vocab_size(), eos)
     tx = make_optimizer(tc)
 

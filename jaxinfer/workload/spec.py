@@ -52,8 +52,11 @@ class LengthSpec:
             if self.dist == "uniform":
                 return _lengths.uniform(self.lo, self.hi)
             return _lengths.lognormal(self.mean, self.sigma, self.lo, self.hi)
-        except ValueError as e:
-            raise ValueError(f"{name}: {e}") from None
+        except ValueError as e:  # lengths.py names its own fields ("uniform.lo"): name ours
+            msg = str(e)
+            for f in ("value", "lo", "hi", "mean", "sigma"):
+                msg = msg.replace(f"{self.dist}.{f}=", f"{name}.{f}=")
+            raise ValueError(msg if msg != str(e) else f"{name}: {msg}") from None
 
 
 @dataclass(frozen=True)
