@@ -53,7 +53,7 @@ from jax import lax  # noqa: E402
 
 from jaxinfer.models.presets import preset  # noqa: E402
 from jaxinfer.models.spec import num_params  # noqa: E402
-from jaxinfer.provenance import provenance  # noqa: E402
+from jaxinfer.provenance import provenance, require_gpu  # noqa: E402
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
@@ -423,9 +423,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a CPU smoke run")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch rows")
     args = ap.parse_args(argv)
-    if not args.quick and jax.default_backend() != "gpu":  # 4 GiB buffers, 8192^3 GEMMs
-        ap.exit(2, f"anchors.py needs a GPU (JAX backend: {jax.default_backend()}); --quick runs "
-                "its CPU smoke version\n")  # fmt: skip
+    if not args.quick:  # 4 GiB buffers, 8192^3 GEMMs
+        require_gpu("anchors.py", "--quick")
     s = sizes(args.quick)
     command = [sys.executable, "experiments/anchors.py", *(sys.argv[1:] if argv is None else argv)]
     result = {

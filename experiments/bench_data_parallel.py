@@ -21,7 +21,6 @@ import argparse
 import functools
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,14 +31,6 @@ def trim_buckets(engine, max_num_seqs: int) -> None:
     r = engine.runner
     r.token_buckets = tuple(b for b in r.token_buckets if b >= max_num_seqs)
     r.seq_buckets = tuple(b for b in r.seq_buckets if b >= 64) or r.seq_buckets[-1:]
-
-
-def fresh_process_backend() -> str:
-    """`jax.default_backend()` of a child process: this one must leave the GPUs to the workers."""
-    probe = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"],
-                           capture_output=True, text=True,
-                           env={**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})  # fmt: skip
-    return (probe.stdout.split() or ["none"])[-1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,9 +57,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="JAX persistent compilation cache directory ('' : none)")  # fmt: skip
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
-    if not args.cpu_devices and (backend := fresh_process_backend()) != "gpu":
-        ap.exit(2, f"bench_data_parallel.py needs a GPU (JAX backend: {backend}); --cpu-devices 2 "
-                "--model tiny runs its CPU smoke version\n")  # fmt: skip
+    if not args.cpu_devices:  # (asked of a child: the GPUs are the workers')
+        from jaxinfer.provenance import require_gpu
+
+        require_gpu("bench_data_parallel.py", "--cpu-devices 2 --model tiny", ask_a_child=True)
     if args.cpu_devices:  # before jax initialises its backends
         os.environ["XLA_FLAGS"] = (
             os.environ.get("XLA_FLAGS", "")

@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_paged_attention as bpa
 
-from jaxinfer.provenance import provenance
+from jaxinfer.provenance import provenance, require_gpu
 from pallas_kernels.paged_attention import CALLER_OPTIONS, KERNEL_OPTIONS, paged_attention
 
 # The kernel's tuning keywords (the caller's `fused_kv_write` is not one) and which are booleans.
@@ -86,10 +86,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if not args.smoke and jax.default_backend() != "gpu":  # minutes, then out of memory
-        print(f"bench_decode_attention.py needs a GPU (JAX backend: {jax.default_backend()}); "
-              "--smoke runs its CPU smoke version", file=sys.stderr)  # fmt: skip
-        raise SystemExit(2)
+    if not args.smoke:
+        require_gpu("bench_decode_attention.py", "--smoke")
     heads, head_dim = ((4, 2), 64) if args.smoke else ((32, 8), 128)
     result = {
         **provenance([sys.executable, *(sys.argv if argv is None else [__file__, *argv])]),

@@ -65,7 +65,7 @@ from jaxinfer.metrics.hf_baseline import left_padded_generate
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.presets import preset
 from jaxinfer.models.spec import num_params
-from jaxinfer.provenance import provenance
+from jaxinfer.provenance import provenance, require_gpu
 from jaxinfer.workload.generate import synthetic_requests
 from jaxinfer.workload.lengths import LengthDist, fixed, lognormal
 from jaxinfer.workload.request import WorkloadRequest
@@ -865,15 +865,6 @@ def cache_entries(path: str) -> int | None:
     return sum(1 for p in root.rglob("*") if p.is_file()) if root.is_dir() else 0
 
 
-def fresh_process_backend() -> str:
-    """`jax.default_backend()` of a child process: this one must not touch the GPU before the
-    transformers part (see the module docstring)."""
-    probe = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"],
-                           capture_output=True, text=True,
-                           env={**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})  # fmt: skip
-    return (probe.stdout.split() or ["none"])[-1]
-
-
 def error_row(e: BaseException, **key) -> dict:
     traceback.print_exc()
     return {**key, "error": f"{type(e).__name__}: {e}"[:1000]}
@@ -884,10 +875,8 @@ def main(argv=None) -> dict:
         hf_worker(sys.argv[2], sys.argv[3])
         return {}
     args = parse_args(argv)
-    if not args.smoke and (backend := fresh_process_backend()) != "gpu":  # else minutes, then OOM
-        print(f"bench_e2e.py needs a GPU (JAX backend: {backend}); --smoke runs its CPU smoke "
-              "version", file=sys.stderr)  # fmt: skip
-        raise SystemExit(2)
+    if not args.smoke:  # (asked of a child: this process must not touch the GPU yet)
+        require_gpu("bench_e2e.py", "--smoke", ask_a_child=True)
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_MEM_FRACTION)
     cached_at_start = cache_entries(args.compile_cache)
     if args.compile_cache:

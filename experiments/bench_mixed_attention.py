@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.provenance import provenance
+from jaxinfer.provenance import provenance, require_gpu
 from pallas_kernels.paged_attention import paged_attention
 
 HERE = Path(__file__).resolve().parent
@@ -127,10 +127,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if not args.smoke and jax.default_backend() != "gpu":  # minutes, then out of memory
-        print(f"bench_mixed_attention.py needs a GPU (JAX backend: {jax.default_backend()}); "
-              "--smoke runs its CPU smoke version", file=sys.stderr)  # fmt: skip
-        raise SystemExit(2)
+    if not args.smoke:
+        require_gpu("bench_mixed_attention.py", "--smoke")
     bench = _bench_module()
     arrays, stats = make_step(args)
     q, *operands = arrays

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxinfer.provenance import provenance
+from jaxinfer.provenance import provenance, require_gpu
 from pallas_kernels.paged_attention import cudnn as cudnn_pa
 from pallas_kernels.paged_attention import paged_attention, ragged_paged_attention
 
@@ -721,10 +721,8 @@ def main(argv=None) -> dict:
             print(f"{case.label}: {case.kv_bytes / 1e9:.2f} GB K/V, {kv_sets_for(case)} set(s)")
         return {}
     on_gpu = jax.default_backend() == "gpu"
-    if not (on_gpu or args.smoke):  # GPU shapes on a CPU: minutes, then out of memory
-        print(f"bench_paged_attention.py needs a GPU (JAX backend: {jax.default_backend()}); "
-              "--smoke runs its CPU smoke version", file=sys.stderr)  # fmt: skip
-        raise SystemExit(2)
+    if not args.smoke:
+        require_gpu("bench_paged_attention.py", "--smoke")
     result = {
         **provenance([sys.executable, *(sys.argv if argv is None else [__file__, *argv])]),
         "timing_method": TIMING_METHOD,

@@ -43,3 +43,22 @@ def provenance(command: list[str] | None = None) -> dict:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": shlex.join(command if command is not None else [sys.executable, *sys.argv]),
     }
+
+
+def backend_of_a_fresh_process() -> str:
+    """`jax.default_backend()` as a child process sees it: for scripts that must leave the GPUs
+    untouched (to worker processes, or to a transformers run)."""
+    probe = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"],
+                           capture_output=True, text=True,
+                           env={**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})  # fmt: skip
+    return (probe.stdout.split() or ["none"])[-1]
+
+
+def require_gpu(script: str, cpu_version: str, *, ask_a_child: bool = False) -> None:
+    """Exit 2 with one line unless JAX's backend is a GPU: GPU-sized benchmarks on a CPU run for
+    minutes and then run out of memory. `cpu_version`: the flags of the script's CPU smoke run."""
+    backend = backend_of_a_fresh_process() if ask_a_child else jax.default_backend()
+    if backend != "gpu":
+        print(f"{script} needs a GPU (JAX backend: {backend}); {cpu_version} runs its CPU smoke "
+              "version", file=sys.stderr)  # fmt: skip
+        raise SystemExit(2)
