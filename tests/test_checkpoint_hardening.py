@@ -138,7 +138,7 @@ def test_flipped_bytes_that_orbax_restores_silently_are_refused_by_checksum(save
     names = param_paths(params)
     for attempt in range(20):
         ck = copy_of(src, tmp_path / f"ck{attempt}")
-        file = data_files(ck)[rng.integers(2)]  # the two largest hold the weight chunks
+        file = data_files(ck)[0]  # the largest holds weight chunks (see the truncation test)
         data = bytearray(file.read_bytes())
         at = int(rng.integers(len(data) // 4, len(data) - 16))
         for i in range(at, at + int(rng.integers(1, 9))):
@@ -180,7 +180,9 @@ def test_truncated_or_emptied_orbax_file_is_one_short_error_naming_the_array(
 ):
     rng = np.random.default_rng(seed)
     ck = copy_of(saved[0], tmp_path / "ck")
-    file = data_files(ck)[rng.integers(2)]
+    # the largest data file always holds array chunks; smaller ones may hold only b-tree nodes a
+    # later merge superseded (how orbax splits its writes into files varies from run to run)
+    file = data_files(ck)[0]
     data = file.read_bytes()
     file.write_bytes(data[: int(rng.integers(1, len(data) - 1))] if damage == "truncated" else b"")
     with pytest.raises(CheckpointError) as err:
