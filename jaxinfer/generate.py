@@ -55,10 +55,10 @@ def greedy_generate(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     longest = max(len(p) for p in prompts) + max_new_tokens
-    if longest > cfg.max_position_embeddings:
+    if longest > cfg.max_context:
         raise ValueError(
             f"prompt + max_new_tokens = {longest} exceeds the model's context "
-            f"(max_position_embeddings={cfg.max_position_embeddings})"
+            f"({cfg.describe_context()})"
         )
     num_seqs = len(prompts)
     pages_per_seq = math.ceil(longest / page_size)

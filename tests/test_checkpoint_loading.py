@@ -400,8 +400,8 @@ def test_default_rope_and_defaults():
 @pytest.mark.parametrize(
     ("extra", "pattern"),
     [
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_parameters.*yarn"),
-        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.*linear"),
+        ({"rope_parameters": {"rope_type": "proportional"}}, "rope_parameters.*proportional"),
+        ({"rope_scaling": {"type": "su", "factor": 2.0}}, "rope_scaling.*su"),
     ],
 )
 def test_unsupported_rope_type(extra, pattern):
@@ -412,9 +412,9 @@ def test_unsupported_rope_type(extra, pattern):
 def test_unsupported_rope_type_from_dir(hf_models, tmp_path):
     path = _copy_single(hf_models["llama_bias"][0], tmp_path / "ck")
     hf = read_config(path)
-    hf["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    hf["rope_parameters"] = {"rope_type": "proportional", "rope_theta": 10000.0}
     (path / "config.json").write_text(json.dumps(hf))
-    with pytest.raises(UnsupportedModelError, match="dynamic"):
+    with pytest.raises(UnsupportedModelError, match="proportional"):
         load_hf_model(path)
 
 

@@ -45,4 +45,6 @@ def test_seeded_sampling_from_a_prompts_file_repeats(capsys, tmp_path):
 
 def test_no_prompt_is_a_one_line_error(capsys):
     assert main(["generate", "--model", "tiny"]) == 2
-    assert "give --prompt or --prompts-file" in capsys.readouterr().err
+    assert "give --prompt/--prompts-file or --chat" in capsys.readouterr().err
+    assert main(["generate", "--model", "tiny", "--prompt", "a", "--chat", "b"]) == 2  # not both
+    assert "give --prompt/--prompts-file or --chat" in capsys.readouterr().err

@@ -42,3 +42,22 @@ def test_tiny_and_its_draft_share_one_tokenizer():
 def test_unknown_reference_model_is_a_clear_error():
     with pytest.raises(ValueError, match="tiny"):
         reference_model_dir("huge")
+
+
+def test_english_text_is_the_docs_topics_then_heldout_docstrings_and_scores_by_name():
+    from pydoc_data.topics import topics
+
+    from jaxinfer.train.corpus import english_texts, stdlib_corpus
+
+    corpus = stdlib_corpus()
+    texts = english_texts(corpus)
+    assert texts[: len(topics)] == [topics[k] for k in sorted(topics)]
+    docstrings = texts[len(topics) :]
+    assert docstrings and all(d.strip() for d in docstrings)
+    heldout = "".join(f.read_text() for f in (corpus.root / p for p in corpus.heldout))
+    assert all(d.splitlines()[0] in heldout for d in docstrings)  # from held-out files only
+    row = heldout_perplexity("tiny", text="english", max_windows=16)  # a name, not a directory
+    assert row["model"] == "tiny" and row["text"] == "english", row
+    assert row["perplexity"] < row["uniform_perplexity"] / 10, row
+    with pytest.raises(ValueError, match="text='prose' is not one of"):
+        heldout_perplexity("tiny", text="prose")

@@ -17,9 +17,10 @@ compile and one short untimed `generate` call. transformers runs in a child proc
 jaxinfer's run, so the two never share a process's CUDA libraries; JAX keeps half the GPU's memory
 (XLA_PYTHON_CLIENT_MEM_FRACTION, unless set) and the child gets the rest.
 
-The model: the shipped reference models (same weights on both sides; greedy outputs are
-compared), or with --config a run config whose `engine` section names e.g. `preset:llama3-8b`:
-random weights of that shape on each side (throughput only; outputs are not compared).
+The model: the shipped reference models or a real checkpoint (`smollm2`, a .gguf file, a HF
+directory: same weights on both sides; greedy outputs are compared), or with --config a run
+config whose `engine` section names e.g. `preset:llama3-8b`: random weights of that shape on each
+side (throughput only; outputs are not compared).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxinfer.assets import REFERENCE_MODELS, reference_model_dir
+from jaxinfer.assets import model_path
 from jaxinfer.engine.llm import LLM
 from jaxinfer.engine.request import SamplingParams
 from jaxinfer.metrics.hf_baseline import left_padded_generate
@@ -62,9 +63,14 @@ def output_lengths(n: int, seed: int, lo: int, hi: int) -> list[int]:
 
 def run_jaxinfer(llm: LLM, prompts, output_lens: list[int]) -> dict:
     sampling = [SamplingParams(max_tokens=n, ignore_eos=True) for n in output_lens]
+    first = len(llm.engine.step_records)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sampling)
     elapsed = time.perf_counter() - t0
+    # Decode-only steps: wall ms per token step (a decode scan of k tokens counts k), split into
+    # the host's own time and its wait for the device.
+    decode = [r for r in llm.engine.step_records[first:] if r.is_decode_only]
+    token_steps = sum(r.decode_steps for r in decode) or 1
     assert all(o.error is None for o in outs)
     assert [len(o.token_ids) for o in outs] == output_lens
     tokens = sum(len(o.token_ids) for o in outs)
@@ -72,6 +78,13 @@ def run_jaxinfer(llm: LLM, prompts, output_lens: list[int]) -> dict:
         "impl": "jaxinfer",
         "elapsed_s": round(elapsed, 3),
         "output_tok_s": round(tokens / elapsed, 1),
+        "decode_ms_per_token_step": round(
+            sum(r.host_ms + r.device_ms for r in decode) / token_steps, 3
+        ),
+        "decode_host_ms_per_token_step": round(sum(r.host_ms for r in decode) / token_steps, 3),
+        "decode_device_wait_ms_per_token_step": round(
+            sum(r.device_ms for r in decode) / token_steps, 3
+        ),
         "warmup_s": round(llm.engine.warmup_s, 2),
         "compiles_after_warmup": llm.engine.compiles_after_warmup,
         "engine": {k: v for k, v in asdict(llm.config).items() if k != "model"},
@@ -96,8 +109,13 @@ def load_transformers_model(model: str, dtype: str):
         with device:  # initialise on the device: an 8B model initialised on the host takes minutes
             net = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch_dtype)
     else:
-        path = reference_model_dir(model) if model in REFERENCE_MODELS else Path(model)
-        net = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        path = Path(model_path(model))
+        if path.suffix == ".gguf":  # transformers dequantizes it (needs `gguf` and `accelerate`)
+            net = transformers.AutoModelForCausalLM.from_pretrained(
+                path.parent, gguf_file=path.name, dtype=torch_dtype
+            )
+        else:
+            net = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
     net.to(device=device, dtype=torch_dtype).eval()  # a no-op unless a loader ignored either
     if device.type == "cpu":  # random tiny weights give denormal activations, ~100x slower on x86
         torch.set_flush_denormal(True)
@@ -167,7 +185,8 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="tiny", help="a shipped reference model (without --config)")
+    ap.add_argument("--model", default="tiny",
+                    help="tiny, smollm2, a .gguf file or a HF directory (without --config)")  # fmt: skip
     ap.add_argument("--config", type=Path, default=None, help="run config: its engine section")
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                     help="dotted overrides of --config, e.g. engine.model=preset:tiny")  # fmt: skip

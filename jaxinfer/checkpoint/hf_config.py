@@ -4,7 +4,10 @@ A config.json means whatever transformers reads it to mean, so a key that is abs
 default of the transformers config class named by `architectures` (e.g. Mistral's 4096-token
 sliding window, Qwen3's head_dim of 128), not ModelConfig's own defaults. The keys that fix the
 model's size have no sensible default and are required. Anything we would silently compute
-differently from transformers (other RoPE variants, partial rotary, non-SiLU activations) is refused with UnsupportedModelError instead of loading a subtly wrong model.
+differently from transformers (other RoPE variants, partial rotary, non-SiLU activations) is
+refused with UnsupportedModelError instead of loading a subtly wrong model. Two RoPE variants
+that transformers recomputes per forward (dynamic NTK, LongRoPE) are loaded in a static form
+that matches it only at some lengths: see `DynamicRopeScaling` and `LongRopeScaling`.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxinfer.checkpoint.errors import CheckpointError, UnsupportedModelError
-from jaxinfer.models.config import Llama3RopeScaling, ModelConfig
+from jaxinfer.models.config import ROPE_SCALINGS, ModelConfig
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
@@ -95,7 +98,7 @@ def _get(hf: Mapping[str, Any], key: str, default: Any) -> Any:
     return default if value is None else value
 
 
-def _rope(hf: Mapping[str, Any], max_pos: int, source: str):
+def _rope(hf: Mapping[str, Any], max_pos: int, head_dim: int, source: str):
     """(rope_theta, rope_scaling) from v5 `rope_parameters` or v4 `rope_theta` + `rope_scaling`.
 
     Mirrors transformers' precedence: a v4 `rope_scaling` dict wins over `rope_parameters`, and
@@ -120,21 +123,80 @@ def _rope(hf: Mapping[str, Any], max_pos: int, source: str):
     rope_type = params.get("rope_type", params.get("type"))
     if rope_type in (None, "default"):
         return theta, None
+    if rope_type not in ROPE_SCALINGS:
+        raise UnsupportedModelError(
+            f"{source}: {key}.rope_type={rope_type!r} is not supported; supported: 'default', "
+            + ", ".join(repr(t) for t in ROPE_SCALINGS)
+        )
+    fields = _rope_scaling_fields(rope_type, params, hf, max_pos, head_dim, f"{source}: {key}")
+    try:
+        return theta, ROPE_SCALINGS[rope_type](**fields)
+    except ValueError as e:
+        raise CheckpointError(f"{source}: {key} (rope_type {rope_type!r}): {e}") from e
+
+
+def _rope_scaling_fields(
+    rope_type: str,
+    params: Mapping[str, Any],
+    hf: Mapping[str, Any],
+    max_pos: int,
+    head_dim: int,
+    where: str,
+) -> dict[str, Any]:
+    """The fields of `ROPE_SCALINGS[rope_type]`, read as transformers' modeling_rope_utils does."""
+
+    def required(name: str) -> Any:
+        if params.get(name) is None:
+            raise CheckpointError(f"{where} has rope_type {rope_type!r} but no {name!r}")
+        return params[name]
+
+    if rope_type in ("linear", "dynamic"):
+        # (dynamic stretches max_position_embeddings: transformers reads no original max for it)
+        return {"factor": required("factor")}
+    # transformers lets a top-level original_max_position_embeddings win (its model re-runs
+    # `standardize_rope_params`), then the dict's, then falls back to max_position_embeddings.
+    orig = _get(hf, "original_max_position_embeddings", None)
+    if orig is None:
+        orig = _get(params, "original_max_position_embeddings", max_pos)
+    if isinstance(orig, bool) or not isinstance(orig, int) or orig <= 0:
+        raise CheckpointError(
+            f"{where}: original_max_position_embeddings must be a positive int, got {orig!r}"
+        )
     if rope_type == "llama3":
-        fields = {}
-        for name in ("factor", "low_freq_factor", "high_freq_factor"):
-            if params.get(name) is None:
-                raise CheckpointError(f"{source}: {key} has rope_type 'llama3' but no {name!r}")
-            fields[name] = float(params[name])
-        # transformers lets a top-level original_max_position_embeddings win, then the dict's,
-        # then falls back to max_position_embeddings.
-        orig = _get(hf, "original_max_position_embeddings", None)
-        if orig is None:
-            orig = _get(params, "original_max_position_embeddings", max_pos)
-        return theta, Llama3RopeScaling(original_max_position_embeddings=int(orig), **fields)
-    raise UnsupportedModelError(
-        f"{source}: {key}.rope_type={rope_type!r} is not supported; supported: 'default', 'llama3'"
-    )
+        return {
+            "factor": required("factor"),
+            "low_freq_factor": required("low_freq_factor"),
+            "high_freq_factor": required("high_freq_factor"),
+            "original_max_position_embeddings": orig,
+        }
+    # yarn and longrope: a null factor is max_position_embeddings / original (DeepSeek-V3, Phi-3)
+    factor = _get(params, "factor", max_pos / orig)
+    if rope_type == "longrope":
+        for name in ("short_factor", "long_factor"):  # (a factor per frequency)
+            value = required(name)
+            if isinstance(value, list) and len(value) != head_dim // 2:
+                raise CheckpointError(f"{where}.{name} has {len(value)} entries, head_dim "
+                                      f"{head_dim} needs {head_dim // 2}")  # fmt: skip
+        return {
+            "short_factor": params["short_factor"],
+            "long_factor": params["long_factor"],
+            "original_max_position_embeddings": orig,
+            "factor": factor,
+            "attention_factor": params.get("attention_factor"),
+        }
+    if "factor" not in params:  # yarn: transformers requires the key (even if null)
+        raise CheckpointError(f"{where} has rope_type 'yarn' but no 'factor'")
+    truncate = params.get("truncate", True)
+    return {
+        "factor": factor,
+        "original_max_position_embeddings": orig,
+        "beta_fast": params.get("beta_fast") or 32.0,  # transformers' `or`: 0 and null are 32
+        "beta_slow": params.get("beta_slow") or 1.0,
+        "mscale": params.get("mscale"),
+        "mscale_all_dim": params.get("mscale_all_dim"),
+        "attention_factor": params.get("attention_factor"),
+        "truncate": False if truncate is None else truncate,  # a null is falsy to transformers
+    }
 
 
 def _qwen_layer_types(hf: Mapping[str, Any], d: _ClassDefaults, n_layers: int, source: str):
@@ -218,7 +280,7 @@ def config_from_hf(
     if head_dim is None or head_dim is _MISSING:
         head_dim = hidden // num_heads
     max_pos = _get(hf, "max_position_embeddings", d.max_position_embeddings)
-    rope_theta, rope_scaling = _rope(hf, max_pos, source)
+    rope_theta, rope_scaling = _rope(hf, max_pos, head_dim, source)
 
     attention_bias = bool(_get(hf, "attention_bias", False))
     qkv_bias = o_bias = mlp_bias = qk_norm = False

@@ -274,7 +274,7 @@ class _SafetensorsFiles:
 
 
 class _Loader:
-    def __init__(self, files: _SafetensorsFiles, mesh: Any) -> None:
+    def __init__(self, files: Any, mesh: Any) -> None:
         self.files = files
         self.mesh = mesh
 
@@ -349,7 +349,7 @@ def _layer_rule(key: str) -> _Rule | _Fused:
     return _LAYER_RULES[key]
 
 
-def _refuse_unused_layers(files: _SafetensorsFiles, num_layers: int) -> None:
+def _refuse_unused_layers(files: Any, num_layers: int) -> None:
     unused = [
         name
         for name in files.names()
@@ -375,36 +375,45 @@ def load_hf_params(
     result's. With `cfg.weight_format` the plain weights are loaded, then quantized on the device.
     Tensors of layers `cfg` does not have are an error unless `allow_unused_layers`.
     """
+    directory = _checkpoint_dir(path)
+    with contextlib.ExitStack() as stack:
+        files = _SafetensorsFiles(directory, stack)
+        return load_params_from(files, cfg, mesh, allow_unused_layers=allow_unused_layers)
+
+
+def load_params_from(
+    files: Any, cfg: ModelConfig, mesh: Any = None, *, allow_unused_layers: bool = False
+) -> Params:
+    """Params for `cfg` from a source of HF-named tensors in HF layout: `_SafetensorsFiles`, or
+    anything with its `names()`, `directory`, `location(name)` and `read(name, shape, param)`
+    (GGUF files: `jaxinfer.checkpoint.gguf_io`)."""
     if cfg.weight_format is not None:
         from jaxinfer.quant.transform import quantize_params
 
         plain_cfg = cfg.replace(weight_format=None)
-        plain = load_hf_params(path, plain_cfg, mesh, allow_unused_layers=allow_unused_layers)
+        plain = load_params_from(files, plain_cfg, mesh, allow_unused_layers=allow_unused_layers)
         return quantize_params(cfg, plain, mesh)
-    directory = _checkpoint_dir(path)
     specs = param_specs(cfg)
+    if not allow_unused_layers:
+        _refuse_unused_layers(files, cfg.num_layers)
+    loader = _Loader(files, mesh)
     params: Params = {}
-    with contextlib.ExitStack() as stack:
-        files = _SafetensorsFiles(directory, stack)
-        if not allow_unused_layers:
-            _refuse_unused_layers(files, cfg.num_layers)
-        loader = _Loader(files, mesh)
-        for key, spec in specs.items():
-            if key == "layers":
-                continue
-            if key not in _TOP_RULES:
-                raise NotImplementedError(f"no Hugging Face tensor mapping for param {key!r}")
-            rule = _TOP_RULES[key]
-            params[key] = loader.load(rule, rule.hf_name, spec, key)
-        params["layers"] = tuple(
-            {
-                key: loader.load_layer(
-                    _layer_rule(key), f"model.layers.{i}.", spec, f"layers[{i}].{key}"
-                )
-                for key, spec in layer.items()
-            }
-            for i, layer in enumerate(specs["layers"])
-        )
+    for key, spec in specs.items():
+        if key == "layers":
+            continue
+        if key not in _TOP_RULES:
+            raise NotImplementedError(f"no Hugging Face tensor mapping for param {key!r}")
+        rule = _TOP_RULES[key]
+        params[key] = loader.load(rule, rule.hf_name, spec, key)
+    params["layers"] = tuple(
+        {
+            key: loader.load_layer(
+                _layer_rule(key), f"model.layers.{i}.", spec, f"layers[{i}].{key}"
+            )
+            for key, spec in layer.items()
+        }
+        for i, layer in enumerate(specs["layers"])
+    )
     return params
 
 

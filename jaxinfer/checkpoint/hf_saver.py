@@ -16,6 +16,7 @@ place at the end, so an interrupted save leaves no half-written `path` (at most 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -85,7 +86,10 @@ def _architecture(cfg: ModelConfig) -> str:
 
 
 def _rope_fields(cfg: ModelConfig) -> dict[str, Any]:
-    """RoPE both as transformers v5 `rope_parameters` and as v4 `rope_theta` + `rope_scaling`."""
+    """RoPE both as transformers v5 `rope_parameters` and as v4 `rope_theta` + `rope_scaling`.
+
+    A scaling's fields are transformers' keys; unset optional ones (None) are left out.
+    """
     theta = float(cfg.rope_theta)
     s = cfg.rope_scaling
     if s is None:
@@ -94,13 +98,10 @@ def _rope_fields(cfg: ModelConfig) -> dict[str, Any]:
             "rope_theta": theta,
             "rope_scaling": None,
         }
-    scaling = {
-        "rope_type": "llama3",
-        "factor": float(s.factor),
-        "low_freq_factor": float(s.low_freq_factor),
-        "high_freq_factor": float(s.high_freq_factor),
-        "original_max_position_embeddings": int(s.original_max_position_embeddings),
-    }
+    scaling = {"rope_type": s.rope_type}
+    for name, value in dataclasses.asdict(s).items():
+        if value is not None:
+            scaling[name] = list(value) if isinstance(value, tuple) else value
     return {
         "rope_parameters": {**scaling, "rope_theta": theta},
         "rope_theta": theta,

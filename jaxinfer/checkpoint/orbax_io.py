@@ -1,7 +1,7 @@
 """Save/restore our param tree with orbax, next to the ModelConfig that describes it.
 
 Layout of a saved directory:
-    <path>/model_config.json   dataclasses.asdict(ModelConfig)
+    <path>/model_config.json   dataclasses.asdict(ModelConfig), rope_scaling naming its rope_type
     <path>/params/             orbax StandardCheckpointer checkpoint of the param pytree
     <path>/checksums.json      per-array checksums, keyed by param path (`layers[3].w_qkv`)
 
@@ -31,7 +31,7 @@ import orbax.checkpoint as ocp
 
 from jaxinfer.checkpoint.errors import CheckpointError, UnverifiedCheckpointWarning, first_line
 from jaxinfer.checkpoint.integrity import ArrayStats, array_stats, param_path
-from jaxinfer.models.config import Llama3RopeScaling, ModelConfig
+from jaxinfer.models.config import ROPE_SCALINGS, ModelConfig
 from jaxinfer.models.spec import Params, abstract_params
 
 CONFIG_FILE = "model_config.json"
@@ -41,7 +41,12 @@ CHECKSUMS_FORMAT = 1  # bump when integrity.array_stats changes what it computes
 
 
 def config_to_dict(cfg: ModelConfig) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
+    data = dataclasses.asdict(cfg)
+    if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type != "llama3":
+        # A llama3 dict keeps the form it had when it was the only scaling (no rope_type), so
+        # that its checkpoints stay readable by earlier versions; others name their type.
+        data["rope_scaling"] = {"rope_type": cfg.rope_scaling.rope_type, **data["rope_scaling"]}
+    return data
 
 
 def config_from_dict(data: dict[str, Any], source: str = CONFIG_FILE) -> ModelConfig:
@@ -52,9 +57,14 @@ def config_from_dict(data: dict[str, Any], source: str = CONFIG_FILE) -> ModelCo
     if unknown:
         raise CheckpointError(f"{source}: unknown ModelConfig fields {unknown}")
     if data.get("rope_scaling") is not None:
+        fields = dict(data["rope_scaling"])
+        rope_type = fields.pop("rope_type", "llama3")
+        if rope_type not in ROPE_SCALINGS:
+            raise CheckpointError(f"{source}: rope_scaling.rope_type={rope_type!r} is unknown; "
+                                  f"known: {list(ROPE_SCALINGS)}")  # fmt: skip
         try:
-            data["rope_scaling"] = Llama3RopeScaling(**data["rope_scaling"])
-        except TypeError as e:
+            data["rope_scaling"] = ROPE_SCALINGS[rope_type](**fields)
+        except (TypeError, ValueError) as e:
             raise CheckpointError(f"{source}: bad rope_scaling: {e}") from e
     if "eos_token_ids" in data:
         data["eos_token_ids"] = tuple(data["eos_token_ids"])

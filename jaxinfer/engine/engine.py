@@ -71,10 +71,10 @@ class Engine:
         self.config, self.model_config, self.tokenizer, self.clock = (
             config, model_config, tokenizer, clock
         )  # fmt: skip
-        if config.max_model_len > model_config.max_position_embeddings:
+        if config.max_model_len > model_config.max_context:
             raise ValueError(
                 f"engine.max_model_len={config.max_model_len} exceeds the model's "
-                f"max_position_embeddings={model_config.max_position_embeddings}"
+                f"{model_config.describe_context()}"
             )
         self.shardings = EngineShardings.for_config(config.mesh)
         from jaxinfer.models.spec import param_shardings

@@ -8,10 +8,11 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
+from jaxinfer.engine.chat import render_chat
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.data_parallel import ProcessDataParallelEngine
 from jaxinfer.engine.engine import Engine
-from jaxinfer.engine.loading import load_model, model_tokenizer
+from jaxinfer.engine.loading import load_model, model_chat_template, model_tokenizer
 from jaxinfer.engine.request import SamplingParams, Sequence, is_int
 from jaxinfer.parallel.sharding import EngineShardings
 
@@ -59,8 +60,9 @@ def _as_prompt_list(prompts) -> list:
 
 
 class LLM:
-    """A model plus an engine. `LLM("tiny")`, `LLM("preset:llama3-8b", dtype="bfloat16")`,
-    `LLM("/path/to/hf_dir", max_num_seqs=64)`; keyword arguments are `EngineConfig` fields."""
+    """A model plus an engine. `LLM("tiny")`, `LLM("smollm2")`, `LLM("preset:llama3-8b",
+    dtype="bfloat16")`, `LLM("/path/to/hf_dir", max_num_seqs=64)`, `LLM("model.gguf")`; keyword
+    arguments are `EngineConfig` fields."""
 
     def __init__(self, model: str = "tiny", *, warmup: bool = True, setup=None,
                  **engine_kwargs) -> None:  # fmt: skip
@@ -71,6 +73,7 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
         self.config = EngineConfig(model=model, **engine_kwargs)
+        self.chat_template = model_chat_template(model)
         backend = self.config.data_parallel_backend
         if backend == "process" or (backend == "auto" and self.config.data_parallel > 1):
             # Workers load the model on their own GPUs; this process touches no device.
@@ -117,6 +120,43 @@ class LLM:
         outputs = [RequestOutput.of(s, self.tokenizer) for s in seqs]
         self.engine.release(seqs)  # the outputs hold what the caller gets: memory stays bounded
         return outputs
+
+    def render_chat(self, messages, *, add_generation_prompt: bool = True) -> str:
+        """The prompt text of one conversation ([{"role", "content"}, ...]) under the model's
+        chat template."""
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.config.model!r} has no tokenizer for chat messages")
+        cfg = self.engine.model_config if isinstance(self.engine, Engine) else None
+        special = {}
+        for name, ids in (("bos_token", [cfg.bos_token_id] if cfg else []),
+                          ("eos_token", list(cfg.eos_token_ids[:1]) if cfg else [])):  # fmt: skip
+            if ids and ids[0] is not None:
+                special[name] = self.tokenizer.id_to_token(ids[0])
+        return render_chat(self.chat_template, messages,
+                           add_generation_prompt=add_generation_prompt, special_tokens=special)  # fmt: skip
+
+    def chat(
+        self,
+        messages,
+        sampling: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Replies to one conversation ([{"role", "content"}, ...]) or a list of them, each
+        rendered with the model's chat template; a conversation the template refuses fails alone,
+        as a bad prompt does."""
+        many = isinstance(messages, list | tuple) and bool(messages)
+        many = many and isinstance(messages[0], list | tuple)
+        prompts, refused = [], {}
+        for i, conversation in enumerate(messages if many else [messages]):
+            try:
+                prompts.append(self.render_chat(conversation))
+            except ValueError as e:
+                refused[i] = RequestOutput(-1, None, [], [], None, "error", f"conversation {i}: "
+                                           f"{e}", [], 0)  # fmt: skip
+        if isinstance(sampling, list | tuple):
+            sampling = [s for i, s in enumerate(sampling) if i not in refused]
+        replies = iter(self.generate(prompts, sampling) if prompts else [])
+        return [refused[i] if i in refused else next(replies)
+                for i in range(len(prompts) + len(refused))]  # fmt: skip
 
     def stream(
         self,

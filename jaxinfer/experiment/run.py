@@ -41,16 +41,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from jaxinfer.assets import REFERENCE_MODELS, reference_model_dir
-from jaxinfer.checkpoint import load_hf_config
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
-from jaxinfer.engine.loading import load_model
+from jaxinfer.engine.loading import load_model, model_config
 from jaxinfer.engine.request import SamplingParams, Sequence
 from jaxinfer.metrics import SLO, request_rows, summarize
 from jaxinfer.metrics.tables import TableAppender
-from jaxinfer.models.config import ModelConfig
-from jaxinfer.models.presets import preset
 from jaxinfer.parallel.sharding import EngineShardings
 from jaxinfer.provenance import provenance
 from jaxinfer.workload import LengthSpec, WorkloadSpec, build_workload
@@ -270,15 +266,6 @@ def _check_shortest_request_fits(rc: RunConfig) -> None:
         )
 
 
-def model_config(model: str, dtype: str = "float32") -> ModelConfig:
-    """The config of `EngineConfig.model` (a preset's, or a checkpoint's config.json), without
-    loading weights (`load_model` resolves the same names)."""
-    if model.startswith("preset:"):
-        return preset(model.removeprefix("preset:"), param_dtype=dtype, dtype=dtype)
-    return load_hf_config(reference_model_dir(model) if model in REFERENCE_MODELS else model,
-                          dtype=dtype)  # fmt: skip
-
-
 def preflight(rc: RunConfig) -> None:
     """What the engine cannot run, refused before a results folder or a weight is touched:
     data-parallel replicas, and from the model's config (no weights), an `engine.max_model_len`
@@ -292,11 +279,11 @@ def preflight(rc: RunConfig) -> None:
             f"sweep --workers N` (one worker per GPU)."
         )  # fmt: skip
     cfg = model_config(rc.engine.model, rc.engine.dtype)
-    positions = cfg.max_position_embeddings
+    positions = cfg.max_context
     if rc.engine.max_model_len > positions:
         raise ValueError(
             f"engine.max_model_len={rc.engine.max_model_len} exceeds the model's "
-            f"max_position_embeddings={positions} (engine.model={rc.engine.model}): set "
+            f"{cfg.describe_context()} (engine.model={rc.engine.model}): set "
             f"engine.max_model_len <= {positions}"
         )
     try:

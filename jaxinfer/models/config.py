@@ -11,20 +11,162 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import jax.numpy as jnp
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")  # transformers' `layer_types` names
 
 
+def _number(obj: object, name: str, *, at_least: float | None = None, optional: bool = False):
+    """obj.name as a float (left None when `optional`); ValueError naming the field otherwise."""
+    value = getattr(obj, name)
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if at_least is not None and not value >= at_least:
+        raise ValueError(f"{name} must be >= {at_least}, got {value!r}")
+    object.__setattr__(obj, name, float(value))
+
+
+def _positive_int(obj: object, name: str) -> None:
+    value = getattr(obj, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+# RoPE scalings, one frozen dataclass per transformers `rope_type`. Field names are transformers'
+# `rope_parameters` keys, so the HF and orbax configs write them as they are. `factor` >= 1
+# everywhere: transformers warns below 1 (it would shrink the context, not stretch it).
+
+
+@dataclass(frozen=True)
+class LinearRopeScaling:
+    """Position interpolation (Chen et al. 2023, arXiv:2306.15595): positions divided by
+    `factor`, i.e. every inverse frequency divided by it."""
+
+    rope_type: ClassVar[str] = "linear"
+    factor: float
+
+    def __post_init__(self) -> None:
+        _number(self, "factor", at_least=1.0)
+
+
+@dataclass(frozen=True)
+class DynamicRopeScaling:
+    """NTK-aware scaling of the base (bloc97/emozilla, "dynamic NTK"), in vLLM's static form.
+
+    The context it stretches is `ModelConfig.max_position_embeddings` (transformers reads no
+    original_max_position_embeddings for this type). transformers recomputes the base in every
+    forward from that forward's longest position (unscaled up to max_position_embeddings), and
+    keeps the larger base until a forward fits the original context again; its cache then holds
+    keys rotated with different bases. A paged engine with mixed batches cannot follow a
+    per-batch rule, so the base is scaled once, as transformers does for a sequence of
+    `factor * max_position_embeddings` tokens: equal to transformers at that length, other
+    rotations (for every shorter sequence) than transformers'.
+    """
+
+    rope_type: ClassVar[str] = "dynamic"
+    factor: float
+
+    def __post_init__(self) -> None:
+        _number(self, "factor", at_least=1.0)
+
+
+@dataclass(frozen=True)
+class YarnRopeScaling:
+    """YaRN (Peng et al. 2023, arXiv:2309.00071): NTK-by-parts interpolation of the frequencies
+    between `beta_slow` and `beta_fast` rotations over the original context, and cos/sin scaled
+    by an attention factor (by default 0.1 ln(factor) + 1, or the mscale ratio of DeepSeek)."""
+
+    rope_type: ClassVar[str] = "yarn"
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None  # None: derived from factor (and mscale, mscale_all_dim)
+    truncate: bool = True  # round the ramp's ends to whole dimensions
+
+    def __post_init__(self) -> None:
+        _number(self, "factor", at_least=1.0)
+        _positive_int(self, "original_max_position_embeddings")
+        for name in ("beta_fast", "beta_slow"):
+            _number(self, name)
+        for name in ("mscale", "mscale_all_dim"):
+            _number(self, name, optional=True)
+        _number(self, "attention_factor", at_least=0.0, optional=True)
+        if not isinstance(self.truncate, bool):
+            raise ValueError(f"truncate must be true or false, got {self.truncate!r}")
+
+
+@dataclass(frozen=True)
+class LongRopeScaling:
+    """LongRoPE (Ding et al. 2024, arXiv:2402.13753; Phi-3): a rescale factor per frequency,
+    `short_factor` within the original context and `long_factor` beyond it, and cos/sin scaled by
+    sqrt(1 + ln(factor) / ln(original_max_position_embeddings)) unless `attention_factor` is set.
+
+    transformers picks the factors per forward (long once a position passes the original
+    context). Here the choice is static: long factors when `ModelConfig.max_position_embeddings`
+    exceeds the original context, as transformers does for the longest sequences the config
+    admits; for sequences within the original context transformers would use the short ones.
+    """
+
+    rope_type: ClassVar[str] = "longrope"
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position_embeddings: int
+    factor: float
+    attention_factor: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("short_factor", "long_factor"):
+            value = getattr(self, name)
+            if not isinstance(value, list | tuple) or any(
+                isinstance(v, bool) or not isinstance(v, int | float) or not v > 0 for v in value
+            ):
+                raise ValueError(f"{name} must be a list of positive numbers, got {value!r}")
+            object.__setattr__(self, name, tuple(float(v) for v in value))  # (JSON gives lists)
+        _positive_int(self, "original_max_position_embeddings")
+        _number(self, "factor", at_least=1.0)
+        _number(self, "attention_factor", at_least=0.0, optional=True)
+
+
 @dataclass(frozen=True)
 class Llama3RopeScaling:
     """Llama 3.1 frequency-dependent RoPE scaling (`rope_type: llama3` in HF configs)."""
 
+    rope_type: ClassVar[str] = "llama3"
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        _number(self, "factor", at_least=1.0)
+        for name in ("low_freq_factor", "high_freq_factor"):
+            _number(self, name)
+        if not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(f"high_freq_factor ({self.high_freq_factor}) must exceed "
+                             f"low_freq_factor ({self.low_freq_factor})")  # fmt: skip
+        _positive_int(self, "original_max_position_embeddings")
+
+
+RopeScaling = (
+    LinearRopeScaling | DynamicRopeScaling | YarnRopeScaling | LongRopeScaling | Llama3RopeScaling
+)
+ROPE_SCALINGS: dict[str, type[RopeScaling]] = {
+    cls.rope_type: cls
+    for cls in (
+        LinearRopeScaling,
+        DynamicRopeScaling,
+        YarnRopeScaling,
+        LongRopeScaling,
+        Llama3RopeScaling,
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -46,7 +188,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: Llama3RopeScaling | None = None
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2; Llama with attention_bias=True
@@ -96,6 +238,15 @@ class ModelConfig:
                 raise ValueError(
                     f"ModelConfig.{name} must be one of float32, bfloat16, float16; got {value!r}"
                 )
+        rs = self.rope_scaling
+        if rs is not None and type(rs) not in ROPE_SCALINGS.values():
+            kinds = [c.__name__ for c in ROPE_SCALINGS.values()]
+            raise ValueError(f"ModelConfig.rope_scaling must be one of {kinds} or None, got {rs!r}")
+        for name in ("short_factor", "long_factor") if isinstance(rs, LongRopeScaling) else ():
+            n = len(getattr(rs, name))  # a factor per frequency
+            if n != self.head_dim // 2:
+                raise ValueError(f"ModelConfig.rope_scaling.{name} has {n} entries, head_dim "
+                                 f"{self.head_dim} needs {self.head_dim // 2}")  # fmt: skip
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(
                 f"ModelConfig.sliding_window must be positive or None, got {self.sliding_window}"
@@ -118,6 +269,27 @@ class ModelConfig:
         if self.weight_format is not None and self.weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"ModelConfig.weight_format={self.weight_format!r} is unknown; "
                              f"known: {sorted(WEIGHT_FORMATS)} or None")  # fmt: skip
+
+    @property
+    def max_context(self) -> int:
+        """The longest sequence the model's RoPE is meant for (vLLM's rule): linear and dynamic
+        scaling stretch `max_position_embeddings` by `factor`, YaRN the original context; Llama 3
+        and LongRoPE configs already give the stretched length."""
+        rs = self.rope_scaling
+        if isinstance(rs, LinearRopeScaling | DynamicRopeScaling):
+            return int(self.max_position_embeddings * rs.factor)
+        if isinstance(rs, YarnRopeScaling):
+            return max(self.max_position_embeddings,
+                       int(rs.original_max_position_embeddings * rs.factor))  # fmt: skip
+        return self.max_position_embeddings
+
+    def describe_context(self) -> str:
+        """`max_context` as error messages name it."""
+        if self.max_context == self.max_position_embeddings:
+            return f"max_position_embeddings={self.max_position_embeddings}"
+        return (f"context of {self.max_context} (max_position_embeddings="
+                f"{self.max_position_embeddings} stretched by its {self.rope_scaling.rope_type} "
+                "RoPE scaling)")  # fmt: skip
 
     def layer(self, i: int) -> LayerKind:
         """What makes layer `i` differ from the others: its FFN kind and attention window."""

@@ -32,6 +32,7 @@ from jaxinfer.models.layers import (
     deferred_rms_norm,
     linear,
     rms_norm,
+    rope_attention_factor,
     rope_inv_freq,
     scale_rows,
 )
@@ -84,9 +85,9 @@ def decoder_layer(
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    inv_freq = rope_inv_freq(cfg)
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
+    inv_freq, attention_factor = rope_inv_freq(cfg), rope_attention_factor(cfg)
+    q = apply_rope(q, positions, inv_freq, attention_factor)
+    k = apply_rope(k, positions, inv_freq, attention_factor)
     o, carry = attend(q, k, v, carry, layer, kind)
     o = linear(o, p["wo"], in_dims=2)
     if cfg.o_bias:

@@ -8,7 +8,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.models.config import ModelConfig
+from jaxinfer.models.config import (
+    DynamicRopeScaling,
+    LinearRopeScaling,
+    Llama3RopeScaling,
+    LongRopeScaling,
+    ModelConfig,
+    YarnRopeScaling,
+)
 from jaxinfer.quant import QuantizedWeight
 
 
@@ -56,18 +63,84 @@ def scale_rows(y: jax.Array, row_scale: jax.Array | None, row_dims: int) -> jax.
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [head_dim/2] in fp32, with Llama 3.1 frequency scaling when configured.
+    """Inverse frequencies [head_dim/2] in fp32 of cfg's RoPE (transformers' ROPE_INIT_FUNCTIONS).
 
-    Llama 3.1 scaling (Meta's reference `apply_scaling`): wavelengths longer than
-    `original_max / low_freq_factor` are divided by `factor`, shorter than
-    `original_max / high_freq_factor` are kept, and the band between is interpolated.
+    Host-side numpy, computed at trace time: every variant is a constant of the traced step.
     """
-    d = cfg.head_dim
-    exponents = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
-    inv_freq = (np.float32(1.0) / (np.float32(cfg.rope_theta) ** exponents)).astype(np.float32)
+    d, rs = cfg.head_dim, cfg.rope_scaling
+    exponents = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)  # 2i/d
+    theta = cfg.rope_theta
+    if isinstance(rs, DynamicRopeScaling):
+        # transformers' NTK-aware base theta * (factor * seq_len / L - (factor - 1))^(d / (d - 2)),
+        # L = max_position_embeddings, at seq_len = factor * L (see DynamicRopeScaling).
+        theta *= (rs.factor * rs.factor - (rs.factor - 1)) ** (d / (d - 2))
+    pos_freqs = (np.float32(theta) ** exponents).astype(np.float32)  # theta ** (2i/d)
+    inv_freq = (np.float32(1.0) / pos_freqs).astype(np.float32)
+    if isinstance(rs, LinearRopeScaling):
+        return (inv_freq / np.float32(rs.factor)).astype(np.float32)
+    if isinstance(rs, YarnRopeScaling):
+        return _yarn_inv_freq(pos_freqs, rs, d, theta)
+    if isinstance(rs, LongRopeScaling):
+        long = cfg.max_position_embeddings > rs.original_max_position_embeddings
+        factors = np.asarray(rs.long_factor if long else rs.short_factor, np.float32)
+        return (np.float32(1.0) / (factors * pos_freqs)).astype(np.float32)
+    if isinstance(rs, Llama3RopeScaling):
+        return _llama3_inv_freq(inv_freq, rs)
+    return inv_freq
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """The factor on cos and sin (transformers' `attention_scaling`): 1 but for YaRN and LongRoPE.
+
+    Scaling both q's and k's rotations by it scales the attention logits by its square.
+    """
     rs = cfg.rope_scaling
-    if rs is None:
-        return inv_freq
+    if isinstance(rs, YarnRopeScaling):
+        if rs.attention_factor is not None:
+            return rs.attention_factor
+        if rs.mscale and rs.mscale_all_dim:  # DeepSeek: as transformers, only when both are set
+            return _yarn_mscale(rs.factor, rs.mscale) / _yarn_mscale(rs.factor, rs.mscale_all_dim)
+        return _yarn_mscale(rs.factor)
+    if isinstance(rs, LongRopeScaling):
+        if rs.attention_factor is not None:
+            return rs.attention_factor
+        if rs.factor <= 1.0:
+            return 1.0
+        return math.sqrt(1 + math.log(rs.factor) / math.log(rs.original_max_position_embeddings))
+    return 1.0
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's sqrt(1/t) = 0.1 ln(s) + 1 (arXiv:2309.00071 eq. 22), times DeepSeek's mscale."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_inv_freq(pos_freqs: np.ndarray, rs: YarnRopeScaling, d: int, theta: float) -> np.ndarray:
+    """NTK-by-parts (arXiv:2309.00071 sec. 3.2): dimensions that turn more than `beta_fast` times
+    over the original context keep their frequency, fewer than `beta_slow` times are divided by
+    `factor`, and a linear ramp over the dimension index blends the two between."""
+    orig = rs.original_max_position_embeddings
+
+    def dim_of(rotations: float) -> float:  # the dimension turning `rotations` times over orig
+        return d * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(rs.beta_fast), dim_of(rs.beta_slow)
+    if rs.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001  # (transformers: avoids dividing by zero)
+    ramp = np.clip((np.arange(d // 2, dtype=np.float32) - low) / np.float32(high - low), 0, 1)
+    keep = (1 - ramp).astype(np.float32)  # 1: extrapolate (original frequency), 0: interpolate
+    extrapolated = np.float32(1.0) / pos_freqs
+    interpolated = np.float32(1.0) / (np.float32(rs.factor) * pos_freqs)
+    return (interpolated * (1 - keep) + extrapolated * keep).astype(np.float32)
+
+
+def _llama3_inv_freq(inv_freq: np.ndarray, rs: Llama3RopeScaling) -> np.ndarray:
+    """Llama 3.1 scaling (Meta's reference `apply_scaling`): wavelengths longer than
+    `original_max / low_freq_factor` are divided by `factor`, shorter than
+    `original_max / high_freq_factor` are kept, and the band between is interpolated."""
     low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
     high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
     wavelen = np.float32(2 * math.pi) / inv_freq
@@ -80,12 +153,19 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate x [..., heads, head_dim] by its positions [...] (HF's rotate-half convention)."""
+def apply_rope(
+    x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, attention_factor: float = 1.0
+) -> jax.Array:
+    """Rotate x [..., heads, head_dim] by its positions [...] (HF's rotate-half convention), cos
+    and sin scaled by the static `attention_factor` (`rope_attention_factor`) in fp32."""
     angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)  # [..., d/2]
-    cos = jnp.cos(angles)[..., None, None, :].astype(x.dtype)  # [..., 1, 1, d/2]
+    cos = jnp.cos(angles)
+    if attention_factor != 1.0:  # (plain RoPE traces no multiply)
+        cos = cos * np.float32(attention_factor)
+    cos = cos[..., None, None, :].astype(x.dtype)  # [..., 1, 1, d/2]
     sin = jnp.sin(angles)[..., None, None, :]
-    sin = (sin * jnp.array([[-1.0], [1.0]], jnp.float32)).astype(x.dtype)  # [..., 1, 2, d/2]
+    signs = np.array([[-attention_factor], [attention_factor]], np.float32)
+    sin = (sin * jnp.asarray(signs)).astype(x.dtype)  # [..., 1, 2, d/2]
     # Halves as an axis of 2: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). Reversing that axis
     # (not splitting and concatenating) keeps it one elementwise fusion: a concatenate was its
     # own kernel on the GPU, twice per layer.

@@ -12,6 +12,7 @@ record the interpreter version with every perplexity.
 
 from __future__ import annotations
 
+import ast
 import sysconfig
 import zlib
 from dataclasses import dataclass
@@ -71,3 +72,19 @@ def stdlib_corpus(
     if include_tests:
         train = sorted(train + tests)
     return Corpus(root, tuple(train), heldout)
+
+
+def english_texts(corpus: Corpus | None = None) -> list[str]:
+    """English prose every machine has offline: the Python documentation's topics
+    (`pydoc_data/topics.py`, ~465 kB on 3.11; a file in the corpus's *train* split, so the models
+    trained here have seen it) and the module docstrings of the held-out files (which they have
+    not), in a fixed order."""
+    from pydoc_data.topics import topics
+
+    corpus = corpus or stdlib_corpus()
+    texts = [topics[key] for key in sorted(topics)]
+    for f in corpus.heldout:
+        doc = ast.get_docstring(ast.parse((corpus.root / f).read_text(encoding="utf-8")))
+        if doc:
+            texts.append(doc)
+    return texts

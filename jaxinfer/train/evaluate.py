@@ -1,4 +1,5 @@
-"""Held-out perplexity of a model directory on the stdlib corpus's held-out files."""
+"""Perplexity of a model on text it was not trained on: the stdlib corpus's held-out files
+(code), or English prose (the Python documentation's topics and held-out module docstrings)."""
 
 from __future__ import annotations
 
@@ -19,15 +20,17 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from jaxinfer.checkpoint import load_hf_model, load_tokenizer
-from jaxinfer.train.corpus import stdlib_corpus
+from jaxinfer.train.corpus import english_texts, stdlib_corpus
 from jaxinfer.train.data import encode_stream, eval_windows
 from jaxinfer.train.trainer import heldout_loss
+
+TEXTS = ("code", "english")
 
 
 def heldout_perplexity(
     model_dir: str | Path,
     *,
+    text: str = "code",
     seq_len: int = 256,
     batch_size: int = 16,
     max_windows: int | None = None,
@@ -35,23 +38,32 @@ def heldout_perplexity(
     dtype: str = "float32",
     show_progress: bool = True,
 ) -> dict:
-    """Perplexity per token (and bits per byte) over non-overlapping held-out windows.
+    """Perplexity per token (and bits per byte, comparable across tokenizers) over
+    non-overlapping windows of `text` ("code" or "english", see the module docstring).
+    `model_dir` is anything `EngineConfig.model` takes (a HF directory, tiny, smollm2, a .gguf).
 
     Every held-out token but the first of each window is scored once, with at most `seq_len`
     tokens of context. The uniform baseline's perplexity is the vocabulary size. Progress (the
     load, then windows scored of N) goes to stderr: stdout carries the results.
     """
+    from jaxinfer.engine.loading import load_model
+
+    if text not in TEXTS:
+        raise ValueError(f"text={text!r} is not one of {list(TEXTS)}")
     # `jaxinfer train` exports to <out_dir>/hf: name the run, not "hf".
     name = Path(model_dir).name if Path(model_dir).name != "hf" else Path(model_dir).parent.name
+    name = name.removesuffix(".gguf")
     columns = (TextColumn(f"[bold]{escape(name)}[/] {{task.description}}"), BarColumn(),
                MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())  # fmt: skip
     console = Console(stderr=True)
     with Progress(*columns, console=console, disable=not show_progress) as progress:
         task = progress.add_task("loading the model", total=None)
-        cfg, params = load_hf_model(model_dir, dtype=dtype, param_dtype=dtype)
-        tokenizer = load_tokenizer(model_dir)
-        progress.update(task, description="tokenizing the held-out files")
-        texts = stdlib_corpus(heldout_fraction=heldout_fraction).texts("heldout")
+        cfg, params, tokenizer = load_model(str(model_dir), dtype=dtype)
+        if tokenizer is None:
+            raise ValueError(f"model {str(model_dir)!r} has no tokenizer to score text with")
+        progress.update(task, description=f"tokenizing the {text}")
+        corpus = stdlib_corpus(heldout_fraction=heldout_fraction)
+        texts = corpus.texts("heldout") if text == "code" else english_texts(corpus)
         stream = encode_stream(tokenizer, texts)
         windows = eval_windows(stream, seq_len, max_windows)
         windows = windows[: max(batch_size, len(windows) // batch_size * batch_size)]
@@ -65,6 +77,7 @@ def heldout_perplexity(
         "num_params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(params))),
         "vocab_size": cfg.vocab_size,
         "heldout_tokens": int(windows.shape[0] * seq_len),
+        "text": text,
         "heldout_files": len(texts),
         "seq_len": seq_len,
         "nats_per_token": round(nats, 4),
