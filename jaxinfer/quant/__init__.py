@@ -73,3 +73,7 @@ def register_format(fmt: WeightFormat) -> WeightFormat:
 
 def is_quantized(x: object) -> bool:
     return isinstance(x, QuantizedWeight)
+
+
+# The formats of this package register themselves on import (they use the API above).
+from jaxinfer.quant import fp4, fp8, gguf_formats, intq  # noqa: E402, F401

@@ -1,0 +1,185 @@
+"""FP8 (e4m3) weight formats, W8A8: `fp8_tensor`, `fp8_channel`, `fp8_block`.
+
+Values are OCP FP8 E4M3 (`float8_e4m3fn`: 1 sign, 4 exponent bits biased 7, 3 mantissa bits; no
+infinities, S.1111.111 is NaN, largest finite 448, smallest normal 2^-6, subnormals k * 2^-9).
+A weight [*in, *out] is stored as `values` e4m3 [*in, *out] (its own shape and axes) and fp32
+`scales` with w ~= values * scales:
+
+    fp8_tensor   scales []                                   one per weight
+    fp8_channel  scales [*out]                               one per output channel
+    fp8_block    scales [ceil(K/128), *out[:-1], ceil(N/128)]  one per 128x128 block
+
+K = prod(in) is the flattened input (row-major, as HF's `in_features`), N the last output axis:
+blocks never cross a fused axis (q/k/v, gate/up), and partial edge blocks are allowed, as in
+DeepSeek-V3's `weight_scale_inv` (DeepSeek-V3 technical report, sec. 3.3.2). Scales are amax/448
+(an all-zero block has scale 1). Activations are quantized at run time the same way: per token
+(fp8_tensor, fp8_channel) or per token per 128 input channels (fp8_block, "1x128"), and the
+product is an fp8 x fp8 `dot_general` accumulated in fp32 with the scales applied after it (the
+form XLA lowers to a cuBLASLt FP8 GEMM on Hopper).
+
+The helpers below the formats (finite check, flattening, edge-padded blocks) are shared by the
+other modules of `jaxinfer.quant`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.quant import QuantizedWeight, WeightFormat, register_format
+
+E4M3 = jnp.float8_e4m3fn
+E4M3_MAX = 448.0
+BLOCK = 128
+
+
+def check_finite(w: jax.Array, fmt: str) -> None:
+    """Refuse a weight holding inf or NaN (its scale would poison a whole block).
+
+    A concrete array raises ValueError here; under `jit` the check runs on the device and the
+    same ValueError surfaces from the callback as a runtime error carrying its message."""
+
+    def refuse(ok) -> None:
+        if not bool(ok):
+            raise ValueError(f"{fmt}: the weight holds inf or NaN; refusing to quantize it")
+
+    ok = jnp.all(jnp.isfinite(w))
+    if isinstance(ok, jax.core.Tracer):
+        jax.debug.callback(refuse, ok)
+    else:
+        refuse(ok)
+
+
+def blocks_of(x: jax.Array, axis: int, size: int) -> jax.Array:
+    """x with `axis` split into [ceil(n/size), size], the last block zero-padded."""
+    axis %= x.ndim
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, -x.shape[axis] % size)
+    x = jnp.pad(x, pad)
+    return x.reshape(*x.shape[:axis], -1, size, *x.shape[axis + 1 :])
+
+
+def expand(s: jax.Array, axis: int, size: int, n: int) -> jax.Array:
+    """Per-block values along `axis` repeated to `n` elements (the inverse of `blocks_of`)."""
+    return jax.lax.slice_in_dim(jnp.repeat(s, size, axis=axis), 0, n, axis=axis % s.ndim)
+
+
+def safe_scale(amax: jax.Array, qmax: float) -> jax.Array:
+    """amax / qmax, or 1 where the block is all zeros (so values stay 0, never NaN)."""
+    return jnp.where(amax > 0, amax / qmax, 1.0).astype(jnp.float32)
+
+
+def to_e4m3(x: jax.Array) -> jax.Array:
+    """Round to nearest even, clipped to the finite range (x / (amax/448) may round past 448)."""
+    return jnp.clip(x, -E4M3_MAX, E4M3_MAX).astype(E4M3)
+
+
+def quantize_activations(x: jax.Array, block: int | None) -> tuple[jax.Array, jax.Array]:
+    """x [T, K] -> (e4m3 [T, K], fp32 scales [T, 1] or [T, ceil(K/block)]): per token amax/448,
+    over all K (`block=None`) or per `block` input channels."""
+    xf = x.astype(jnp.float32)
+    if block is None:
+        s = safe_scale(jnp.max(jnp.abs(xf), axis=-1, keepdims=True), E4M3_MAX)
+        return to_e4m3(xf / s), s
+    s = safe_scale(jnp.max(jnp.abs(blocks_of(xf, -1, block)), axis=-1), E4M3_MAX)
+    return to_e4m3(xf / expand(s, -1, block, x.shape[-1])), s
+
+
+def _part_specs(spec, scales_shape, scales_axes) -> dict:
+    return {
+        "values": dataclasses.replace(spec, dtype=E4M3),
+        "scales": dataclasses.replace(
+            spec, shape=scales_shape, dtype=jnp.float32, axes=scales_axes, init="ones", in_dims=0
+        ),
+    }
+
+
+def _fp8_dot(xq: jax.Array, wq: jax.Array) -> jax.Array:
+    """e4m3 [T, K] x e4m3 [K, N] -> fp32 [T, N]."""
+    dims = (((1,), (0,)), ((), ()))
+    return jax.lax.dot_general(xq, wq, dims, preferred_element_type=jnp.float32)
+
+
+@dataclass(frozen=True)
+class Fp8Scaled(WeightFormat):
+    """e4m3 values, one fp32 scale per weight (`per_channel=False`) or per output channel."""
+
+    per_channel: bool = False
+
+    def part_specs(self, spec) -> dict:
+        if not self.per_channel:
+            return _part_specs(spec, (), ())
+        return _part_specs(spec, spec.shape[spec.in_dims :], spec.axes[spec.in_dims :])
+
+    def quantize(self, w: jax.Array, in_dims: int) -> dict[str, jax.Array]:
+        check_finite(w, self.name)
+        wf = jnp.abs(w.astype(jnp.float32))
+        amax = jnp.max(wf, axis=tuple(range(in_dims))) if self.per_channel else jnp.max(wf)
+        scales = safe_scale(amax, E4M3_MAX)
+        return {"values": to_e4m3(w.astype(jnp.float32) / scales), "scales": scales}
+
+    def dequantize(self, qw: QuantizedWeight) -> jax.Array:
+        return qw.arrays["values"].astype(jnp.float32) * qw.arrays["scales"]
+
+    def matmul(self, x: jax.Array, qw: QuantizedWeight) -> jax.Array:
+        values, scales = qw.arrays["values"], qw.arrays["scales"]
+        lead, out = x.shape[: x.ndim - qw.in_dims], values.shape[qw.in_dims :]
+        k = math.prod(values.shape[: qw.in_dims])
+        xq, sx = quantize_activations(x.reshape(-1, k), None)
+        y = _fp8_dot(xq, values.reshape(k, -1)) * sx * scales.reshape(-1)
+        return y.reshape(*lead, *out).astype(x.dtype)
+
+
+@dataclass(frozen=True)
+class Fp8Block(WeightFormat):
+    """e4m3 values, one fp32 scale per `block` x `block` block of (K, N); 1 x `block`
+    activation scales."""
+
+    block: int = BLOCK
+
+    def part_specs(self, spec) -> dict:
+        k = math.prod(spec.shape[: spec.in_dims])
+        out, out_axes = spec.shape[spec.in_dims :], spec.axes[spec.in_dims :]
+        shape = (-(-k // self.block), *out[:-1], -(-out[-1] // self.block))
+        axes = (spec.axes[0] if spec.in_dims == 1 else None, *out_axes)
+        return _part_specs(spec, shape, axes)
+
+    def quantize(self, w: jax.Array, in_dims: int) -> dict[str, jax.Array]:
+        check_finite(w, self.name)
+        wf = w.astype(jnp.float32)
+        w2 = wf.reshape(-1, *w.shape[in_dims:])  # [K, *out]
+        b = blocks_of(blocks_of(jnp.abs(w2), 0, self.block), -1, self.block)
+        scales = safe_scale(jnp.max(b, axis=(1, -1)), E4M3_MAX)
+        return {"values": to_e4m3(wf / self._expand(scales, w.shape, in_dims)), "scales": scales}
+
+    def _expand(self, scales: jax.Array, shape: tuple[int, ...], in_dims: int) -> jax.Array:
+        k = math.prod(shape[:in_dims])
+        s = expand(expand(scales, 0, self.block, k), -1, self.block, shape[-1])
+        return s.reshape(shape)
+
+    def dequantize(self, qw: QuantizedWeight) -> jax.Array:
+        values = qw.arrays["values"]
+        return values.astype(jnp.float32) * self._expand(qw.arrays["scales"], values.shape,
+                                                         qw.in_dims)  # fmt: skip
+
+    def matmul(self, x: jax.Array, qw: QuantizedWeight) -> jax.Array:
+        values, scales = qw.arrays["values"], qw.arrays["scales"]
+        lead, out = x.shape[: x.ndim - qw.in_dims], values.shape[qw.in_dims :]
+        k, kb = math.prod(values.shape[: qw.in_dims]), scales.shape[0]
+        xq, sx = quantize_activations(x.reshape(-1, k), self.block)  # sx [T, KB]
+        xb = blocks_of(xq, 1, self.block)  # [T, KB, 128] (zero-padded: adds nothing)
+        wb = blocks_of(values.reshape(k, -1), 0, self.block)  # [KB, 128, N]
+        dims = (((2,), (1,)), ((1,), (0,)))
+        partial = jax.lax.dot_general(xb, wb, dims, preferred_element_type=jnp.float32)
+        sw = expand(scales.reshape(kb, *out[:-1], -1), -1, self.block, out[-1]).reshape(kb, -1)
+        y = jnp.sum(partial * sx.T[:, :, None] * sw[:, None, :], axis=0)  # over the K blocks
+        return y.reshape(*lead, *out).astype(x.dtype)
+
+
+FP8_TENSOR = register_format(Fp8Scaled("fp8_tensor"))
+FP8_CHANNEL = register_format(Fp8Scaled("fp8_channel", per_channel=True))
+FP8_BLOCK = register_format(Fp8Block("fp8_block"))
