@@ -157,7 +157,7 @@ def generate(args: argparse.Namespace) -> int:
     )  # one decode bucket holding them all
     llm = LLM(str(args.model), dtype=args.dtype, max_num_seqs=rows, decode_buckets=[rows],
               max_num_batched_tokens=max(512, rows), max_model_len=args.max_model_len,
-              penalties=sampling.uses_penalties)  # fmt: skip
+              penalties=sampling.uses_penalties, warmup=False)  # fmt: skip
     cfg = llm.engine.model_config
     if args.chat:  # each message a conversation of its own, under the model's chat template
         system = [{"role": "system", "content": args.system}] if args.system else []

@@ -243,13 +243,9 @@ def test_tokenizer_splits_digits_as_the_original_smollm2_tokenizer(llm, hf_token
         assert llm.tokenizer.encode(text).ids == original.encode(text).ids, repr(text)
 
 
-def test_cli_chat_answers_paris(capsys, monkeypatch):
+def test_cli_chat_answers_paris(capsys):
     from jaxinfer.cli import main
-    from jaxinfer.engine.engine import Engine
 
-    # Warm-up compiles every bucket (~50 s of the 30-layer model on CPU); the run compiles what
-    # it uses.
-    monkeypatch.setattr(Engine, "warmup", lambda self, progress=None: 0.0)
     rc = main(["generate", "--model", "smollm2", "--chat", "What is the capital of France?",
                "--max-tokens", "16"])  # fmt: skip
     out = capsys.readouterr().out
