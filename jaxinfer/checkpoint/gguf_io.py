@@ -158,7 +158,11 @@ class GgufFile:
         tokens = self.field("tokenizer.ggml.tokens", None)
         vocab = self.field(f"{a}.vocab_size", None) or (len(tokens) if tokens else None)
         if vocab is None:
-            vocab = self._reader_tensor("token_embd.weight").shape[-1]
+            embed = self._tensors.get(_TOP_NAMES["token_embd.weight"])
+            if embed is None:
+                raise CheckpointError(f"{self.path}: no {a}.vocab_size, tokenizer.ggml.tokens "
+                                      "or token_embd.weight to take the vocabulary size from")  # fmt: skip
+            vocab = int(embed.shape[-1])
         eos = [self.field("tokenizer.ggml.eos_token_id", None)]
         eos += [self.field(f"tokenizer.ggml.{k}_token_id", None) for k in ("eot", "eom")]
         hf: dict[str, Any] = {
@@ -217,12 +221,6 @@ class GgufFile:
             return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
         return name  # (unused by the model: the loader ignores it, or refuses extra layers)
 
-    def _reader_tensor(self, name: str):
-        for t in self._reader.tensors:
-            if t.name == name:
-                return t
-        raise CheckpointError(f"{self.path} has no tensor {name!r}")
-
     def names(self) -> list[str]:
         return list(self._tensors)
 
@@ -251,12 +249,13 @@ class GgufFile:
                 f"tensor {t.name!r} in {self.path} has GGML type {type_name}, which is not "
                 f"supported; supported: {', '.join(GGML_TYPES)}"
             )
-        try:
-            x = dequantize(t.data, type_name, shape) if type_name not in ("F32", "F16") else None
-        except ValueError as e:
-            raise CheckpointError(f"tensor {t.name!r} in {self.path}: {e}") from None
-        if x is None:
+        if type_name in ("F32", "F16"):  # stored as they are; the device casts them
             x = np.asarray(t.data).reshape(shape)
+        else:
+            try:
+                x = dequantize(t.data, type_name, shape)
+            except ValueError as e:
+                raise CheckpointError(f"tensor {t.name!r} in {self.path}: {e}") from None
         if self.permuted and name.endswith(
             (
                 "self_attn.q_proj.weight",
