@@ -147,8 +147,22 @@ def run_transformers(net, device, prompts, output_lens: list[int], batch_size: i
         "generated_tok_s": round(generated / elapsed, 1),  # also the tokens past a request's end
         "device": str(device),
         "torch_threads": torch.get_num_threads(),
+        "transformers": transformers_weights(net),
         "first_outputs": outs[:2],
     }
+
+
+def transformers_weights(net) -> str:
+    """The transformers version and how its first linear layer holds its weight: a GGUF file may
+    load dequantized (a plain `Linear`) or kept in its blocks (a GGUF module), which computes
+    differently."""
+    import transformers
+
+    linear = next(m for m in net.modules() if "Linear" in type(m).__name__ or "Gguf" in
+                  type(m).__name__)  # fmt: skip
+    weight = getattr(linear, "weight", None)
+    held = f"{type(linear).__name__}, weight {getattr(weight, 'dtype', None)}"
+    return f"transformers {transformers.__version__}: {held}"
 
 
 def transformers_child(job_file: Path, rows_file: Path) -> None:
