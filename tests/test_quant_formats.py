@@ -129,7 +129,7 @@ def test_a_single_outlier_only_coarsens_its_own_block(name, fresh_seed):
     err, err_out = np.abs(deq(quantized(name, w)) - w), np.abs(deq(quantized(name, w_out)) - w_out)
     rel = 0.25 if name.endswith("fp4") else 0.07  # e2m1's step (mxfp4 saturates 7.8 to 6)
     assert np.abs(deq(quantized(name, w_out))[0, 0] - 1e3) <= 1e3 * rel, f"seed {fresh_seed}"
-    if name in ("fp8_tensor", "nvfp4"):  # one scale for all / a tensor scale: not local
+    if name in ("fp8_tensor", "nvfp4"):  # one (tensor) scale per logical output: not local
         return
     far = slice(128, None)  # another input block and another output block
     assert err_out[far, far].max() <= err[far, far].max() * 1.001 + 1e-7, f"seed {fresh_seed}"
@@ -310,21 +310,20 @@ def partial_quantize(fmt, in_dims):
 
 @pytest.mark.parametrize("name", FORMATS)
 def test_a_block_never_mixes_q_k_and_v(name, fresh_seed):
-    """w_qkv-like [E, Hkv, G + 2, D]: changing one logical output (kv head 1's value head) leaves
-    every other output's stored arrays and dequantized values unchanged. (The tensor's amax sits
-    in a query head, so a tensor-wide scale stays put.)"""
+    """w_qkv-like [E, Hkv, G + 2, D]: changing one logical output (kv head 1's value head, made
+    the weight's largest) leaves every other output's stored arrays and dequantized values
+    unchanged: no array holds a scale shared by two logical outputs."""
     rng = np.random.default_rng(fresh_seed)
     w = rng.standard_normal((256, 2, 3, 128)).astype(np.float32)
-    w[0, 0, 0, 0] = 50.0
     w2 = w.copy()
-    w2[:, 1, 2] = rng.standard_normal((256, 128)) * 3
+    w2[:, 1, 2] = rng.standard_normal((256, 128)) * 30
     qw, qw2 = quantized(name, w), quantized(name, w2)
     for part, a in qw.arrays.items():
         a, b = np.asarray(a).astype(np.float32), np.asarray(qw2.arrays[part]).astype(np.float32)
-        if a.ndim == 0:
-            assert a == b, f"seed {fresh_seed}: {name}.{part}"
-            continue
-        assert a.shape[-3:-1] == (2, 3), (name, part, a.shape)  # per logical output
+        # per logical output: [..., Hkv, G + 2, per-D] or, one per output, [Hkv, G + 2]
+        if a.shape == (2, 3):
+            a, b = a[..., None], b[..., None]
+        assert a.shape[-3:-1] == (2, 3), (name, part, a.shape)
         same = np.ones(a.shape[-3:-1], bool)
         same[1, 2] = False
         np.testing.assert_array_equal(a[..., same, :], b[..., same, :],

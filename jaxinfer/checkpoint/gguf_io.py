@@ -6,7 +6,9 @@ turned into the Hugging Face config it stands for and goes through `config_from_
 tensors are renamed to HF's and served in HF's [out, in] layout to the same loader as safetensors
 (`hf_loader.load_params_from`), so the two formats share every check and conversion. Block types
 are dequantized on the host to float32 when read (`jaxinfer.quant.ggml`, the one definition of
-each layout); the loader casts them to the engine dtype on the device.
+each layout); the loader casts them to the engine dtype on the device. A model whose weights are
+in the file's own block formats (Q8_0 as `q8_0`, Q4_1 as `q4_1`) takes those blocks as they are
+(`load_gguf_params`, `GgufFile.read_native`): SmolLM2's Q4_1 file runs from its 4-bit weights.
 
 llama.cpp's converter permutes the rows of Q and K of `llama` models for its interleaved RoPE
 (`convert_hf_to_gguf.py`, `LlamaModel.permute`): within each head the rows become
@@ -256,7 +258,12 @@ class GgufFile:
                 x = dequantize(t.data, type_name, shape)
             except ValueError as e:
                 raise CheckpointError(f"tensor {t.name!r} in {self.path}: {e}") from None
-        if self.permuted and name.endswith(
+        heads = self._permuted_heads(name)
+        return x if heads is None else unpermute_rope_rows(x, heads)
+
+    def _permuted_heads(self, name: str) -> int | None:
+        """The head count whose rows llama.cpp permuted in tensor `name`; None if unpermuted."""
+        if not self.permuted or not name.endswith(
             (
                 "self_attn.q_proj.weight",
                 "self_attn.q_proj.bias",
@@ -264,11 +271,82 @@ class GgufFile:
                 "self_attn.k_proj.bias",
             )
         ):
-            heads = self.field(f"{self.arch}.attention.head_count")
-            if ".k_proj." in name:  # (written only for models with num_key_value_heads)
-                heads = self.field(f"{self.arch}.attention.head_count_kv", heads)
-            x = unpermute_rope_rows(x, int(heads))
-        return x
+            return None
+        heads = self.field(f"{self.arch}.attention.head_count")
+        if ".k_proj." in name:  # (written only for models with num_key_value_heads)
+            heads = self.field(f"{self.arch}.attention.head_count_kv", heads)
+        return int(heads)
+
+    # -- weights in their own block format (not dequantized) -------------------------------------
+
+    def type_of(self, name: str) -> str | None:
+        """The GGML type name of HF-named tensor `name`; None if the file has no such tensor."""
+        t = self._tensors.get(name)
+        return None if t is None else self._gguf.GGMLQuantizationType(t.tensor_type).name
+
+    def native_format(self, layer: int, key: str, spec: Any) -> str | None:
+        """The weight format storing layer `layer`'s linear param `key` (plain spec `spec`) as
+        this file does: every tensor behind it (q, k and v for `w_qkv`) of one GGML type that a
+        format stores bit for bit (`gguf_formats.format_of_type`); None otherwise."""
+        from jaxinfer.checkpoint.hf_loader import layer_parts
+        from jaxinfer.quant.gguf_formats import format_of_type
+
+        parts, _ = layer_parts(key, spec)
+        names = [f"model.layers.{layer}.{rule.hf_name}" for rule, _ in parts]
+        formats = {format_of_type(self.type_of(name)) for name in names}
+        fmt = formats.pop() if len(formats) == 1 else None
+        return None if fmt is None else fmt.name
+
+    def native_recipe(
+        self, cfg: ModelConfig
+    ) -> tuple[str | None, tuple[tuple[str, str | None], ...]]:
+        """(weight_format, weight_formats) storing each linear weight of the layers of the plain
+        `cfg` in the file's own format (`native_format`), or plain where it has none: one
+        `weight_format` when every weight has the same, else an entry per weight."""
+        from jaxinfer.models.spec import layer_specs
+
+        entries = [
+            (f"layers.{i}.{key}", self.native_format(i, key, spec))
+            for i in range(cfg.num_layers)
+            for key, spec in layer_specs(cfg, i).items()
+            if spec.in_dims
+        ]
+        formats = {fmt for _, fmt in entries}
+        if len(formats) == 1:
+            return formats.pop(), ()
+        return None, tuple(entries)
+
+    def read_native(self, layer: int, key: str, spec: Any) -> Any:
+        """Layer `layer`'s linear param `key` (plain spec `spec`) as a `QuantizedWeight` of its
+        tensors' own blocks (`native_format` must name one): quants and float16 scales moved
+        over as stored (`gguf_formats.from_gguf_components`), fused parts joined along their
+        axis, Q and K rows un-permuted for `llama` files; it dequantizes to `read`'s values."""
+        import jax.numpy as jnp
+
+        from jaxinfer.checkpoint.hf_loader import layer_parts
+        from jaxinfer.quant import QuantizedWeight, ggml
+        from jaxinfer.quant.gguf_formats import from_gguf_components
+
+        parts, axis = layer_parts(key, spec)
+        pieces = []
+        for rule, piece in parts:
+            name = f"model.layers.{layer}.{rule.hf_name}"
+            t, type_name = self._tensors[name], self.type_of(name)
+            n = rule.n_in
+            hf_shape = (int(np.prod(piece.shape[n:])), int(np.prod(piece.shape[:n])))
+            if tuple(int(d) for d in reversed(t.shape)) != hf_shape:
+                raise CheckpointError(f"tensor {t.name!r} ({name}) in {self.path} has shape "
+                                      f"{tuple(reversed(t.shape))}, expected {hf_shape}")  # fmt: skip
+            components = ggml.unpack(t.data, type_name, hf_shape)  # rows: the outputs
+            heads = self._permuted_heads(name)
+            if heads is not None:
+                components = {c: unpermute_rope_rows(x, heads) for c, x in components.items()}
+            pieces.append(from_gguf_components(components, type_name, piece.shape, n))
+        if len(pieces) == 1:
+            return pieces[0]
+        arrays = {c: jnp.concatenate([p.arrays[c] for p in pieces], axis=axis)
+                  for c in pieces[0].arrays}  # fmt: skip
+        return QuantizedWeight(arrays, pieces[0].format, spec.in_dims)
 
 
 def unpermute_rope_rows(x: np.ndarray, heads: int) -> np.ndarray:
@@ -296,6 +374,43 @@ def load_gguf_model(
     file = open_gguf(path)
     cfg = file.model_config(dtype=dtype, param_dtype=param_dtype)
     return cfg, load_params_from(file, cfg, mesh, allow_unused_layers=allow_unused_layers)
+
+
+def load_gguf_params(file: GgufFile, cfg: ModelConfig, mesh: Any = None, *,
+                     allow_unused_layers: bool = False):  # fmt: skip
+    """Params for `cfg`, whose weights may be in formats, from `file`.
+
+    A layer weight whose format is its tensors' own GGML type (q8_0 of Q8_0 tensors, q4_1 of
+    Q4_1: `GgufFile.native_format`) is taken block for block, never requantized; the others are
+    dequantized and, if `cfg` gives them a format, quantized on the device (`quantize_params`).
+    The plain model is loaded first (every param checked finite, on `mesh`), so the load's peak
+    memory is a plain load's; what stays on the device is the formatted model.
+    """
+    from jaxinfer.checkpoint.hf_loader import load_params_from
+    from jaxinfer.models.spec import param_shardings, param_specs
+    from jaxinfer.quant import QuantizedWeight
+    from jaxinfer.quant.transform import quantize_params
+
+    plain_cfg = cfg.plain()
+    params = load_params_from(file, plain_cfg, mesh, allow_unused_layers=allow_unused_layers)
+    if not cfg.has_formats:
+        return params
+    plain_specs, layers = param_specs(plain_cfg)["layers"], []
+    for i, (layer, specs) in enumerate(zip(params["layers"], param_specs(cfg)["layers"],
+                                           strict=True)):  # fmt: skip
+        layer = dict(layer)
+        for key, spec in specs.items():
+            if isinstance(spec, QuantizedWeight) and (
+                file.native_format(i, key, plain_specs[i][key]) == spec.format.name
+            ):
+                layer[key] = file.read_native(i, key, plain_specs[i][key])
+        layers.append(layer)
+    params = quantize_params(cfg, {**params, "layers": tuple(layers)}, mesh)
+    if mesh is not None:
+        import jax
+
+        params = jax.device_put(params, param_shardings(cfg, mesh))
+    return params
 
 
 def gguf_tokenizer(path: PathLike | GgufFile):

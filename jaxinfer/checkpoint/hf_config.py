@@ -7,7 +7,9 @@ model's size have no sensible default and are required. Anything we would silent
 differently from transformers (other RoPE variants, partial rotary, non-SiLU activations) is
 refused with UnsupportedModelError instead of loading a subtly wrong model. Two RoPE variants
 that transformers recomputes per forward (dynamic NTK, LongRoPE) are loaded in a static form
-that matches it only at some lengths: see `DynamicRopeScaling` and `LongRopeScaling`.
+that matches it only at some lengths: see `DynamicRopeScaling` and `LongRopeScaling`. A
+`quantization_config` we can load exactly sets `weight_format` (`hf_quantized`); any other is
+refused by name.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxinfer.checkpoint.errors import CheckpointError, UnsupportedModelError
+from jaxinfer.checkpoint.hf_quantized import checkpoint_weight_format
 from jaxinfer.models.config import ROPE_SCALINGS, ModelConfig
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
@@ -306,7 +309,7 @@ def config_from_hf(
     if bos is not None and not isinstance(bos, int):
         raise CheckpointError(f"{source}: bos_token_id must be an int, got {bos!r}")
     try:
-        return ModelConfig(
+        cfg = ModelConfig(
             vocab_size=hf["vocab_size"],
             hidden_size=hidden,
             intermediate_size=hf["intermediate_size"],
@@ -332,3 +335,6 @@ def config_from_hf(
         )
     except ValueError as e:
         raise CheckpointError(f"{source}: {e}") from e
+    # a pre-quantized checkpoint's linears load in the format it stores (`hf_quantized`)
+    quant = checkpoint_weight_format(hf.get("quantization_config"), cfg.num_layers, source)
+    return cfg if quant is None else cfg.replace(weight_format=quant)

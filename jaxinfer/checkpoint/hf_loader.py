@@ -16,7 +16,9 @@ copy before reading the next; otherwise async dispatch would let host buffers pi
 
 Dtypes: F32, F16 and BF16 tensors are accepted and cast to the spec's dtype. Everything else is
 refused: integer and FP8 tensors come from quantized checkpoints whose scales we would not apply
-(casting them would load wrong weights silently), and F64 never occurs in LLM checkpoints.
+(casting them would load wrong weights silently), and F64 never occurs in LLM checkpoints. The
+exception: a pre-quantized checkpoint (FP8 block-scaled, ModelOpt NVFP4) whose config names its
+format loads its decoder linears as they are stored, into that weight format (`hf_quantized`).
 """
 
 from __future__ import annotations
@@ -38,16 +40,19 @@ from tokenizers import Tokenizer
 
 from jaxinfer.checkpoint.errors import CheckpointError
 from jaxinfer.checkpoint.hf_config import config_from_hf
+from jaxinfer.checkpoint.hf_quantized import prequantized_linears
 from jaxinfer.checkpoint.integrity import count_nonfinite
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.spec import Params, ParamSpec, param_specs
 from jaxinfer.parallel.sharding import named_sharding
+from jaxinfer.quant import QuantizedWeight
 
 PathLike = str | os.PathLike[str]
 
 SUPPORTED_DTYPES = ("F32", "F16", "BF16")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+QUANT_CONFIG_FILE = "hf_quant_config.json"  # NVIDIA ModelOpt's, beside config.json
 _LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")
 
 
@@ -372,7 +377,8 @@ def load_hf_params(
     """Params for `cfg` from the safetensors files in `path`, placed on `mesh` when given.
 
     `cfg` must describe the checkpoint (normally from `config_from_hf`); its dtypes decide the
-    result's. With `cfg.weight_format` the plain weights are loaded, then quantized on the device.
+    result's. With weight formats (`cfg.has_formats`) the plain weights are loaded, then quantized on the device,
+    unless the checkpoint stores them in that format already (`hf_quantized`).
     Tensors of layers `cfg` does not have are an error unless `allow_unused_layers`.
     """
     directory = _checkpoint_dir(path)
@@ -386,11 +392,13 @@ def load_params_from(
 ) -> Params:
     """Params for `cfg` from a source of HF-named tensors in HF layout: `_SafetensorsFiles`, or
     anything with its `names()`, `directory`, `location(name)` and `read(name, shape, param)`
-    (GGUF files: `jaxinfer.checkpoint.gguf_io`)."""
-    if cfg.weight_format is not None:
+    (GGUF files: `jaxinfer.checkpoint.gguf_io`). A checkpoint of pre-quantized linears loads
+    them as stored (its format must be `cfg.weight_format`)."""
+    prequantized = prequantized_linears(files, cfg, mesh)
+    if cfg.has_formats and prequantized is None:
         from jaxinfer.quant.transform import quantize_params
 
-        plain_cfg = cfg.replace(weight_format=None)
+        plain_cfg = cfg.plain()
         plain = load_params_from(files, plain_cfg, mesh, allow_unused_layers=allow_unused_layers)
         return quantize_params(cfg, plain, mesh)
     specs = param_specs(cfg)
@@ -405,13 +413,18 @@ def load_params_from(
             raise NotImplementedError(f"no Hugging Face tensor mapping for param {key!r}")
         rule = _TOP_RULES[key]
         params[key] = loader.load(rule, rule.hf_name, spec, key)
+    logical = param_specs(cfg.plain())["layers"] if prequantized else None
+
+    def load_layer(i: int, key: str, spec: Any):
+        prefix, param = f"model.layers.{i}.", f"layers[{i}].{key}"
+        if isinstance(spec, QuantizedWeight):  # stored quantized: `prequantized` reads it
+            parts, axis = layer_parts(key, logical[i][key])
+            named = [(prefix + rule.hf_name, part.shape) for rule, part in parts]
+            return prequantized.load(named, axis, spec, param)
+        return loader.load_layer(_layer_rule(key), prefix, spec, param)
+
     params["layers"] = tuple(
-        {
-            key: loader.load_layer(
-                _layer_rule(key), f"model.layers.{i}.", spec, f"layers[{i}].{key}"
-            )
-            for key, spec in layer.items()
-        }
+        {key: load_layer(i, key, spec) for key, spec in layer.items()}
         for i, layer in enumerate(specs["layers"])
     )
     return params
@@ -445,8 +458,11 @@ def load_hf_config(
     config_path = directory / "config.json"
     if not config_path.exists():
         raise CheckpointError(f"{config_path} does not exist")
+    hf = _read_json(config_path)
+    if hf.get("quantization_config") is None and (directory / QUANT_CONFIG_FILE).exists():
+        hf = {**hf, "quantization_config": _read_json(directory / QUANT_CONFIG_FILE)}
     cfg = config_from_hf(
-        _read_json(config_path),
+        hf,
         dtype=dtype,
         param_dtype=param_dtype,
         source=str(config_path),

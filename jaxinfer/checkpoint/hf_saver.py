@@ -57,7 +57,7 @@ def _architecture(cfg: ModelConfig) -> str:
 
     if set(cfg.ffn_kinds) - {"dense"}:
         raise refuse("ffn_kinds", "only dense MLP blocks are supported")
-    if cfg.weight_format is not None:
+    if cfg.has_formats:
         raise refuse("weight_format", "quantized weights are not exported")
     if cfg.qk_norm:
         # Qwen3: `attention_bias` puts a bias on all of q, k, v and o; the MLP has none.

@@ -6,6 +6,7 @@ its derived sizes, `max_step_tokens`, `pages_per_seq`) rather than copies of its
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,74 @@ def compiler_options_key(key: str) -> tuple[str, int | None]:
     return kind, int(bound)
 
 
+# `engine.quant.weights` beyond the format names: "none" (plain weights) and "gguf" (each weight
+# of a GGUF model in its file's own block format where one stores it bit for bit, else plain).
+QUANT_WEIGHTS = ("none", "gguf")
+
+
+@dataclass
+class CalibrationConfig:
+    """Tokens run through the plain model to set the static activation scales of `fp8_static`
+    weights (`jaxinfer.quant.calibrate`): `num_tokens` in sequences of `seq_len`, read from
+    `text_file` (tokenized by the model's tokenizer), or random token ids drawn with engine.seed
+    when it is null (enough to serve, not to measure quality)."""
+
+    num_tokens: int = 512
+    seq_len: int = 128
+    text_file: str | None = None
+
+
+@dataclass
+class QuantConfig:
+    """How the engine stores the model's layer weights (`jaxinfer.quant.transform.quantize`):
+    `weights` for every linear weight of the layers, unless the first `recipe` pattern (fnmatch
+    over "layers.{i}.{name}", in order) that matches it says otherwise; a recipe value "none"
+    (or null) keeps the weight plain. Embedding, LM head, norms and biases always stay plain. A
+    model handed to the engine already in formats (e.g. a pre-quantized checkpoint) is served as
+    it is."""
+
+    weights: str = "none"
+    recipe: dict[str, str | None] = field(default_factory=dict)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+
+    def __post_init__(self) -> None:
+        from jaxinfer.quant import WEIGHT_FORMATS
+        from jaxinfer.quant.transform import recipe_entries
+
+        if isinstance(self.calibration, dict):
+            self.calibration = _sub_config(CalibrationConfig, self.calibration,
+                                           "engine.quant.calibration")  # fmt: skip
+        known = (*QUANT_WEIGHTS, *sorted(WEIGHT_FORMATS))
+        if self.weights not in known:
+            raise ValueError(f"engine.quant.weights={self.weights!r} is unknown: must be one of "
+                             f"{', '.join(known)}")  # fmt: skip
+        if not isinstance(self.recipe, dict):
+            raise ValueError(f"engine.quant.recipe must map weight patterns to formats, got "
+                             f"{self.recipe!r}")  # fmt: skip
+        self.recipe = dict(recipe_entries(self.recipe, "engine.quant.recipe"))  # (flat)
+        c = self.calibration
+        for key in ("num_tokens", "seq_len"):
+            value = getattr(c, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"engine.quant.calibration.{key}={value!r} is invalid: must be "
+                                 "an int >= 1")  # fmt: skip
+
+    @property
+    def active(self) -> bool:
+        """Whether any weight is to be stored in a format (else the model is served plain)."""
+        return self.weights != "none" or any(v is not None for v in self.recipe.values())
+
+
+def _sub_config(cls, data: dict, key: str):
+    """`cls(**data)` of a nested config given as a dict (code, or `dataclasses.asdict`), an
+    unknown field named by its dotted key."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{key}.{unknown[0]} is unknown: the keys are {', '.join(sorted(known))}")
+    return cls(**data)
+
+
 @dataclass
 class EngineConfig:
     # "tiny"/"tiny-draft": shipped reference models; "smollm2": SmolLM2-135M-Instruct from its
@@ -51,7 +120,13 @@ class EngineConfig:
     kv_dtype: str = "auto"  # KV cache pools: "auto" = dtype; float8_e4m3fn adds per-page scales
     seed: int = 0
     page_size: int = 16
-    num_pages: int = 512  # including the scratch page
+    # KV pages, including the scratch page; "auto": as many as fit in `memory_budget_gb` once the
+    # params (their stored bytes: a quantized model leaves more room) and a step's workspace
+    # are taken out (`engine.pages_in_budget`).
+    num_pages: int | str = 512
+    # GB (1e9 bytes) of device memory per device for params, KV pages and workspace, read when
+    # num_pages is "auto"; null: 0.9 x the device's memory (bytes_limit), which a CPU has none of.
+    memory_budget_gb: float | None = None
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_model_len: int = 1024
@@ -102,8 +177,14 @@ class EngineConfig:
     # always uses workers (one worker for data_parallel=1, to compare like with like).
     data_parallel: int = 1
     data_parallel_backend: str = "auto"
+    # Weight formats of the model's layers (QuantConfig), applied to whatever model is loaded,
+    # e.g. {weights: fp8_block, recipe: {"layers.0.*": none}}.
+    quant: QuantConfig = field(default_factory=QuantConfig)
 
     def __post_init__(self) -> None:
+        if isinstance(self.quant, dict):
+            self.quant = _sub_config(QuantConfig, self.quant, "engine.quant")
+
         def bad(key: str, allowed: str) -> ValueError:
             return ValueError(f"engine.{key}={getattr(self, key)!r} is invalid: must be {allowed}")
 
@@ -143,8 +224,16 @@ class EngineConfig:
             raise bad("decode_steps", "an int >= 1")
         if not all(isinstance(b, int) and 1 <= b <= self.max_num_seqs for b in self.decode_buckets):
             raise bad("decode_buckets", f"a list of ints in [1, max_num_seqs={self.max_num_seqs}]")
-        if self.num_pages < 2:
-            raise bad("num_pages", "an int >= 2 (page 0 is the scratch page)")
+        if self.num_pages != "auto" and (
+            not isinstance(self.num_pages, int) or isinstance(self.num_pages, bool)
+            or self.num_pages < 2
+        ):  # fmt: skip
+            raise bad("num_pages", 'an int >= 2 (page 0 is the scratch page) or "auto"')
+        budget = self.memory_budget_gb
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, int | float) or not budget > 0
+        ):
+            raise bad("memory_budget_gb", "a number of GB > 0, or null (the device's memory)")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise bad("max_num_batched_tokens", f">= max_num_seqs ({self.max_num_seqs})")
         if self.num_logprobs < 0:

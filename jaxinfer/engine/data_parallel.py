@@ -104,7 +104,7 @@ def _worker(rank: int, config: dict, setup, control, requests, results, parent_p
 
         engine_config = EngineConfig(**{**config, "data_parallel": 1})
         cfg, params, tokenizer = load_model(engine_config.model, engine_config.dtype,
-                                            engine_config.seed)  # fmt: skip
+                                            engine_config.seed, quant=engine_config.quant)  # fmt: skip
         engine = Engine(engine_config, cfg, params, tokenizer)
         if setup is not None:
             setup(engine)

@@ -13,6 +13,7 @@ the device.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable
@@ -55,9 +56,58 @@ class StepOutput:
     finished: bool
 
 
+def pages_in_budget(config: EngineConfig, cfg: ModelConfig, budget_bytes: int | None = None) -> int:
+    """KV pages (the scratch page included) of `engine.num_pages: auto`: what is left of the
+    memory budget (`budget_bytes`, else `engine.memory_budget_gb`, else 0.9 x the device's
+    `bytes_limit`) per device, times the devices of the mesh's "model" axis (which shards both
+    params and pages), after the stored params (`param_bytes`: a quantized model's are fewer)
+    and `workspace_bytes`, in pages of `kv_page_bytes`."""
+    from jaxinfer.kv.cache import kv_page_bytes
+    from jaxinfer.models.spec import param_bytes
+
+    if budget_bytes is None and config.memory_budget_gb is not None:
+        budget_bytes = int(config.memory_budget_gb * 1e9)
+    if budget_bytes is None:
+        device = jax.devices()[0]
+        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+        if not stats or "bytes_limit" not in stats:
+            raise ValueError(f"engine.num_pages=auto needs engine.memory_budget_gb (GB): the "
+                             f"{device.platform} device reports no memory size")  # fmt: skip
+        budget_bytes = int(0.9 * stats["bytes_limit"])
+    total = budget_bytes * config.mesh.get("model", 1)
+    params, workspace = param_bytes(cfg), workspace_bytes(config, cfg)
+    page = kv_page_bytes(cfg, config.page_size, config.kv_dtype)
+    pages = (total - params - workspace) // page
+    if pages < 2:
+        raise ValueError(
+            f"engine.num_pages=auto: a budget of {total / 1e9:.3g} GB leaves "
+            f"{(total - params - workspace) / 1e9:.3g} GB after the params ({params / 1e9:.3g} GB)"
+            f" and the workspace ({workspace / 1e9:.3g} GB), fewer than 2 KV pages of "
+            f"{page} bytes: raise engine.memory_budget_gb"
+        )
+    return int(pages)
+
+
+def workspace_bytes(config: EngineConfig, cfg: ModelConfig) -> int:
+    """A rough upper bound on one step's transient device memory, all in fp32: a mixed step's
+    activations over its tokens (hidden, q/k/v, gate/up, one row of attention scores over
+    max_model_len keys per query head) and the sampled rows' logits, four copies (softmax,
+    sort, filtered). A formula, not a measurement: it keeps the pool from claiming it."""
+    t = config.max_step_tokens
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    activations = t * (2 * cfg.hidden_size + qkv + 3 * cfg.intermediate_size)
+    scores = t * cfg.num_heads * config.max_model_len
+    logits = 4 * config.max_num_seqs * cfg.vocab_size
+    return 4 * (activations + scores + logits)
+
+
 class Engine:
     """One engine: `config` (EngineConfig) drives it, `model_config` (ModelConfig) describes
-    the model whose `params` it serves on the mesh `config.mesh` (params are placed there)."""
+    the model whose `params` it serves on the mesh `config.mesh` (params are placed there).
+
+    A plain model is quantized here when `config.quant` asks for formats (`quantize_for_engine`);
+    `num_pages: auto` is resolved here (`pages_in_budget`), so `self.config.num_pages` is a
+    number."""
 
     def __init__(
         self,
@@ -79,6 +129,15 @@ class Engine:
         self.shardings = EngineShardings.for_config(config.mesh)
         from jaxinfer.models.spec import param_shardings
 
+        if config.quant.active and not model_config.has_formats:
+            from jaxinfer.engine.loading import quantize_for_engine
+
+            model_config, params = quantize_for_engine(config, model_config, params, tokenizer,
+                                                       self.shardings.mesh)  # fmt: skip
+            self.model_config = model_config
+        if config.num_pages == "auto":
+            config = dataclasses.replace(config, num_pages=pages_in_budget(config, model_config))
+            self.config = config
         params = jax.device_put(params, param_shardings(model_config, self.shardings.mesh))
         self.block_manager = BlockManager(config.num_pages, config.page_size, config.allocation)
         self.scheduler = Scheduler(config, self.block_manager)

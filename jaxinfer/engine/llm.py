@@ -83,7 +83,8 @@ class LLM:
                 self.engine.warmup()
             return
         mesh = EngineShardings.for_config(self.config.mesh).mesh
-        cfg, params, self.tokenizer = load_model(model, self.config.dtype, self.config.seed, mesh)
+        cfg, params, self.tokenizer = load_model(model, self.config.dtype, self.config.seed, mesh,
+                                                 self.config.quant)  # fmt: skip
         self.engine = Engine(self.config, cfg, params, self.tokenizer)
         if setup is not None:
             setup(self.engine)

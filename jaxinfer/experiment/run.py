@@ -257,6 +257,8 @@ def _check_shortest_request_fits(rc: RunConfig) -> None:
         raise ValueError(
             f"every request would be refused: {shortest} > engine.max_model_len={e.max_model_len}"
         )
+    if e.num_pages == "auto":  # (sized from the memory budget when the model is loaded)
+        return
     pages, capacity = math.ceil(total / e.page_size), e.num_pages - 1  # page 0: scratch
     if pages > capacity:
         raise ValueError(
@@ -329,7 +331,8 @@ def run_experiment(rc: RunConfig, *, show_progress: bool = True, console: Consol
     phase, engine, warmup_s, workload = "model loading", None, 0.0, []
     try:
         mesh = EngineShardings.for_config(rc.engine.mesh).mesh
-        cfg, params, tokenizer = load_model(rc.engine.model, rc.engine.dtype, rc.engine.seed, mesh)
+        cfg, params, tokenizer = load_model(rc.engine.model, rc.engine.dtype, rc.engine.seed, mesh,
+                                            rc.engine.quant)  # fmt: skip
         engine = Engine(rc.engine, cfg, params, tokenizer)
         encode = (lambda s: tokenizer.encode(s).ids) if tokenizer is not None else None
         workload = build_workload(rc.workload, cfg.vocab_size, encode)

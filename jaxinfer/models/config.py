@@ -10,6 +10,7 @@ full attention), read through `layer(i)`.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -203,9 +204,14 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     ffn_kinds: tuple[str, ...] = ()
     # The format of the linear weights of the decoder layers (a key of
-    # `jaxinfer.quant.WEIGHT_FORMATS`); None: plain `param_dtype` arrays. Embedding, LM head and
-    # norms stay plain.
+    # `jaxinfer.quant.WEIGHT_FORMATS`); None: plain `param_dtype` arrays. Embedding, LM head,
+    # norms and biases always stay plain.
     weight_format: str | None = None
+    # A quantization recipe: (pattern, format or None = plain) pairs, fnmatch patterns over a
+    # layer weight's path "layers.{i}.{name}" (e.g. "layers.*.w_qkv", "layers.0.*"); the first
+    # pattern that matches a weight gives its format, `weight_format` the format of the rest
+    # (`weight_format_of`). Every pattern must match a linear weight of the model.
+    weight_formats: tuple[tuple[str, str | None], ...] = ()
     # Numerics: weights stored in `param_dtype`, activations computed in `dtype`; softmax, norms
     # and accumulations always in fp32.
     param_dtype: str = "bfloat16"
@@ -269,6 +275,64 @@ class ModelConfig:
         if self.weight_format is not None and self.weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"ModelConfig.weight_format={self.weight_format!r} is unknown; "
                              f"known: {sorted(WEIGHT_FORMATS)} or None")  # fmt: skip
+        self._check_weight_formats(WEIGHT_FORMATS)
+
+    def _check_weight_formats(self, known) -> None:
+        """Each recipe entry is (pattern, known format or None) and matches a linear weight of the
+        layers; one that names only always-plain weights (embedding, head, norms, biases) says so."""
+        entries = []
+        for i, entry in enumerate(self.weight_formats):  # (JSON gives lists of lists)
+            if (not isinstance(entry, list | tuple) or len(entry) != 2
+                    or not isinstance(entry[0], str)):  # fmt: skip
+                raise ValueError(f"ModelConfig.weight_formats[{i}]={entry!r} must be a "
+                                 "(pattern, format or None) pair")  # fmt: skip
+            pattern, fmt = entry
+            if fmt is not None and fmt not in known:
+                raise ValueError(f"ModelConfig.weight_formats[{i}]: pattern {pattern!r} names "
+                                 f"format {fmt!r}, unknown; known: {sorted(known)} or None")  # fmt: skip
+            entries.append((pattern, fmt))
+        object.__setattr__(self, "weight_formats", tuple(entries))
+        if not entries:
+            return
+        from jaxinfer.models.spec import layer_weight_paths  # (spec imports this module)
+
+        linear, plain = layer_weight_paths(self.plain())
+        for i, (pattern, _) in enumerate(entries):
+            if any(fnmatch.fnmatchcase(p, pattern) for p in linear):
+                continue
+            named = [p for p in plain if fnmatch.fnmatchcase(p, pattern)]
+            if named:
+                shown = ", ".join(named[:3]) + (", ..." if len(named) > 3 else "")
+                raise ValueError(
+                    f"ModelConfig.weight_formats[{i}]: pattern {pattern!r} names only weights "
+                    f"that always stay plain ({shown}: the embedding, LM head, norms and biases "
+                    "are never quantized); formats apply to the layers' linear weights, e.g. "
+                    "layers.*.w_qkv"
+                )
+            names = sorted({p.split(".", 2)[2] for p in linear})
+            raise ValueError(
+                f"ModelConfig.weight_formats[{i}]: pattern {pattern!r} matches no linear weight "
+                f"of the model (they are layers.{{0..{self.num_layers - 1}}}.{{"
+                f"{', '.join(names)}}})"
+            )
+
+    def weight_format_of(self, layer: int, name: str) -> str | None:
+        """The format of linear weight `name` of layer `layer`: the first `weight_formats`
+        pattern matching "layers.{layer}.{name}", else `weight_format` (None: plain)."""
+        path = f"layers.{layer}.{name}"
+        for pattern, fmt in self.weight_formats:
+            if fnmatch.fnmatchcase(path, pattern):
+                return fmt
+        return self.weight_format
+
+    @property
+    def has_formats(self) -> bool:
+        """Whether any weight is stored in a format (else every weight is a plain array)."""
+        return self.weight_format is not None or any(f is not None for _, f in self.weight_formats)
+
+    def plain(self) -> ModelConfig:
+        """This model with every weight a plain `param_dtype` array (no formats, no recipe)."""
+        return self.replace(weight_format=None, weight_formats=())
 
     @property
     def max_context(self) -> int:

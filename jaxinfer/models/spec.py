@@ -4,8 +4,10 @@ Random init, sharding, checkpoint loading and orbax restore targets all derive f
 `param_specs(cfg)`, so a new weight is declared once. Parameters are plain nested dicts of arrays
 (pytrees): `{"embed", "layers": (layer_0, ...), "final_norm", ["lm_head"]}`, one dict per layer,
 whose keys come from that layer's specs (its FFN kind's weights, optional biases and norms). A
-linear weight under `cfg.weight_format` is a `QuantizedWeight` whose leaves are the ParamSpecs of
-its arrays (`jaxinfer.quant`), so everything below works on it unchanged.
+linear weight of the layers that `cfg.weight_format_of` gives a format (`weight_format`, or the
+first matching pattern of the recipe `weight_formats`) is a `QuantizedWeight` whose leaves are the
+ParamSpecs of its arrays (`jaxinfer.quant`), so everything below works on it unchanged. The
+embedding, LM head, norms and biases are always plain arrays.
 """
 
 from __future__ import annotations
@@ -89,10 +91,28 @@ def layer_specs(cfg: ModelConfig, layer: int) -> dict[str, ParamSpec]:
         specs["q_norm"] = ParamSpec((d,), w, ("head_dim",), "ones")
         specs["k_norm"] = ParamSpec((d,), w, ("head_dim",), "ones")
     specs.update(FFN_BLOCKS[cfg.layer(layer).ffn].specs(cfg))
-    if cfg.weight_format is not None:
-        fmt = WEIGHT_FORMATS[cfg.weight_format]
-        specs = {k: formatted_spec(fmt, s) if s.in_dims else s for k, s in specs.items()}
+    if cfg.has_formats:
+        specs = {k: _formatted(cfg, layer, k, s) for k, s in specs.items()}
     return specs
+
+
+def _formatted(cfg: ModelConfig, layer: int, name: str, spec: ParamSpec):
+    """`spec` in the format cfg gives weight `name` of `layer` (`weight_format_of`); norms and
+    biases (not linear: in_dims 0) stay plain."""
+    fmt = cfg.weight_format_of(layer, name) if spec.in_dims else None
+    return spec if fmt is None else formatted_spec(WEIGHT_FORMATS[fmt], spec)
+
+
+def layer_weight_paths(cfg: ModelConfig) -> tuple[list[str], list[str]]:
+    """(paths "layers.{i}.{name}" of the layers' linear weights, which formats may store; paths
+    of the weights that always stay plain: the layers' norms and biases, and the top-level
+    "embed", "final_norm", "lm_head"), of a plain `cfg`: the names recipe patterns match."""
+    specs = param_specs(cfg)
+    linear, plain = [], [k for k in specs if k != "layers"]
+    for i, layer in enumerate(specs["layers"]):
+        for name, spec in layer.items():
+            (linear if spec.in_dims else plain).append(f"layers.{i}.{name}")
+    return linear, plain
 
 
 def formatted_spec(fmt, spec: ParamSpec) -> QuantizedWeight:
@@ -122,7 +142,7 @@ def param_specs(cfg: ModelConfig) -> Params:
 
 def num_params(cfg: ModelConfig) -> int:
     """Parameters of the model's logical weights (a formatted weight counts its logical shape)."""
-    return num_params_of(param_specs(cfg.replace(weight_format=None)))
+    return num_params_of(param_specs(cfg.plain()))
 
 
 def num_params_of(specs: Any) -> int:
@@ -130,7 +150,9 @@ def num_params_of(specs: Any) -> int:
 
 
 def param_bytes(cfg: ModelConfig) -> int:
-    """Device bytes of the stored params (every array of a formatted weight counted)."""
+    """Device bytes of the stored params: every array of a formatted weight at its stored shape
+    and dtype (4-bit values packed two a byte count one byte per pair), the plain ones as they
+    are. `num_params` counts the logical weights instead."""
     specs = jax.tree.leaves(param_specs(cfg), is_leaf=is_spec)
     return sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in specs)
 

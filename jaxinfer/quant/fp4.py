@@ -7,17 +7,22 @@ rounds to nearest, ties to the even code (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 
 
     values  uint8 [*in[:-1], in[-1]/2, *out]   two codes a byte along the input: input 2i in the
             low nibble, 2i+1 in the high nibble (`intq.pack_nibbles`)
-    nvfp4   block_scales e4m3 [ceil(K/16), *out], tensor_scale fp32 []
-            w = e2m1 * block_scale * tensor_scale; tensor_scale = amax(w) / (6 * 448) and
-            block_scale = e4m3(amax(block) / 6 / tensor_scale), NVIDIA's two-level NVFP4 recipe
-            (16-value micro-blocks along the input; ModelOpt's `weight_scale`/`weight_scale_2`)
+    nvfp4   block_scales e4m3 [ceil(K/16), *out], tensor_scale fp32 [*out[:-1]]
+            w = e2m1 * block_scale * tensor_scale, NVIDIA's two-level NVFP4 recipe (16-value
+            micro-blocks along the input; ModelOpt's `weight_scale` / `weight_scale_2`):
+            tensor_scale = amax / (6 * 448) per logical output (amax over the inputs and the
+            last output axis: one per weight when unfused, one per q/k/v head or gate/up of a
+            fused weight, so fused HF tensors keep their own `weight_scale_2`), and
+            block_scale = e4m3(amax(block) / 6 / tensor_scale)
     mxfp4   scales uint8 [ceil(K/32), *out]: E8M0 biased exponents (code e is 2^(e - 127); 255 is
             NaN and never written); w = e2m1 * 2^(e - 127) with e - 127 =
             floor(log2(amax(block))) - 2 (MX v1.0 sec. 6.3: the element type's emax is 2)
 
 Blocks lie along the input, so fused outputs never share a scale; an all-zero block has scale 1
-(mxfp4: code 127; its exponents clip to [-126, 127], so code 0 is never written). The product
-dequantizes in the graph to the activation's dtype.
+(mxfp4: code 127; its exponents clip to [-126, 127], so code 0 is never written). nvfp4
+dequantizes as (e2m1 * block_scale) * tensor_scale: the first product is exact (2 and 4
+significant bits), so w is the three-way product rounded once to fp32. The product dequantizes in
+the graph to the activation's dtype.
 """
 
 from __future__ import annotations
@@ -69,7 +74,8 @@ class Fp4(WeightFormat):
         values = packed_spec(spec)
         if self.kind == "mx":
             return {"values": values, "scales": group_spec(spec, self.block, jnp.uint8, "zeros")}
-        tensor = dataclasses.replace(spec, shape=(), dtype=jnp.float32, axes=(), init="ones",
+        tensor = dataclasses.replace(spec, shape=spec.shape[spec.in_dims : -1], dtype=jnp.float32,
+                                     axes=spec.axes[spec.in_dims : -1], init="ones",
                                      in_dims=0)  # fmt: skip
         return {"values": values, "block_scales": group_spec(spec, self.block, E4M3),
                 "tensor_scale": tensor}  # fmt: skip
@@ -83,26 +89,28 @@ class Fp4(WeightFormat):
             code = jnp.where(amax > 0, jnp.clip(e - 1 - 2 + 127, 1, 254), 127).astype(jnp.uint8)
             arrays = {"scales": code}
         else:
-            tensor_scale = safe_scale(jnp.max(amax), E2M1_MAX * E4M3_MAX)
-            arrays = {"block_scales": to_e4m3(amax / E2M1_MAX / tensor_scale),
+            # one per logical output: the max over the blocks (axis 0) and the last output axis
+            tensor_scale = safe_scale(jnp.max(amax, axis=(0, -1)), E2M1_MAX * E4M3_MAX)
+            arrays = {"block_scales": to_e4m3(amax / E2M1_MAX / tensor_scale[..., None]),
                       "tensor_scale": tensor_scale}  # fmt: skip
-        scale = self._scale(arrays, wk.shape[0])
+        block, tensor = self._scales(arrays, wk.shape[0])
+        scale = block * tensor
         v = jnp.where(scale > 0, wk / jnp.where(scale > 0, scale, 1.0), 0.0)
         codes = e2m1_encode(jnp.clip(v, -E2M1_MAX, E2M1_MAX)).reshape(w.shape)
         return {"values": pack_nibbles(codes, in_dims - 1), **arrays}
 
-    def _scale(self, arrays: dict, k: int) -> jax.Array:
-        """Each input's scale, float32 [K, *out]."""
+    def _scales(self, arrays: dict, k: int) -> tuple[jax.Array, jax.Array]:
+        """(each input's block scale, float32 [K, *out]; the tensor scale broadcastable to it)."""
         if self.kind == "mx":
-            s = e8m0_decode(arrays["scales"])
-        else:
-            s = arrays["block_scales"].astype(jnp.float32) * arrays["tensor_scale"]
-        return expand(s, 0, self.block, k)
+            return expand(e8m0_decode(arrays["scales"]), 0, self.block, k), jnp.float32(1.0)
+        block = expand(arrays["block_scales"].astype(jnp.float32), 0, self.block, k)
+        return block, arrays["tensor_scale"][..., None]
 
     def dequantize(self, qw: QuantizedWeight) -> jax.Array:
         v = e2m1_decode(unpack_nibbles(qw.arrays["values"], qw.in_dims - 1))
         vk = k_major(v, qw.in_dims)
-        return (vk * self._scale(qw.arrays, vk.shape[0])).reshape(v.shape)
+        block, tensor = self._scales(qw.arrays, vk.shape[0])
+        return (vk * block * tensor).reshape(v.shape)  # (vk * block) is exact: one rounding
 
     def matmul(self, x: jax.Array, qw: QuantizedWeight) -> jax.Array:
         return jnp.tensordot(x, self.dequantize(qw).astype(x.dtype), axes=qw.in_dims)

@@ -1,16 +1,21 @@
-"""FP8 (e4m3) weight formats, W8A8: `fp8_tensor`, `fp8_channel`, `fp8_block`.
+"""FP8 (e4m3) weight formats, W8A8: `fp8_tensor`, `fp8_channel`, `fp8_block`, `fp8_static`.
 
 Values are OCP FP8 E4M3 (`float8_e4m3fn`: 1 sign, 4 exponent bits biased 7, 3 mantissa bits; no
 infinities, S.1111.111 is NaN, largest finite 448, smallest normal 2^-6, subnormals k * 2^-9).
 A weight [*in, *out] is stored as `values` e4m3 [*in, *out] (its own shape and axes) and fp32
 `scales` with w ~= values * scales:
 
-    fp8_tensor   scales []                                   one per weight
+    fp8_tensor   scales [*out[:-1]]                          one per logical output
     fp8_channel  scales [*out]                               one per output channel
     fp8_block    scales [ceil(K/128), *out[:-1], ceil(N/128)]  one per 128x128 block
+    fp8_static   scales [*out], input_scale []               per channel, one calibrated
+                                                             activation scale (`Fp8Static`)
 
-K = prod(in) is the flattened input (row-major, as HF's `in_features`), N the last output axis:
-blocks never cross a fused axis (q/k/v, gate/up), and partial edge blocks are allowed, as in
+K = prod(in) is the flattened input (row-major, as HF's `in_features`), N the last output axis.
+A fused weight's leading output axes index its logical outputs (w_qkv [E, Hkv, G + 2, D]: each
+query, key and value head; w_gate_up [E, 2, F]: gate and up), so no scale is shared across q/k/v
+or gate/up: fp8_tensor keeps one scale per logical output (one per weight when unfused, out =
+[N]), and fp8_block's blocks never cross a fused axis. Partial edge blocks are allowed, as in
 DeepSeek-V3's `weight_scale_inv` (DeepSeek-V3 technical report, sec. 3.3.2). Scales are amax/448
 (an all-zero block has scale 1). Activations are quantized at run time the same way: per token
 (fp8_tensor, fp8_channel) or per token per 128 input channels (fp8_block, "1x128"), and the
@@ -106,31 +111,38 @@ def _fp8_dot(xq: jax.Array, wq: jax.Array) -> jax.Array:
 
 @dataclass(frozen=True)
 class Fp8Scaled(WeightFormat):
-    """e4m3 values, one fp32 scale per weight (`per_channel=False`) or per output channel."""
+    """e4m3 values, one fp32 scale per logical output (`per_channel=False`: over the inputs and
+    the last output axis) or per output channel."""
 
     per_channel: bool = False
 
     def part_specs(self, spec) -> dict:
-        if not self.per_channel:
-            return _part_specs(spec, (), ())
-        return _part_specs(spec, spec.shape[spec.in_dims :], spec.axes[spec.in_dims :])
+        out, axes = spec.shape[spec.in_dims :], spec.axes[spec.in_dims :]
+        if not self.per_channel:  # one per logical output: all but the last output axis
+            out, axes = out[:-1], axes[:-1]
+        return _part_specs(spec, out, axes)
 
     def quantize(self, w: jax.Array, in_dims: int) -> dict[str, jax.Array]:
         check_finite(w, self.name)
-        wf = jnp.abs(w.astype(jnp.float32))
-        amax = jnp.max(wf, axis=tuple(range(in_dims))) if self.per_channel else jnp.max(wf)
-        scales = safe_scale(amax, E4M3_MAX)
-        return {"values": to_e4m3(w.astype(jnp.float32) / scales), "scales": scales}
+        wf = w.astype(jnp.float32)
+        over = tuple(range(in_dims)) if self.per_channel else (*range(in_dims), w.ndim - 1)
+        scales = safe_scale(jnp.max(jnp.abs(wf), axis=over), E4M3_MAX)
+        return {"values": to_e4m3(wf / self._per_output(scales)), "scales": scales}
+
+    def _per_output(self, scales: jax.Array) -> jax.Array:
+        """The scales broadcastable against [*in, *out]."""
+        return scales if self.per_channel else scales[..., None]
 
     def dequantize(self, qw: QuantizedWeight) -> jax.Array:
-        return qw.arrays["values"].astype(jnp.float32) * qw.arrays["scales"]
+        return qw.arrays["values"].astype(jnp.float32) * self._per_output(qw.arrays["scales"])
 
     def matmul(self, x: jax.Array, qw: QuantizedWeight) -> jax.Array:
         values, scales = qw.arrays["values"], qw.arrays["scales"]
         lead, out = x.shape[: x.ndim - qw.in_dims], values.shape[qw.in_dims :]
         k = math.prod(values.shape[: qw.in_dims])
         xq, sx = quantize_activations(x.reshape(-1, k), None)
-        y = _fp8_dot(xq, values.reshape(k, -1)) * sx * scales.reshape(-1)
+        sw = jnp.broadcast_to(self._per_output(scales), out).reshape(-1)
+        y = _fp8_dot(xq, values.reshape(k, -1)) * sx * sw
         return y.reshape(*lead, *out).astype(x.dtype)
 
 
@@ -183,3 +195,46 @@ class Fp8Block(WeightFormat):
 FP8_TENSOR = register_format(Fp8Scaled("fp8_tensor"))
 FP8_CHANNEL = register_format(Fp8Scaled("fp8_channel", per_channel=True))
 FP8_BLOCK = register_format(Fp8Block("fp8_block"))
+
+
+@dataclass(frozen=True)
+class Fp8Static(WeightFormat):
+    """`fp8_static`: e4m3 values with one fp32 scale per output channel (`scales` [*out]) and ONE
+    static fp32 activation scale per linear (`input_scale` []), vLLM's "static" FP8 scheme.
+
+    The product divides x by `input_scale`, clips to +-448 and casts to e4m3 (no per-token amax
+    at run time), then runs the fp8 x fp8 dot with both scales applied after it. `quantize` sets
+    input_scale = 1 (x cast as it is); `jaxinfer.quant.calibrate` sets it to max|x| / 448 over
+    calibration tokens run through the plain model.
+    """
+
+    def part_specs(self, spec) -> dict:
+        out, axes = spec.shape[spec.in_dims :], spec.axes[spec.in_dims :]
+        scale = dict(dtype=jnp.float32, init="ones", in_dims=0)
+        return {
+            "values": dataclasses.replace(spec, dtype=E4M3),
+            "scales": dataclasses.replace(spec, shape=out, axes=axes, **scale),
+            "input_scale": dataclasses.replace(spec, shape=(), axes=(), **scale),
+        }
+
+    def quantize(self, w: jax.Array, in_dims: int) -> dict[str, jax.Array]:
+        check_finite(w, self.name)
+        wf = w.astype(jnp.float32)
+        scales = safe_scale(jnp.max(jnp.abs(wf), axis=tuple(range(in_dims))), E4M3_MAX)
+        return {"values": to_e4m3(wf / scales), "scales": scales,
+                "input_scale": jnp.ones((), jnp.float32)}  # fmt: skip
+
+    def dequantize(self, qw: QuantizedWeight) -> jax.Array:
+        return qw.arrays["values"].astype(jnp.float32) * qw.arrays["scales"]
+
+    def matmul(self, x: jax.Array, qw: QuantizedWeight) -> jax.Array:
+        values, scales, sx = (qw.arrays[k] for k in ("values", "scales", "input_scale"))
+        lead, out = x.shape[: x.ndim - qw.in_dims], values.shape[qw.in_dims :]
+        k = math.prod(values.shape[: qw.in_dims])
+        xq = to_e4m3(x.reshape(-1, k).astype(jnp.float32) / sx)
+        dims = (((1,), (0,)), ((), ()))
+        y = jax.lax.dot_general(xq, values.reshape(k, -1), dims, preferred_element_type=jnp.float32)
+        return (y * (sx * scales.reshape(-1))).reshape(*lead, *out).astype(x.dtype)
+
+
+FP8_STATIC = register_format(Fp8Static("fp8_static"))

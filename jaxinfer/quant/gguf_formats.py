@@ -95,6 +95,12 @@ Q4_1 = register_format(GgufBlocks("q4_1", "Q4_1"))
 _BY_TYPE = {"Q8_0": Q8_0, "Q4_1": Q4_1}
 
 
+def format_of_type(type_name: Any) -> GgufBlocks | None:
+    """The weight format that stores GGML type `type_name` (a name or `gguf.GGMLQuantizationType`)
+    as it is, bit for bit (Q8_0: q8_0, Q4_1: q4_1); None for a type that has none."""
+    return _BY_TYPE.get(getattr(type_name, "name", type_name))
+
+
 def from_gguf_components(
     components: Components, type_name: Any, shape: tuple[int, ...], in_dims: int = 1
 ) -> QuantizedWeight:
