@@ -250,3 +250,19 @@ def test_cli_chat_answers_paris(capsys):
                "--max-tokens", "16"])  # fmt: skip
     out = capsys.readouterr().out
     assert rc == 0 and "Paris" in out, out
+
+
+def test_the_smollm2_preset_is_the_files_shape():
+    """`preset:smollm2-135m` (random weights, for benchmarks) has every shape field of the GGUF."""
+    import dataclasses
+
+    from jaxinfer.engine.loading import model_config
+    from jaxinfer.models.presets import preset
+
+    real = model_config("smollm2")
+    shaped = preset("smollm2-135m", param_dtype=real.param_dtype, dtype=real.dtype)
+    differ = {
+        f.name for f in dataclasses.fields(real) if getattr(real, f.name) != getattr(shaped, f.name)
+    }
+    assert differ <= {"bos_token_id", "eos_token_ids", "rms_norm_eps"}, differ
+    assert abs(real.rms_norm_eps - shaped.rms_norm_eps) < 1e-9

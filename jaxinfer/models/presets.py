@@ -39,6 +39,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
         qk_norm=True, max_position_embeddings=40960,
     ),
+    "smollm2-135m": dict(  # SmolLM2-135M-Instruct's shape (the `smollm2` model, random weights)
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+        num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, max_position_embeddings=8192,
+    ),
     # Tiny shapes for CPU tests and the quickstart.
     "tiny": dict(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
