@@ -19,12 +19,33 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from tokenizers import Tokenizer
 
 from jaxinfer.train.corpus import english_texts, stdlib_corpus
 from jaxinfer.train.data import encode_stream, eval_windows
 from jaxinfer.train.trainer import heldout_loss
 
 TEXTS = ("code", "english")
+
+
+def heldout_windows(
+    tokenizer: Tokenizer,
+    text: str = "code",
+    seq_len: int = 256,
+    batch_size: int = 16,
+    max_windows: int | None = None,
+    heldout_fraction: float = 0.05,
+) -> tuple[np.ndarray, list[str], np.ndarray]:
+    """(windows [n, seq_len + 1], the texts, their token stream): the held-out windows
+    `heldout_perplexity` scores, for callers that score several params of one model. n is at
+    most `max_windows`, and a multiple of `batch_size` when there are that many."""
+    if text not in TEXTS:
+        raise ValueError(f"text={text!r} is not one of {list(TEXTS)}")
+    corpus = stdlib_corpus(heldout_fraction=heldout_fraction)
+    texts = corpus.texts("heldout") if text == "code" else english_texts(corpus)
+    stream = encode_stream(tokenizer, texts)
+    windows = eval_windows(stream, seq_len, max_windows)
+    return windows[: max(batch_size, len(windows) // batch_size * batch_size)], texts, stream
 
 
 def heldout_perplexity(
@@ -62,11 +83,9 @@ def heldout_perplexity(
         if tokenizer is None:
             raise ValueError(f"model {str(model_dir)!r} has no tokenizer to score text with")
         progress.update(task, description=f"tokenizing the {text}")
-        corpus = stdlib_corpus(heldout_fraction=heldout_fraction)
-        texts = corpus.texts("heldout") if text == "code" else english_texts(corpus)
-        stream = encode_stream(tokenizer, texts)
-        windows = eval_windows(stream, seq_len, max_windows)
-        windows = windows[: max(batch_size, len(windows) // batch_size * batch_size)]
+        windows, texts, stream = heldout_windows(
+            tokenizer, text, seq_len, batch_size, max_windows, heldout_fraction
+        )
         progress.update(task, description=f"held-out windows of {seq_len} tokens scored",
                         total=len(windows))  # fmt: skip
         nats = heldout_loss(params, cfg, windows, batch_size,
