@@ -24,6 +24,13 @@ transformers part only where torch and transformers are installed):
   (`kinds_ms_per_step`: device ms per step in matmuls, attention, the K/V write, other fusions,
   copies, other, and idle), printed as a table.
 
+With --quant FORMAT (a `jaxinfer.quant.WEIGHT_FORMATS` name) that engine stores the layers' linear
+weights in FORMAT (`engine.quant.weights`: the preset's random weights drawn plain, then quantized
+on the device), so the decode, throughput and profile parts measure the quantized model, and the
+decode roofline counts its stored bytes. The transformers part stays the plain baseline (random
+weights in --dtype: HF's model is never quantized), so it is left out of the default parts of a
+quantized run; asked for by name, it runs unchanged.
+
 ONE engine serves every jaxinfer part. Its bucket lists are the engine's own, trimmed to the shapes
 this run can use (token buckets below the one holding max_num_seqs only ever pad a few small steps
 and the decode buckets to those of the measured batches), and JAX's persistent compilation cache
@@ -64,8 +71,9 @@ from jaxinfer.metrics.device_trace import summarize_trace
 from jaxinfer.metrics.hf_baseline import left_padded_generate
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.presets import preset
-from jaxinfer.models.spec import num_params
+from jaxinfer.models.spec import param_bytes
 from jaxinfer.provenance import provenance, require_gpu
+from jaxinfer.quant import WEIGHT_FORMATS
 from jaxinfer.workload.generate import synthetic_requests
 from jaxinfer.workload.lengths import LengthDist, fixed, lognormal
 from jaxinfer.workload.request import WorkloadRequest
@@ -90,10 +98,13 @@ METHODS = {
     ),
     "roofline": (
         "roofline_ms = (weight bytes + K/V bytes read per decode step) / 4.3e12 B/s. Weight "
-        "bytes: every parameter once, except that an untied input embedding contributes only "
-        "the `batch` rows it gathers. K/V bytes: K and V of every layer for the mean attended "
-        "length of a scan's steps, context + (decode_steps + 1) / 2, in the pool's dtype (plus "
-        "per-page scales for FP8 pools). ratio = step_ms / roofline_ms."
+        "bytes: every stored parameter array once (jaxinfer.models.spec.param_bytes of the "
+        "served config: a quantized model's values, scales and zero points at their stored "
+        "dtypes, 4-bit values two a byte), except that an untied input embedding (always "
+        "plain) contributes only the `batch` rows it gathers. K/V bytes: K and V of every "
+        "layer for the mean attended length of a scan's steps, context + (decode_steps + 1) / "
+        "2, in the pool's dtype (plus per-page scales for FP8 pools). ratio = step_ms / "
+        "roofline_ms."
     ),
     "throughput": (
         "offline: every request added at t=0 (LLM.generate), greedy, ignore_eos, max_tokens = "
@@ -219,6 +230,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     type=_option, help="engine.attention_options: the Pallas kernel's tuning "
                     "keywords, e.g. split_decode_rows=false num_stages=3")  # fmt: skip
     ap.add_argument("--kv-dtype", default="auto", help="engine kv_dtype (auto = dtype)")
+    ap.add_argument("--quant", default="none", choices=["none", *sorted(WEIGHT_FORMATS)],
+                    metavar="FORMAT", help="engine.quant.weights: the layers' linear weights in "
+                    f"this format (none, {', '.join(sorted(WEIGHT_FORMATS))}); the transformers "
+                    "baseline stays plain")  # fmt: skip
     ap.add_argument("--batches", type=int, nargs="+", default=None)
     ap.add_argument("--contexts", type=int, nargs="+", default=None)
     ap.add_argument("--num-requests", type=int, default=None)
@@ -279,6 +294,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.parts = ",".join(PARTS) if args.smoke else "decode,throughput,transformers"
         if args.smoke and not all(map(importlib.util.find_spec, ("torch", "transformers"))):
             args.parts = args.parts.replace("transformers,", "")
+        if args.quant != "none":  # the HF baseline is plain: no quantized counterpart to time
+            args.parts = args.parts.replace("transformers,", "").removesuffix(",transformers")
     args.parts = [p for p in args.parts.split(",") if p]
     if args.profile is not None and "profile" not in args.parts:
         args.parts.append("profile")
@@ -365,10 +382,13 @@ def per_workload(ap, flag: str, values, default, workloads: dict, parse) -> dict
 
 
 def weight_bytes_per_step(cfg: ModelConfig, batch: int) -> int:
-    n = num_params(cfg)
+    """Stored bytes of the params of `cfg` (a quantized config counts its formats' arrays), less
+    the rows of an untied input table that a step does not gather (the embedding is never in a
+    format: its rows are `param_dtype`)."""
+    n = param_bytes(cfg)
     if not cfg.tie_word_embeddings:  # the input table is gathered; a tied one is read as lm_head
-        n -= cfg.vocab_size * cfg.hidden_size - batch * cfg.hidden_size
-    return n * cfg.jnp_param_dtype.itemsize
+        n -= (cfg.vocab_size - batch) * cfg.hidden_size * cfg.jnp_param_dtype.itemsize
+    return n
 
 
 def kv_bytes_per_step(cfg: ModelConfig, kv, batch: int, context: int, steps: int) -> float:
@@ -419,7 +439,8 @@ def time_decode(llm: LLM, batch: int, context: int, pages: np.ndarray, args) -> 
     n = max(2, min(200, math.ceil(args.min_timed_s / min(sync))))
     step_s = statistics.median(scans(n) for _ in range(args.repeats)) / (n * k)
     kv_bytes = kv_bytes_per_step(cfg, runner.kv, batch, context, k)
-    roofline_s = (weight_bytes_per_step(cfg, batch) + kv_bytes) / HBM_BYTES_PER_S
+    weight_bytes = weight_bytes_per_step(cfg, batch)
+    roofline_s = (weight_bytes + kv_bytes) / HBM_BYTES_PER_S
     return {
         "batch": batch,
         "context": context,
@@ -430,6 +451,7 @@ def time_decode(llm: LLM, batch: int, context: int, pages: np.ndarray, args) -> 
         "sync_step_ms": round(statistics.median(sync) / k * 1e3, 4),
         "tok_s": round(batch / step_s, 1),
         "kv_bytes_per_step": int(kv_bytes),
+        "weight_bytes_per_step": int(weight_bytes),
         "scans": n,
         "decode_steps": k,
     }
@@ -729,7 +751,8 @@ def trimmed_buckets(runner, batches: list[int]) -> tuple[tuple[int, ...], tuple[
 
 
 def print_tables(result: dict, console: Console) -> None:
-    t = Table(title="decode step (ms) vs roofline", title_justify="left")
+    weights = result.get("quant", {}).get("weights", "none")
+    t = Table(title=f"decode step (ms) vs roofline (weights: {weights})", title_justify="left")
     for col in ("batch", "context", "rows", "step_ms", "sync_step_ms", "roofline_ms", "ratio"):
         t.add_column(col, justify="right")
     for r in result["decode"]:
@@ -803,7 +826,24 @@ def engine_options(args, workloads: dict[str, list[WorkloadRequest]]) -> dict:
         options["kv_dtype"] = args.kv_dtype
     if args.decode_buckets:
         options["decode_buckets"] = list(args.decode_buckets)
+    if args.quant != "none":  # (absent for plain runs: their engine options read as before)
+        options["quant"] = {"weights": args.quant}
     return options
+
+
+def quant_record(args, cfg: ModelConfig) -> dict:
+    """The weight format of the run and the stored bytes it implies for the plain preset `cfg`
+    (`param_bytes`; the decode rows' roofline reads the served config's, the same number)."""
+    from jaxinfer.engine.config import QuantConfig
+    from jaxinfer.engine.loading import quantized_config
+
+    served = quantized_config(QuantConfig(weights=args.quant), f"preset:{args.preset}", cfg)
+    return {
+        "weights": args.quant,
+        "param_bytes": param_bytes(served),
+        "plain_param_bytes": param_bytes(cfg),
+        "transformers": f"plain {args.dtype} weights (the HF baseline is never quantized)",
+    }
 
 
 def resolved_backend(llm: LLM) -> str:
@@ -893,6 +933,7 @@ def main(argv=None) -> dict:
     result: dict = {
         "preset": args.preset,
         "dtype": args.dtype,
+        "quant": quant_record(args, cfg),
         "parts": args.parts,
         "methods": METHODS,
         "hbm_bytes_per_s": HBM_BYTES_PER_S,
@@ -952,6 +993,7 @@ def main(argv=None) -> dict:
         result["warmup_s"] = warmup.pop("warmup_s")
         result["warmup"] = warmup
         result["compiles_after_warmup"] = llm.engine.compiles_after_warmup
+        result["quant"]["served_param_bytes"] = param_bytes(llm.engine.model_config)
 
     def decode() -> None:
         usable = np.random.default_rng(0).permutation(np.arange(1, options["num_pages"]))
@@ -971,6 +1013,7 @@ def main(argv=None) -> dict:
             try:
                 row = jaxinfer_throughput(llm, wl, workloads[wl.name])
                 row["attention_backend"] = backend
+                row["quant"] = args.quant
             except Exception as e:
                 row = error_row(
                     e, impl="jaxinfer", workload=wl.name, num_requests=args.num_requests

@@ -6,15 +6,18 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
 import experiment_scripts
+import jax
 import jax.numpy as jnp
 import pytest
 
 from jaxinfer.metrics.device_trace import hlo_category, summarize_trace
 from jaxinfer.models.presets import preset
+from jaxinfer.models.spec import is_spec, param_specs
 
 HAS_TORCH = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
 TORCH_MISSING = "torch or transformers is missing: install the test extra (make test)"
@@ -324,3 +327,27 @@ def test_trace_summary_accounts_device_time_by_kind_of_work(tmp_path):
     assert kind_of("gemm_fusion_dot") == "matmul" and kind_of("input_scatter_fusion") == "kv_write"
     assert kind_of("loop_select_fusion") == "fusion" and kind_of("while") == "other"
     assert kind_of("ynn_fusion") == "matmul"  # XLA:CPU runs dots as YNNPACK fusions
+
+
+def test_quantized_run_measures_against_its_own_stored_bytes(bench):
+    plain = preset("llama3-8b", param_dtype="bfloat16", dtype="bfloat16")
+    args = bench.parse_args(["--out", "/tmp/x.json", "--quant", "int4_g128_sym"])
+    # the transformers baseline is plain: not a default part of a quantized run
+    assert args.parts == ["decode", "throughput"]
+    assert bench.engine_options(args, {})["quant"] == {"weights": "int4_g128_sym"}
+    assert "quant" not in bench.engine_options(bench.parse_args(["--out", "/tmp/x.json"]), {})
+    # int4_g128_sym by hand: a layer's linear [*in, *out] (K inputs, N outputs) stores K N / 2
+    # bytes of packed values and ceil(K / 128) x N fp32 scales; the rest (embed, lm_head, norms)
+    # stays bf16
+    specs = param_specs(plain)
+    stored = 2 * sum(math.prod(s.shape) for k, v in specs.items() if k != "layers"
+                     for s in jax.tree.leaves(v, is_leaf=is_spec))  # fmt: skip
+    for spec in jax.tree.leaves(specs["layers"], is_leaf=is_spec):
+        k, n = math.prod(spec.shape[: spec.in_dims]), math.prod(spec.shape[spec.in_dims :])
+        stored += k * n // 2 + 4 * -(-k // 128) * n if spec.in_dims else 2 * k * n
+    record = bench.quant_record(args, plain)
+    assert record["weights"] == "int4_g128_sym" and record["param_bytes"] == stored
+    assert record["plain_param_bytes"] == 2 * 8_030_261_248
+    # the roofline reads those stored bytes, less the input-table rows a step does not gather
+    served = plain.replace(weight_format="int4_g128_sym")
+    assert bench.weight_bytes_per_step(served, 3) == stored - 2 * (128256 - 3) * 4096
