@@ -299,9 +299,10 @@ def test_sliding_window_and_soft_cap():
              head_dim=64, sliding_window=24, soft_cap=5.0, warp_specialized=False)  # fmt: skip
 
 
-@pytest.mark.parametrize("page_size", [16, 64])
-def test_fp8_pages_match_reference_on_dequantized_values(page_size):
-    run_case(q_lens=[1, 1, 9], ctx_lens=[90, 130, 40], page_size=page_size, num_kv_heads=2,
+def test_fp8_pages_match_reference_on_dequantized_values():
+    # (page 64 with fp8 pages: test_compiled_kernel_on_gpu, and page 32 test_warp_specialized_fp8;
+    # a second page size here cost 50-100 s of interpret mode on the CI's two cores)
+    run_case(q_lens=[1, 1, 9], ctx_lens=[90, 130, 40], page_size=16, num_kv_heads=2,
              group=4, head_dim=64, fp8=True, warp_specialized=False)  # fmt: skip
 
 
