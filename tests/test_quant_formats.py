@@ -156,6 +156,23 @@ def test_subnormal_scales_and_values_stay_within_their_bounds():
         assert np.all(np.isfinite(d)) and np.abs(d).max() <= 1e-37, name
 
 
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4"])
+def test_fp4_codes_are_nearest_to_the_weight_over_its_stored_scale(name, fresh_seed):
+    """Each code is the nearest e2m1 value of w / (the scale as stored: an e4m3 block scale times
+    the tensor scale, or a power of two), recomputed here outside the quantizer's program. XLA:GPU
+    once chose nvfp4's codes by the block scales before their e4m3 rounding (`results/h200/
+    gpu_tests_quant.json`); tests/test_gpu_quant.py checks the GPU against this CPU result."""
+    w = np.random.default_rng(fresh_seed).normal(size=(256, 48)).astype(np.float32) * 0.02
+    qw = quantized(name, w)
+    fmt = WEIGHT_FORMATS[name]
+    block, tensor = (np.asarray(a, np.float32) for a in fmt._scales(qw.arrays, 256))
+    v = np.clip(w / (block * tensor), -6.0, 6.0)  # float32 IEEE division, as on the CPU
+    want = np.asarray(e2m1_encode(jnp.asarray(v)))
+    got = np.asarray(unpack_nibbles(qw.arrays["values"], 0))
+    bad = np.argwhere(got != want)
+    assert bad.size == 0, f"seed {fresh_seed}: {len(bad)} codes, first at {bad[0].tolist()}"
+
+
 # -- round-trip error bounds ----------------------------------------------------------------------
 
 
