@@ -1,0 +1,158 @@
+"""4-bit weight-only matmul on the GPU: our Mosaic GPU kernel against XLA's bf16 dot and XLA's
+in-graph dequantization (the format's own `matmul` from jaxinfer.quant), at decode batch sizes.
+
+Rows per (format, m, n, k): `w4_pallas` (pallas_kernels.matmul.w4_matmul), `xla_dequant`
+(jaxinfer's format `matmul`: dequantize in the graph, then a bf16 dot) and, once per shape,
+`xla_bf16` (a plain bf16 dot of the dequantized weight). Bandwidth is `weight_TBps`: the bytes
+of the weight as each impl reads it (packed values plus per-group parts for the 4-bit rows, the
+bf16 matrix for `xla_bf16`) over the time. Every row carries `rel_err` against the fp32
+reference on the same inputs. Results are written after every row.
+
+    PYTHONPATH=. python3 experiments/bench_quant_matmul.py --out $OUT/quant_matmul.json
+    python experiments/bench_quant_matmul.py --smoke --out /tmp/qm.json   # CPU, interpreter
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxinfer.provenance import provenance, require_gpu
+from jaxinfer.quant import WEIGHT_FORMATS, QuantizedWeight
+from pallas_kernels.matmul import FORMATS, w4_matmul, w4_matmul_ref
+
+SHAPES = ((14336, 4096), (4096, 14336))  # (n, k): Llama-3-8B's up/gate and down projections
+MS = (1, 16, 64)
+SMOKE = dict(shapes=((128, 256),), ms=(1,))
+TIMING_METHOD = (
+    "one jitted lax.fori_loop of N iterations (N traced, so one compile) around the op; each "
+    "iteration passes x and the weight arrays through lax.optimization_barrier (so XLA cannot "
+    "hoist the in-graph dequantization out of the loop) and feeds 1e-3 * y[:, :1] back into x. "
+    "After a warm-up call, N doubles until one loop call takes >= min_loop_ms; time_us = median of "
+    "`repeats` loop calls / N."
+)
+
+
+def loop_timer(op, min_loop_ms: float, repeats: int):
+    """Median time (s) of one `op(x, w)` call inside a jitted loop of N calls."""
+
+    @jax.jit
+    def run(x, w, n):
+        def body(_, carry):
+            x, w = lax.optimization_barrier(carry)
+            y = op(x, w)
+            return x + (1e-3 * y[:, :1]).astype(x.dtype), w
+
+        return lax.fori_loop(0, n, body, (x, w))[0]
+
+    def time_it(x, w) -> float:
+        run(x, w, 1).block_until_ready()  # compile + warm-up
+        n = 1
+        while True:
+            t0 = time.perf_counter()
+            run(x, w, n).block_until_ready()
+            dt = time.perf_counter() - t0
+            if dt * 1e3 >= min_loop_ms or n >= 1 << 16:
+                break
+            n *= 2
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run(x, w, n).block_until_ready()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) / n
+
+    return time_it
+
+
+def quantized_weight(fmt: str, k: int, n: int, key) -> dict:
+    """A random bf16-scaled weight [k, n] quantized by jaxinfer's format: its arrays."""
+    w = jax.random.normal(key, (k, n), jnp.float32) * (k**-0.5)
+    return jax.jit(lambda w: WEIGHT_FORMATS[fmt].quantize(w, 1))(w)
+
+
+def nbytes(arrays: dict) -> int:
+    return int(sum(a.size * a.dtype.itemsize for a in arrays.values()))
+
+
+def bench_case(fmt, m, n, k, args, *, with_bf16: bool, interpret: bool) -> list[dict]:
+    key = jax.random.key(zlib.crc32(f"{fmt} {m} {n} {k}".encode()))
+    kx, kw = jax.random.split(key)
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+    arrays = quantized_weight(fmt, k, n, kw)
+    ref = np.asarray(w4_matmul_ref(x, **arrays, fmt=fmt))
+    wf = WEIGHT_FORMATS[fmt]
+    kernel_opts = {"interpret": True} if interpret else {}
+    impls = {
+        "w4_pallas": (
+            lambda x, w: w4_matmul(x, **w, fmt=fmt, backend="pallas", **kernel_opts),
+            arrays,
+        ),
+        "xla_dequant": (lambda x, w: wf.matmul(x, QuantizedWeight(w, wf, 1)), arrays),
+    }
+    if with_bf16:
+        w_bf16 = {"w": wf.dequantize(QuantizedWeight(arrays, wf, 1)).astype(jnp.bfloat16)}
+        impls["xla_bf16"] = (lambda x, w: jnp.dot(x, w["w"]), w_bf16)
+    rows = []
+    for impl, (op, w) in impls.items():
+        row = dict(impl=impl, fmt=fmt if impl != "xla_bf16" else "bf16", m=m, n=n, k=k,
+                   weight_bytes=nbytes(w))  # fmt: skip
+        try:
+            err = np.asarray(jax.jit(op)(x, w), np.float32) - ref
+            row["rel_err"] = float(np.linalg.norm(err) / np.linalg.norm(ref))
+            t = loop_timer(op, args.min_loop_ms, args.repeats)(x, w)
+            row.update(time_us=t * 1e6, weight_TBps=row["weight_bytes"] / t / 1e12)
+        except Exception as e:  # one failing impl is an error row, not a crashed run
+            row["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    p.add_argument("--m", type=int, nargs="+", default=None, help=f"tokens (default {MS})")
+    p.add_argument("--min-loop-ms", type=float, default=50.0)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny shapes on the CPU, the kernel under the GPU interpreter")  # fmt: skip
+    args = p.parse_args(argv)
+    if any(not 1 <= m <= 256 for m in args.m or ()):
+        p.error(f"--m: tokens must be in 1..256, got {args.m}")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if not args.smoke:
+        require_gpu("bench_quant_matmul.py", "--smoke")
+    shapes = SMOKE["shapes"] if args.smoke else SHAPES
+    ms = args.m or (SMOKE["ms"] if args.smoke else MS)
+    if args.smoke:
+        args.min_loop_ms, args.repeats = 0.0, 1
+    result = {**provenance([sys.executable, *(argv if argv is not None else sys.argv[1:])]),
+              "timing_method": TIMING_METHOD, "rows": []}  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for n, k in shapes:
+        for m in ms:
+            for i, fmt in enumerate(args.formats):
+                result["rows"] += bench_case(fmt, m, n, k, args, with_bf16=i == 0,
+                                             interpret=args.smoke)  # fmt: skip
+                args.out.write_text(json.dumps(result, indent=1))
+    args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

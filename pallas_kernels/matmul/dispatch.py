@@ -1,0 +1,51 @@
+"""One entry point for the 4-bit weight-only matmul, whatever the backend.
+
+- `pallas`: the Mosaic GPU kernel (`w4_mgpu.py`); on CPU it runs under the GPU interpreter.
+- `xla`: the pure-JAX reference (`reference.py`: dequantize to fp32, one fp32 dot); runs
+  anywhere, the oracle in tests.
+- `auto`: `pallas` on a GPU, `xla` elsewhere.
+
+Both check the arguments the same way (`w4_mgpu.check_inputs`: errors name the argument).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.matmul.reference import w4_matmul_ref
+from pallas_kernels.matmul.w4_mgpu import check_inputs, w4_matmul_mgpu
+
+BACKENDS = ("auto", "xla", "pallas")
+KERNEL_OPTIONS = ("num_stages", "num_splits", "interpret")
+
+
+def w4_matmul(
+    x: jax.Array,
+    values: jax.Array,
+    *,
+    fmt: str,
+    backend: str = "auto",
+    device: jax.Device | None = None,
+    **parts_and_options,
+) -> jax.Array:
+    """x [M, K] bf16 @ a 4-bit weight [K, N] -> [M, N] in x's dtype.
+
+    `values` uint8 [K/2, N] and the format's parts by name (`reference.PARTS`: `scales` for
+    int4_g128_sym and mxfp4, `block_scales` and `tensor_scale` for nvfp4, `d` and `m` for q4_1),
+    so a jaxinfer weight passes as `w4_matmul(x, **qw.arrays, fmt=qw.format.name)`. Kernel
+    options (`KERNEL_OPTIONS`: num_stages, num_splits, interpret) go to the Pallas kernel.
+    `device` (static) decides `auto` and the kernel's defaults (None: `jax.devices()[0]`).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    options = {k: parts_and_options.pop(k) for k in KERNEL_OPTIONS if k in parts_and_options}
+    parts = parts_and_options
+    if backend == "auto":
+        platform = (jax.devices()[0] if device is None else device).platform
+        backend = "pallas" if platform == "gpu" else "xla"
+    if backend == "pallas":
+        return w4_matmul_mgpu(x, values, fmt=fmt, device=device, **options, **parts)
+    if options:
+        raise ValueError(f"kernel options {sorted(options)} apply to the pallas backend only")
+    check_inputs(x, values, fmt, parts)
+    return w4_matmul_ref(x, values, fmt=fmt, **parts).astype(x.dtype)

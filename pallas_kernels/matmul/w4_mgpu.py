@@ -1,0 +1,272 @@
+"""Weight-only 4-bit GEMM for decode-sized batches on Hopper, in Mosaic GPU (Pallas).
+
+y [M, N] = x [M, K] (bf16) @ dequant(W) [K, N] for M in 1..256, W in one of the 4-bit layouts of
+`reference.py` (`int4_g128_sym`, `nvfp4`, `mxfp4`, `q4_1`). One kernel serves every format: what
+differs (nibble -> value, which per-group arrays, their dtypes and group size) is a `W4Decode`
+(`w4_decode.py`).
+
+How the work is cut
+-------------------
+- wgmma takes a register operand only as A (its M side, 64 rows), and the decoded weights must be
+  that operand (they are made in registers; a shared-memory round trip is what the fp8 paged
+  attention showed to be slow). So the kernel computes y^T [N, M] = W^T [N, K] @ x^T [K, M]: a
+  program owns 64 outputs (wgmma's M) and every token of the batch (wgmma's N: M padded to a
+  multiple of 8, at most 256).
+- Byte i of a column holds inputs 2i and 2i+1. Rather than interleave the two nibbles in
+  registers, the K contraction is split into even and odd inputs: y^T = W_even^T x_even^T +
+  W_odd^T x_odd^T, the low nibbles forming W_even and the high nibbles W_odd. The dispatcher
+  splits x into x_even and x_odd ([M_pad, K/2] each; x is small), so both products are plain
+  wgmmas over K/2 with x as the shared-memory B operand (loaded [M_pad, 64], K-major, and used
+  transposed).
+- A step covers 128 inputs: a [64 packed rows, 64 outputs] uint8 tile of the weights, each
+  grouped part's [128 / group, 64] tile, and the x_even / x_odd tiles [M_pad, 64], all copied by
+  TMA onto one barrier per stage, `num_stages` stages deep (one warpgroup issues and consumes:
+  the copies of step i + num_stages start once step i is done: its wgmmas, collective over the
+  warpgroup, were waited for, and every warp read the slot's weight tile before them). The uint8 tile is loaded from its
+  transposed view (outputs as rows) in `WGMMA_TRANSPOSED` layout, widened to int32, relaid to the
+  WGMMA layout, decoded with the per-group rows broadcast along the row (a select per group
+  boundary in the tile: 0 for int4_g128, 7 for nvfp4's 16-input groups), cast to bf16 and fed to
+  wgmma with fp32 accumulation.
+- Grid (N / 64, splits): the K loop is cut into `splits` parts (split-K) so that narrow weights
+  still fill the SMs; each part writes fp32 [64, M_pad] partial sums and a small XLA epilogue adds
+  the parts, transposes to [M, N], applies an output scale (nvfp4) and casts to x's dtype.
+
+Not yet done (next steps, measured on the H200 first): warp specialisation (a producer warpgroup),
+two consumer warpgroups (128 outputs a program), TMA multicast of x across a cluster, a persistent
+grid, per-group sub-tiles instead of selects for nvfp4, and checking the single-warpgroup refill
+ordering on the device (the interpreter runs the pipeline sequentially).
+
+On CPU the kernel runs under jax's GPU interpreter (`interpret=True`); its wgmma is a plain dot
+and register layouts are not modelled there (`_mgpu.wgmma_dot`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import _compat
+from pallas_kernels._mgpu import ROWS, swizzled_smem, wgmma_dot
+from pallas_kernels.matmul.reference import FORMATS, PARTS
+from pallas_kernels.matmul.w4_decode import DECODERS, W4Decode
+
+TILE_N = ROWS  # outputs per program: wgmma's M
+TILE_K = 128  # inputs per pipeline step; every format's group size divides it
+PACKED_K = TILE_K // 2  # packed rows (bytes of a column) per step
+MAX_M = 256  # wgmma's largest N
+SMEM_BUDGET = 160 * 1024  # bytes of pipeline buffers a program may take
+
+
+def padded_m(m: int) -> int:
+    """Tokens the kernel computes for a batch of `m`: wgmma's N is a multiple of 8."""
+    return max(8, -(-m // 8) * 8)
+
+
+def default_num_stages(m_pad: int, decoder: W4Decode, steps: int) -> int:
+    """As many stages (2..4) as fit `SMEM_BUDGET`, never more than the steps."""
+    per_stage = 2 * m_pad * PACKED_K * 2 + PACKED_K * TILE_N
+    per_stage += sum(TILE_K // decoder.group * TILE_N * jnp.dtype(dt).itemsize
+                     for _, dt in decoder.grouped)  # fmt: skip
+    return max(1, min(steps, max(2, min(4, SMEM_BUDGET // per_stage))))
+
+
+def default_num_splits(n_tiles: int, steps: int, sms: int) -> int:
+    """The fewest split-K parts (a divisor of the steps) that give about two programs per SM."""
+    for s in range(1, steps + 1):
+        if steps % s == 0 and n_tiles * s >= 2 * sms:
+            return s
+    return steps
+
+
+def w4_matmul_mgpu(
+    x: jax.Array,
+    values: jax.Array,
+    *,
+    fmt: str,
+    num_stages: int | None = None,
+    num_splits: int | None = None,
+    interpret: bool | None = None,
+    device: jax.Device | None = None,
+    **parts: jax.Array,
+) -> jax.Array:
+    """x [M, K] bf16 @ the 4-bit weight (`values` uint8 [K/2, N] and the format's `parts`, named
+    as in `reference.PARTS`) -> [M, N] in x's dtype. Static tuning: `num_stages` (pipeline depth),
+    `num_splits` (split-K parts, a divisor of K / 128); defaults from `default_num_stages` /
+    `default_num_splits`. `interpret` runs the GPU interpreter (default: when `device`, None for
+    `jax.devices()[0]`, is not a GPU)."""
+    check_inputs(x, values, fmt, parts)
+    dec = DECODERS[fmt]
+    m, k = x.shape
+    n = values.shape[1]
+    steps = k // TILE_K
+    m_pad = padded_m(m)
+    stages = default_num_stages(m_pad, dec, steps) if num_stages is None else int(num_stages)
+    if num_splits is None:
+        num_splits = default_num_splits(n // TILE_N, steps, _compat.num_sms(device))
+    num_splits = int(num_splits)
+    if num_splits < 1 or steps % num_splits:
+        raise ValueError(f"num_splits must divide K / {TILE_K} = {steps}, got {num_splits}")
+    if stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {stages}")
+    interpret = _compat.default_interpret(device) if interpret is None else bool(interpret)
+    kernel = _build_kernel(m_pad=m_pad, k=k, n=n, fmt=fmt, num_stages=stages,
+                           num_splits=num_splits, interpret=interpret)  # fmt: skip
+    xp = jnp.pad(x.astype(jnp.bfloat16), ((0, m_pad - m), (0, 0)))
+    grouped = [parts[name] for name, _ in dec.grouped]
+    (out,) = kernel(xp[:, 0::2], xp[:, 1::2], values, *grouped)  # [splits, N, M_pad] fp32
+    y = jnp.sum(out, axis=0)[:, :m].T
+    if dec.output_scale is not None:
+        y = y * jnp.asarray(parts[dec.output_scale], jnp.float32)
+    return y.astype(x.dtype)
+
+
+def check_inputs(x, values, fmt: str, parts: dict) -> None:
+    """ValueError naming the argument when a shape, dtype or part does not fit the kernel."""
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    if x.ndim != 2 or x.dtype != jnp.bfloat16:
+        raise ValueError(f"x must be bf16 [M, K], got {x.dtype} {tuple(x.shape)}")
+    m, k = x.shape
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"x: M (tokens) must be in 1..{MAX_M}, got {m}")
+    if k % TILE_K:
+        raise ValueError(f"x: K must be a multiple of {TILE_K}, got {k}")
+    if values.ndim != 2 or values.dtype != jnp.uint8:
+        raise ValueError(f"values must be uint8 [K/2, N], got {values.dtype} "
+                         f"{tuple(values.shape)}")  # fmt: skip
+    if values.shape[0] * 2 != k:
+        raise ValueError(f"values: {values.shape[0]} packed rows hold {2 * values.shape[0]} "
+                         f"inputs, but x has K = {k}")  # fmt: skip
+    n = values.shape[1]
+    if n % TILE_N:
+        raise ValueError(f"values: N (outputs) must be a multiple of {TILE_N}, got {n}")
+    want = PARTS[fmt]
+    if set(parts) != set(want):
+        raise ValueError(f"fmt {fmt!r} takes parts {sorted(want)}, got {sorted(parts)}")
+    dec = DECODERS[fmt]
+    for name, dtype in want.items():
+        a = parts[name]
+        shape = () if name == dec.output_scale else (k // dec.group, n)
+        if tuple(a.shape) != shape or a.dtype != jnp.dtype(dtype):
+            raise ValueError(f"{name} must be {jnp.dtype(dtype)} {list(shape)} for fmt {fmt!r} "
+                             f"(K={k}, N={n}), got {a.dtype} {list(a.shape)}")  # fmt: skip
+
+
+# ---- The kernel.
+
+
+def _cast(interpret: bool, x, layout):  # register layouts mean nothing to the GPU interpreter
+    return x if interpret else plgpu.layout_cast(x, layout)
+
+
+def _load_codes(v_ref, interpret: bool) -> jax.Array:
+    """The step's packed tile [64 packed rows, 64 outputs] as int32 [64 outputs, 64 packed rows]
+    (W^T's layout) in the WGMMA layout: loaded from the transposed view, then relaid."""
+    if interpret:
+        return v_ref[...].astype(jnp.int32).T
+    raw = plgpu.load(plgpu.transpose_ref(v_ref, (1, 0)), (),
+                     layout=plgpu.Layout.WGMMA_TRANSPOSED)  # fmt: skip
+    return plgpu.layout_cast(raw.astype(jnp.int32), plgpu.Layout.WGMMA)
+
+
+def _group_rows(dec: W4Decode, p_refs, slot, interpret: bool) -> dict:
+    """Each grouped part of the step as fp32 [64 outputs, 64 packed rows]: packed column j (inputs
+    2j and 2j + 1 of the step) takes its group's entry, (2j) // group."""
+    shape = (TILE_N, PACKED_K)
+    cols = dec.group // 2  # packed columns per group
+    col = None
+    if cols < PACKED_K:
+        col = _cast(interpret, lax.broadcasted_iota(jnp.int32, shape, 1), plgpu.Layout.WGMMA)
+    rows = {}
+    for (name, _), ref in zip(dec.grouped, p_refs, strict=True):
+        full = None
+        for g in range(PACKED_K // cols):
+            src = ref.at[slot, g]
+            if interpret:
+                raw = src[...]
+            else:
+                raw = plgpu.load(src, (), layout=plgpu.Layout.WGMMA.reduce(1))
+            b = lax.broadcast_in_dim(dec.to_f32(name, raw), shape, [0])
+            full = b if full is None else jnp.where(col >= g * cols, b, full)
+        rows[name] = full
+    return rows
+
+
+@functools.cache
+def _build_kernel(*, m_pad: int, k: int, n: int, fmt: str, num_stages: int, num_splits: int,
+                  interpret: bool):  # fmt: skip
+    dec = DECODERS[fmt]
+    n_parts = len(dec.grouped)
+    per = k // TILE_K // num_splits  # steps of one program
+    groups = TILE_K // dec.group  # group entries per step
+
+    def body(xe, xo, vals, *refs):
+        p_gmem, (out,) = refs[:n_parts], refs[n_parts : n_parts + 1]
+        xe_s, xo_s, v_s, *rest = refs[n_parts + 1 :]
+        p_s, (o_s, bar) = rest[:n_parts], rest[n_parts:]
+        n0 = pl.multiple_of(lax.axis_index("n") * TILE_N, TILE_N)
+        split = lax.axis_index("split")
+        step0 = split * per
+
+        def issue(i, slot):
+            kk = step0 + i
+            cols = pl.ds(pl.multiple_of(kk * PACKED_K, PACKED_K), PACKED_K)
+            plgpu.copy_gmem_to_smem(xe.at[:, cols], xe_s.at[slot], bar.at[slot])
+            plgpu.copy_gmem_to_smem(xo.at[:, cols], xo_s.at[slot], bar.at[slot])
+            plgpu.copy_gmem_to_smem(vals.at[cols, pl.ds(n0, TILE_N)], v_s.at[slot],
+                                    bar.at[slot])  # fmt: skip
+            for src, dst in zip(p_gmem, p_s, strict=True):
+                plgpu.copy_gmem_to_smem(src.at[pl.ds(kk * groups, groups), pl.ds(n0, TILE_N)],
+                                        dst.at[slot], bar.at[slot])  # fmt: skip
+
+        for st in range(min(num_stages, per)):  # the pipeline's prologue
+            issue(st, st)
+
+        def step(i, acc):
+            slot = lax.rem(i, jnp.int32(num_stages))
+            plgpu.barrier_wait(bar.at[slot])
+            codes = _load_codes(v_s.at[slot], interpret)
+            rows = _group_rows(dec, p_s, slot, interpret)
+            lo = dec.value(codes & 0xF, rows).astype(jnp.bfloat16)  # W_even^T
+            hi = dec.value(codes >> 4, rows).astype(jnp.bfloat16)  # W_odd^T
+            # (wgmma_dot reads its accumulator: both products are done with the slot after it)
+            acc = acc + wgmma_dot(lo, xe_s.at[slot], interpret=interpret, transpose_b=True)
+            acc = acc + wgmma_dot(hi, xo_s.at[slot], interpret=interpret, transpose_b=True)
+
+            @pl.when(i + num_stages < per)
+            def _refill():
+                issue(i + num_stages, slot)
+
+            return acc
+
+        acc0 = _cast(interpret, jnp.zeros((TILE_N, m_pad), jnp.float32), plgpu.Layout.WGMMA)
+        acc = lax.fori_loop(0, per, step, acc0)
+        o_s[...] = acc
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_s, out.at[split, pl.ds(n0, TILE_N)])
+        plgpu.wait_smem_to_gmem(0)
+
+    n_copies = 3 + n_parts
+    scratch = [
+        swizzled_smem((num_stages, m_pad, PACKED_K), jnp.bfloat16),  # x_even tiles
+        swizzled_smem((num_stages, m_pad, PACKED_K), jnp.bfloat16),  # x_odd tiles
+        swizzled_smem((num_stages, PACKED_K, TILE_N), jnp.uint8),  # packed weight tiles
+        *[plgpu.SMEM((num_stages, groups, TILE_N), dt) for _, dt in dec.grouped],
+        plgpu.SMEM((TILE_N, m_pad), jnp.float32),  # output stage
+        plgpu.Barrier(num_arrivals=n_copies, num_barriers=num_stages),
+    ]
+    kwargs = dict(
+        out_type=(jax.ShapeDtypeStruct((num_splits, n, m_pad), jnp.float32),),
+        scratch_types=scratch,
+        grid=(n // TILE_N, num_splits),
+        grid_names=("n", "split"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )
+    if interpret:
+        kwargs["interpret"] = _compat.gpu_interpret_params()
+    return plgpu.kernel(body, **kwargs)

@@ -1,0 +1,171 @@
+"""The Mosaic GPU 4-bit weight-only matmul against the fp32 reference.
+
+On CPU the kernel runs under jax's GPU interpreter (its semantics: TMA copies, the stage ring,
+split-K, the even/odd split of x, each format's arithmetic decode) on tiny shapes with fresh
+random codes and scales; lowering for CUDA checks its register layouts and shared-memory plan
+(`lower(lowering_platforms=("cuda",))`, no GPU needed); the `-m gpu` tests run it compiled at
+Llama-3-8B shapes. The interpreter runs the pipeline sequentially, so only the GPU run checks the
+ordering of a stage's refill against its readers.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.matmul import PARTS, dequantize, w4_matmul, w4_matmul_ref
+from pallas_kernels.matmul.w4_decode import DECODERS
+from pallas_kernels.matmul.w4_mgpu import w4_matmul_mgpu
+
+TOL = 1e-2  # relative Frobenius error: the kernel rounds each decoded weight to bf16 once
+
+
+def make_weight(rng: np.random.Generator, fmt: str, k: int, n: int) -> dict:
+    """Random codes and per-group parts of a [k, n] weight in `fmt` (values included)."""
+    dec = DECODERS[fmt]
+    g = (k // dec.group, n)
+    arrays = {"values": jnp.asarray(rng.integers(0, 256, (k // 2, n)), jnp.uint8)}
+    if fmt == "int4_g128_sym":
+        arrays["scales"] = jnp.asarray(rng.uniform(0.005, 0.05, g), jnp.float32)
+    elif fmt == "nvfp4":
+        arrays["block_scales"] = jnp.asarray(rng.uniform(0.05, 400, g), jnp.float8_e4m3fn)
+        arrays["tensor_scale"] = jnp.asarray(rng.uniform(1e-4, 1e-3), jnp.float32)
+    elif fmt == "mxfp4":
+        arrays["scales"] = jnp.asarray(rng.integers(118, 128, g), jnp.uint8)
+    else:
+        arrays["d"] = jnp.asarray(rng.uniform(0.002, 0.02, g), jnp.float16)
+        arrays["m"] = jnp.asarray(rng.uniform(-0.15, 0.0, g), jnp.float16)
+    return arrays
+
+
+def check_case(seed: int, fmt: str, m: int, k: int, n: int, **kw) -> None:
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = make_weight(rng, fmt, k, n)
+    out = w4_matmul_mgpu(x, **w, fmt=fmt, **kw)
+    assert out.shape == (m, n) and out.dtype == jnp.bfloat16
+    ref = np.asarray(w4_matmul_ref(x, **w, fmt=fmt))
+    out = np.asarray(out, np.float32)
+    assert np.isfinite(out).all(), f"non-finite output (seed {seed})"
+    err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert err < TOL, f"{fmt} m={m} k={k} n={n} {kw}: rel err {err:.2e} (seed {seed})"
+
+
+# Tokens 1, 7 (wgmma's N padded to 8) and 64; one split and two (the parts summed by XLA); a
+# 4-step K loop through 2 stages refills every slot.
+@pytest.mark.parametrize(
+    "m,k,n,kw",
+    [
+        (1, 256, 128, dict(num_splits=1)),
+        (7, 256, 128, dict(num_splits=2)),
+        (64, 512, 64, dict(num_splits=1, num_stages=2)),
+    ],
+)
+def test_int4_g128_matches_reference_in_interpreter(fresh_seed, m, k, n, kw):
+    check_case(fresh_seed, "int4_g128_sym", m, k, n, interpret=True, **kw)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "q4_1"])
+def test_other_formats_share_the_kernel_and_match_reference(fresh_seed, fmt):
+    check_case(fresh_seed, fmt, 5, 256, 64, interpret=True, num_splits=1)
+
+
+@pytest.mark.parametrize("fmt", list(PARTS))
+def test_reference_reads_jaxinfer_layouts(fresh_seed, fmt):
+    """The reference dequantizes a weight quantized by jaxinfer's format to jaxinfer's values."""
+    from jaxinfer.quant import WEIGHT_FORMATS, QuantizedWeight
+
+    rng = np.random.default_rng(fresh_seed)
+    w = jnp.asarray(rng.standard_normal((256, 64)) * 0.05, jnp.float32)
+    wf = WEIGHT_FORMATS[fmt]
+    arrays = wf.quantize(w, 1)
+    ours = dequantize(fmt=fmt, **arrays)
+    theirs = wf.dequantize(QuantizedWeight(arrays, wf, 1))
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-6, atol=1e-7,
+                               err_msg=f"seed {fresh_seed}")  # fmt: skip
+
+
+def test_arguments_are_validated_by_name():
+    rng = np.random.default_rng(0)
+    w = make_weight(rng, "int4_g128_sym", 256, 64)
+    x = jnp.zeros((4, 256), jnp.bfloat16)
+    bad = [
+        (dict(x=jnp.zeros((4, 256), jnp.float32)), "x must be bf16"),
+        (dict(x=jnp.zeros((300, 256), jnp.bfloat16)), "M (tokens) must be in 1..256"),
+        (dict(x=jnp.zeros((4, 192), jnp.bfloat16)), "K must be a multiple of 128"),
+        (dict(values=w["values"].astype(jnp.int8)), "values must be uint8"),
+        (dict(values=w["values"][:64]), "values: 64 packed rows"),
+        (dict(scales=w["scales"][:, :32]), "scales must be float32 [2, 64]"),
+        (dict(scales=w["scales"].astype(jnp.bfloat16)), "scales must be float32"),
+        (dict(fmt="int3"), "fmt must be one of"),
+        (dict(block_scales=w["scales"]), "takes parts ['scales']"),
+    ]
+    for change, message in bad:
+        args = dict(x=x, fmt="int4_g128_sym", **w) | change
+        with pytest.raises(ValueError, match=re.escape(message)):
+            w4_matmul(**args, backend="pallas", interpret=True)
+    with pytest.raises(ValueError, match="num_splits must divide"):
+        w4_matmul(x, **w, fmt="int4_g128_sym", backend="pallas", interpret=True, num_splits=3)
+    with pytest.raises(ValueError, match="pallas backend only"):
+        w4_matmul(x, **w, fmt="int4_g128_sym", backend="xla", num_stages=2)
+
+
+def test_dispatcher_picks_xla_on_cpu_and_matches_reference(fresh_seed):
+    rng = np.random.default_rng(fresh_seed)
+    x = jnp.asarray(rng.standard_normal((3, 128)), jnp.bfloat16)
+    w = make_weight(rng, "q4_1", 128, 64)
+    out = w4_matmul(x, **w, fmt="q4_1")
+    ref = w4_matmul_ref(x, **w, fmt="q4_1").astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref), err_msg=f"seed {fresh_seed}")
+
+
+def lower_for_cuda(fmt: str, m: int, k: int = 1024, n: int = 256, **kw) -> str:
+    sds = jax.ShapeDtypeStruct
+    dec = DECODERS[fmt]
+    parts = {name: sds(() if name == dec.output_scale else (k // dec.group, n), dt)
+             for name, dt in PARTS[fmt].items()}  # fmt: skip
+
+    def call(x, values, parts):
+        return w4_matmul_mgpu(x, values, fmt=fmt, interpret=False, **kw, **parts)
+
+    args = (sds((m, k), jnp.bfloat16), sds((k // 2, n), jnp.uint8), parts)
+    return jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("fmt,m", [("int4_g128_sym", 256), ("nvfp4", 1), ("mxfp4", 16),
+                                   ("q4_1", 64)])  # fmt: skip
+def test_kernel_lowers_for_cuda(fmt, m):
+    """Mosaic's register layouts (the transposed uint8 load, its relayout to WGMMA, the per-group
+    rows) and shared-memory plan are accepted for every format and batch size class."""
+    assert "mosaic_gpu" in lower_for_cuda(fmt, m)
+
+
+def test_benchmark_smoke_run_writes_rows_with_provenance(tmp_path):
+    """experiments/bench_quant_matmul.py --smoke: every impl timed, close to the reference."""
+    import json
+
+    import experiment_scripts
+
+    bench = experiment_scripts.load("bench_quant_matmul")
+    out = tmp_path / "quant_matmul.json"
+    bench.main(["--smoke", "--formats", "int4_g128_sym", "--out", str(out)])
+    result = json.loads(out.read_text())
+    for key in ("device", "jax", "commit", "date", "command", "timing_method"):
+        assert key in result, key
+    assert {r["impl"] for r in result["rows"]} == {"w4_pallas", "xla_dequant", "xla_bf16"}
+    for r in result["rows"]:
+        assert "error" not in r and r["time_us"] > 0 and r["weight_TBps"] > 0, r
+        assert r["rel_err"] < TOL, r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", list(PARTS))
+@pytest.mark.parametrize("n,k", [(14336, 4096), (4096, 14336)])
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_compiled_kernel_on_gpu(fresh_seed, fmt, n, k, m):
+    """The same check, compiled, at Llama-3-8B's FFN shapes (run on the device: `pytest -m gpu`)."""
+    check_case(fresh_seed, fmt, m, k, n, interpret=False)
