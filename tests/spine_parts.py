@@ -68,11 +68,11 @@ def _split_specs(cfg) -> dict[str, ParamSpec]:
     }
 
 
-def _split_apply(cfg, p, x, row_scale=None):
+def _split_apply(cfg, p, x, row_scale=None, ctx=None):
     SPLIT_DENSE_TRACES.append(x.shape)
     gate = scale_rows(linear(x, p["w_gate"]), row_scale, 1)
     up = scale_rows(linear(x, p["w_up"]), row_scale, 1)
-    return linear(jax.nn.silu(gate) * up, p["w_down"])
+    return linear(jax.nn.silu(gate) * up, p["w_down"]), None
 
 
 FFN_BLOCKS["test_split_dense"] = FfnBlock(_split_specs, _split_apply)
@@ -95,7 +95,9 @@ def expert_specs(cfg, num_experts: int = 4) -> dict[str, ParamSpec]:
     }
 
 
-FFN_BLOCKS["test_experts"] = FfnBlock(expert_specs, lambda cfg, p, x, r=None: jnp.zeros_like(x))
+FFN_BLOCKS["test_experts"] = FfnBlock(
+    expert_specs, lambda cfg, p, x, r=None, ctx=None: (jnp.zeros_like(x), None)
+)
 
 # -- a proposer ------------------------------------------------------------------------------------
 

@@ -417,6 +417,14 @@ def small_llama_gguf(path, *, drop: str | None = None, raw: dict | None = None) 
     write_gguf(path, "llama", meta, tensors)
 
 
+def test_moe_gguf_is_refused_by_its_expert_count(tmp_path):
+    path = tmp_path / "mixtral.gguf"
+    write_gguf(path, "llama", {"llama.expert_count": 8, "llama.block_count": 1}, {})
+    with pytest.raises(UnsupportedModelError, match="expert_count=8: MoE GGUF") as e:
+        load_gguf_model(path)
+    assert str(path) in str(e.value)
+
+
 def test_unsupported_architecture_names_itself_and_the_file(tmp_path):
     path = tmp_path / "gemma.gguf"
     write_gguf(path, "gemma", {"gemma.block_count": 1}, {})

@@ -52,7 +52,16 @@ ARCHS = {
     "mistral-window": ("MistralConfig", dict(sliding_window=7, head_dim=16)),
     "qwen2": ("Qwen2Config", dict(rms_norm_eps=1e-6, tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=False)),
-}
+    # MoE: routed experts (renormalised or not), Qwen2-MoE's gated shared expert, dense layers
+    # among the sparse ones (mlp_only_layers, decoder_sparse_step)
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16)),
+    "qwen2-moe": ("Qwen2MoeConfig", dict(num_experts=6, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, norm_topk_prob=False,
+                                         shared_expert_intermediate_size=48, mlp_only_layers=[1])),
+    "qwen3-moe": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=3, head_dim=32,
+                                         moe_intermediate_size=32, norm_topk_prob=True,
+                                         decoder_sparse_step=2, rms_norm_eps=1e-6)),
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHS))

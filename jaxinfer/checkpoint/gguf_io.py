@@ -145,6 +145,11 @@ class GgufFile:
     def hf_config(self) -> dict[str, Any]:
         """The Hugging Face config.json this file's metadata stands for."""
         a = self.arch
+        if self.field(f"{a}.expert_count", 0):  # (llama.cpp writes Mixtral as "llama")
+            raise UnsupportedModelError(
+                f"{self.path}: {a}.expert_count={self.field(f'{a}.expert_count')}: MoE GGUF "
+                "files are not supported (MoE models load from Hugging Face safetensors)"
+            )
         hidden, heads = self.field(f"{a}.embedding_length"), self.field(f"{a}.attention.head_count")
         head_dim = self.field(f"{a}.attention.key_length", hidden // heads)
         rotary = self.field(f"{a}.rope.dimension_count", head_dim)

@@ -27,13 +27,28 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
+# Architectures refused with the reason (instead of "not supported").
+_REFUSED_ARCHITECTURES = {
+    arch: "its attention is MLA (multi-head latent attention), which jaxinfer does not implement "
+    "yet; its MoE block is `jaxinfer.models.moe` (MoeConfig scoring='sigmoid', score_bias, "
+    "num_groups)"
+    for arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+}
 # Used when `architectures` is absent (older or hand-written configs still carry model_type).
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 _REQUIRED_KEYS = (
     "vocab_size",
@@ -64,6 +79,16 @@ _DEFAULTS = {
     "MistralForCausalLM": _ClassDefaults(131072, 1, 2, 8, _MISSING, sliding_window=4096),
     "Qwen2ForCausalLM": _ClassDefaults(32768, None, None, 32, _MISSING, sliding_window=4096),
     "Qwen3ForCausalLM": _ClassDefaults(32768, None, None, 32, 128, sliding_window=4096),
+    "MixtralForCausalLM": _ClassDefaults(131072, 1, 2, 8, _MISSING),
+    "Qwen2MoeForCausalLM": _ClassDefaults(32768, None, None, 16, _MISSING, sliding_window=4096),
+    "Qwen3MoeForCausalLM": _ClassDefaults(32768, None, None, 4, _MISSING, sliding_window=4096),
+}
+# transformers' MoE defaults: (num_experts, num_experts_per_tok, moe_intermediate_size,
+# norm_topk_prob); Mixtral's experts are `intermediate_size` wide and always renormalised.
+_MOE_DEFAULTS = {
+    "MixtralForCausalLM": (8, 2, None, True),
+    "Qwen2MoeForCausalLM": (60, 4, 1408, False),
+    "Qwen3MoeForCausalLM": (128, 8, 768, False),
 }
 _DEFAULT_ROPE_THETA = 10000.0
 _DEFAULT_RMS_NORM_EPS = 1e-6
@@ -78,6 +103,10 @@ def _architecture(hf: Mapping[str, Any], source: str) -> str:
             raise CheckpointError(
                 f"{source}: missing required key 'architectures' (and no 'model_type' either)"
             )
+        if _MODEL_TYPE_TO_ARCH.get(model_type) in _REFUSED_ARCHITECTURES:
+            arch = _MODEL_TYPE_TO_ARCH[model_type]
+            raise UnsupportedModelError(f"{source}: {arch} is not supported: "
+                                        f"{_REFUSED_ARCHITECTURES[arch]}")  # fmt: skip
         if model_type not in _MODEL_TYPE_TO_ARCH:
             raise UnsupportedModelError(
                 f"{source}: model_type {model_type!r} is not supported; supported architectures: "
@@ -89,6 +118,9 @@ def _architecture(hf: Mapping[str, Any], source: str) -> str:
     for arch in archs:
         if arch in SUPPORTED_ARCHITECTURES:
             return arch
+        if arch in _REFUSED_ARCHITECTURES:
+            raise UnsupportedModelError(f"{source}: {arch} is not supported: "
+                                        f"{_REFUSED_ARCHITECTURES[arch]}")  # fmt: skip
     raise UnsupportedModelError(
         f"{source}: architectures {list(archs)!r} is not supported; supported architectures: "
         f"{', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -234,6 +266,53 @@ def _qwen_layer_types(hf: Mapping[str, Any], d: _ClassDefaults, n_layers: int, s
     return int(window), (() if kinds == {"sliding_attention"} else tuple(layer_types))
 
 
+def _moe(hf: Mapping[str, Any], arch: str, num_layers: int, source: str):
+    """(MoeConfig or None, per-layer FFN kinds, () when all are alike) of an MoE architecture,
+    with transformers' rule for its dense layers (Qwen: `mlp_only_layers`, and a sparse layer
+    every `decoder_sparse_step`)."""
+    if arch not in _MOE_DEFAULTS:
+        return None, ()
+    n_default, k_default, size_default, norm_default = _MOE_DEFAULTS[arch]
+    # config.json files say num_experts (Qwen) or num_local_experts (Mixtral); either is read
+    num_experts = _get(hf, "num_experts", _get(hf, "num_local_experts", n_default))
+    if arch == "MixtralForCausalLM":
+        size, norm, step, dense_layers = hf["intermediate_size"], True, 1, []
+    else:
+        size = _get(hf, "moe_intermediate_size", size_default)
+        norm = _get(hf, "norm_topk_prob", norm_default)
+        step = _get(hf, "decoder_sparse_step", 1)
+        dense_layers = _get(hf, "mlp_only_layers", [])
+        if not isinstance(step, int) or isinstance(step, bool) or step <= 0:
+            raise CheckpointError(f"{source}: decoder_sparse_step must be a positive int, "
+                                  f"got {step!r}")  # fmt: skip
+        if not isinstance(dense_layers, list) or not all(isinstance(i, int) for i in dense_layers):
+            raise CheckpointError(f"{source}: mlp_only_layers must be a list of layer indices, "
+                                  f"got {dense_layers!r}")  # fmt: skip
+    if num_experts == 0:  # transformers builds dense layers only
+        return None, ()
+    shared = (
+        _get(hf, "shared_expert_intermediate_size", 5632) if arch == "Qwen2MoeForCausalLM" else 0
+    )
+    from jaxinfer.models.config import MoeConfig
+
+    try:
+        moe = MoeConfig(
+            num_experts=num_experts,
+            experts_per_token=_get(hf, "num_experts_per_tok", k_default),
+            expert_size=size,
+            norm_topk_prob=bool(norm),
+            shared_expert_size=shared,
+            shared_expert_gate=bool(shared),
+        )
+    except ValueError as e:
+        raise CheckpointError(f"{source}: {e}") from e
+    kinds = tuple(
+        "moe" if i not in dense_layers and (i + 1) % step == 0 else "dense"
+        for i in range(num_layers)
+    )
+    return moe, (() if set(kinds) == {"moe"} else kinds)
+
+
 def _token_ids(value: Any, key: str, source: str) -> tuple[int, ...]:
     if value is None:
         return ()
@@ -291,9 +370,21 @@ def config_from_hf(
     if arch == "LlamaForCausalLM":
         qkv_bias = o_bias = attention_bias
         mlp_bias = bool(_get(hf, "mlp_bias", False))
-    elif arch == "MistralForCausalLM":
-        # MistralAttention/MistralMLP hard-code bias=False, whatever the config says.
+    elif arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+        # Mistral's and Mixtral's layers hard-code bias=False, whatever the config says.
         sliding_window = hf.get("sliding_window", d.sliding_window)
+    elif arch == "Qwen2MoeForCausalLM":
+        qkv_bias = bool(_get(hf, "qkv_bias", True))  # q/k/v only (o_proj has none)
+        if hf.get("use_sliding_window"):
+            raise UnsupportedModelError(
+                f"{source}: use_sliding_window=true is not supported for Qwen2MoeForCausalLM "
+                "(its sliding layers follow their own pattern)"
+            )
+    elif arch == "Qwen3MoeForCausalLM":
+        qkv_bias = o_bias = attention_bias
+        qk_norm = True
+        if hf.get("use_sliding_window"):  # every layer (transformers' Qwen3MoeAttention)
+            sliding_window = _get(hf, "sliding_window", d.sliding_window)
     elif arch == "Qwen2ForCausalLM":
         qkv_bias = True  # Qwen2Attention: bias on q/k/v, never on o.
         sliding_window, layer_types = _qwen_layer_types(hf, d, num_layers, source)
@@ -302,6 +393,7 @@ def config_from_hf(
         qk_norm = True
         sliding_window, layer_types = _qwen_layer_types(hf, d, num_layers, source)
 
+    moe, ffn_kinds = _moe(hf, arch, num_layers, source)
     eos = _token_ids(hf.get("eos_token_id", d.eos_token_id), "eos_token_id", source)
     bos = hf.get("bos_token_id", d.bos_token_id)
     if isinstance(bos, list):  # a few configs list it like eos; the first is the one prepended
@@ -328,6 +420,8 @@ def config_from_hf(
             qk_norm=qk_norm,
             sliding_window=None if sliding_window is None else int(sliding_window),
             layer_types=layer_types,
+            ffn_kinds=ffn_kinds,
+            moe=moe,
             param_dtype=param_dtype if param_dtype is not None else dtype,
             dtype=dtype,
             bos_token_id=bos,

@@ -121,7 +121,19 @@ _LAYER_RULES = {
         (_Rule("mlp.gate_proj.bias", "vector"), _Rule("mlp.up_proj.bias", "vector")), axis=0
     ),
     "b_down": _Rule("mlp.down_proj.bias", "vector"),
+    # Qwen2-MoE's shared expert and its gate
+    "w_shared_gate_up": _Fused(
+        (
+            _Rule("mlp.shared_expert.gate_proj.weight", "linear"),
+            _Rule("mlp.shared_expert.up_proj.weight", "linear"),
+        ),
+        axis=1,
+    ),
+    "w_shared_down": _Rule("mlp.shared_expert.down_proj.weight", "linear"),
+    "w_shared_gate": _Rule("mlp.shared_expert_gate.weight", "linear"),
 }
+# An MoE block's params: read by `_Loader.load_moe` (names depend on the family).
+_MOE_KEYS = ("router", "router_bias", "w_expert_gate_up", "w_expert_down")
 
 
 def layer_parts(key: str, spec: ParamSpec) -> tuple[list[tuple[_Rule, ParamSpec]], int | None]:
@@ -325,6 +337,20 @@ class _Loader:
             f"values after the cast to {out.dtype}: the checkpoint's values exceed its range"
         )
 
+    def load_stacked(self, name: str, spec: ParamSpec, param: str) -> jax.Array:
+        """A stacked expert tensor [X, out, in] (transformers v5's layout) as ours [X, *in, *out]."""
+        x, inner = spec.shape[0], spec.shape[1:]
+        rule = _Rule(name, "linear")
+        hf_shape, _ = _hf_layout(rule, inner, spec.axes[1:])
+        host = self.files.read(name, (x, *hf_shape), param)
+        raw = jax.device_put(host)
+        del host
+        sharding = named_sharding(self.mesh, spec.axes, spec.shape) if self.mesh else None
+        out = jax.jit(lambda r: jnp.swapaxes(r, 1, 2).reshape(spec.shape).astype(spec.dtype),
+                      out_shardings=sharding)(raw)  # fmt: skip
+        self._check_finite(out, [(name, raw)], param)
+        return out
+
     def _raws(self, rule: _Rule | _Fused, prefix: str, shape, axes, param: str) -> list[jax.Array]:
         """The HF tensor(s) behind one layer's param, on device in HF layout."""
         if isinstance(rule, _Rule):
@@ -346,6 +372,56 @@ class _Loader:
         names = [prefix + part.hf_name for part in rule.parts]
         self._check_finite(out, list(zip(names, raws, strict=True)), param)
         return out
+
+
+@dataclass(frozen=True)
+class _MoeLayout:
+    """Where a layer's MoE block lives in a HF checkpoint: its module ("mlp." for Qwen and
+    DeepSeek, "block_sparse_moe." for Mixtral) and each expert's (gate, up, down) weights, per
+    expert (`experts.{j}.gate_proj.weight`, as the hub's files and transformers' save_pretrained
+    store them) or stacked (`experts.gate_up_proj` [X, 2F, E], `experts.down_proj` [X, E, F]:
+    transformers v5's in-memory layout)."""
+
+    block: str
+    gate_up_down: tuple[str, str, str]
+    stacked: bool
+
+    @staticmethod
+    def of(names: set[str], prefix: str) -> _MoeLayout:
+        mixtral = f"{prefix}block_sparse_moe.gate.weight" in names
+        block = prefix + ("block_sparse_moe." if mixtral else "mlp.")
+        parts = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+        return _MoeLayout(block, parts, f"{block}experts.gate_up_proj" in names)
+
+
+def _stack_experts(arrays, sharding):
+    return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*arrays)
+
+
+def _load_moe(loader: _Loader, layout: _MoeLayout, key: str, spec: ParamSpec, param: str):
+    """One MoE param of a layer; per-expert tensors are stacked on the device(s)."""
+    block = layout.block
+    if key == "router":  # HF [X, E]
+        return loader.load(_Rule(f"{block}gate.weight", "linear"), f"{block}gate.weight", spec,
+                           param)  # fmt: skip
+    if key == "router_bias":
+        name = f"{block}gate.e_score_correction_bias"
+        return loader.load(_Rule(name, "same"), name, spec, param)
+    x, rest = spec.shape[0], spec.shape[1:]
+    one = ParamSpec(rest, spec.dtype, spec.axes[1:], spec.init, spec.scale)
+    gate, up, down = layout.gate_up_down
+    if layout.stacked:  # [X, 2F, E] / [X, E, F]: each expert is the same linear layout
+        name = f"{block}experts.{'gate_up_proj' if key == 'w_expert_gate_up' else 'down_proj'}"
+        flat = ParamSpec((x, *rest), spec.dtype, spec.axes, spec.init, spec.scale)
+        return loader.load_stacked(name, flat, param)
+    if key == "w_expert_gate_up":
+        rule = _Fused((_Rule(f"{gate}.weight", "linear"), _Rule(f"{up}.weight", "linear")), axis=1)
+    else:
+        rule = _Rule(f"{down}.weight", "linear")
+    parts = [loader.load_layer(rule, f"{block}experts.{j}.", one, f"{param}[{j}]")
+             for j in range(x)]  # fmt: skip
+    sharding = named_sharding(loader.mesh, spec.axes, spec.shape) if loader.mesh else None
+    return _stack_experts(parts, sharding)
 
 
 def _layer_rule(key: str) -> _Rule | _Fused:
@@ -414,9 +490,12 @@ def load_params_from(
         rule = _TOP_RULES[key]
         params[key] = loader.load(rule, rule.hf_name, spec, key)
     logical = param_specs(cfg.plain())["layers"] if prequantized else None
+    names = set(files.names()) if cfg.moe else set()
 
     def load_layer(i: int, key: str, spec: Any):
         prefix, param = f"model.layers.{i}.", f"layers[{i}].{key}"
+        if key in _MOE_KEYS:
+            return _load_moe(loader, _MoeLayout.of(names, prefix), key, spec, param)
         if isinstance(spec, QuantizedWeight):  # stored quantized: `prequantized` reads it
             parts, axis = layer_parts(key, logical[i][key])
             named = [(prefix + rule.hf_name, part.shape) for rule, part in parts]

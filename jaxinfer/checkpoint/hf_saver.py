@@ -55,6 +55,9 @@ def _architecture(cfg: ModelConfig) -> str:
             "architecture among Llama, Mistral, Qwen2, Qwen3 represents this config)"
         )
 
+    if cfg.moe is not None:
+        raise refuse("moe", "MoE models are not exported yet (they load from Mixtral, Qwen2-MoE "
+                     "and Qwen3-MoE checkpoints)")  # fmt: skip
     if set(cfg.ffn_kinds) - {"dense"}:
         raise refuse("ffn_kinds", "only dense MLP blocks are supported")
     if cfg.has_formats:

@@ -151,6 +151,7 @@ class Engine:
         self._seeds: dict[int, int] = {}
         self._unread: UnreadMixed | UnreadScan | None = None  # see inflight.py
         self._preemptions_recorded = 0  # of scheduler.num_preemptions, in step records
+        self._expert_load = None  # MoE rows per expert read since the last step record
         self.chained_scans = 0  # decode scans dispatched before the previous one was read
         self.overlapped_steps = 0  # mixed steps dispatched before the previous one was read
         self.warmup_s: float | None = None
@@ -345,10 +346,16 @@ class Engine:
         now = self.clock()
         return [self._append(seq, new_tokens, now) for seq, new_tokens in results]
 
+    def _add_expert_load(self, load) -> None:
+        """Rows per expert of device results just read: the next step record reports them."""
+        if load is not None:
+            self._expert_load = load if self._expert_load is None else self._expert_load + load
+
     def _record(self, t_start, num_seqs, num_batched, decode_only, k, device_s):
         """A StepRecord; its preemptions are every one since the last record (a schedule that
         preempts and then runs nothing writes no record of its own)."""
         running = self.scheduler.running_seqs()
+        load, self._expert_load = self._expert_load, None
         preempted = self.scheduler.num_preemptions - self._preemptions_recorded
         self._preemptions_recorded = self.scheduler.num_preemptions
         self.step_records.append(
@@ -365,6 +372,10 @@ class Engine:
                 host_ms=1e3 * ((self.clock() - t_start) - device_s),
                 device_ms=1e3 * device_s,
                 decode_steps=k,
+                expert_tokens=None if load is None else [int(n) for n in load],
+                expert_device_tokens=None
+                if load is None
+                else [int(n) for n in load.reshape(self.runner.expert_devices, -1).sum(1)],
             )
         )
 
@@ -446,8 +457,9 @@ class Engine:
         if not isinstance(unread, UnreadMixed):
             return [], 0.0
         t0 = self.clock()
-        tok, counts, lp, top_lp, top_ids = jax.device_get(unread.outs)
+        tok, counts, lp, top_lp, top_ids, load = jax.device_get(unread.outs)
         device_s = self.clock() - t0
+        self._add_expert_load(load)
         now = self.clock()
         outputs = []
         for seq, i in unread.samplers:
@@ -502,8 +514,9 @@ class Engine:
     def _collect(self, scan: UnreadScan):
         """Read a scan's tokens; returns ([(seq, tokens)], seconds the host waited for them)."""
         t0 = self.clock()
-        tok, counts, lp, top_lp, top_ids = jax.device_get(scan.outs)
+        tok, counts, lp, top_lp, top_ids, load = jax.device_get(scan.outs)
         device_s = self.clock() - t0
+        self._add_expert_load(None if load is None else load.sum(0))  # over the rounds
         results = []
         for i, seq in enumerate(scan.seqs):
             if seq.is_finished:  # finished while this scan was in flight: its tokens are void

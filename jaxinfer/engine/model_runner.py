@@ -77,12 +77,22 @@ def _constrain(x, sharding):
     return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
 
-@partial(jax.jit, static_argnames=("cfg", "attention", "num_rows", "out_sharding"),
-         donate_argnames=("kv",))  # fmt: skip
+def _forward(params, cfg, batch, kv, attention, expert_mesh):
+    """(hidden, kv, rows per expert [X] summed over the layers, or None for a dense model)."""
+    out = forward_paged(params, cfg, batch, kv, attention=attention, expert_mesh=expert_mesh,
+                        return_expert_load=cfg.moe is not None)  # fmt: skip
+    return out[0], out[1], (out[2].sum(0) if cfg.moe is not None else None)
+
+
+@partial(jax.jit, static_argnames=("cfg", "attention", "num_rows", "out_sharding",
+                                   "expert_mesh"), donate_argnames=("kv",))  # fmt: skip
 def mixed_step(params, kv: KVCache, batch: RaggedBatch, num_drafts: jax.Array,
                prev_tokens: jax.Array, prev_counts: jax.Array, *, cfg: ModelConfig,
-               attention: AttentionConfig, num_rows: int = 1, out_sharding=None):  # fmt: skip
-    """((logits [S, num_rows, V] fp32, drafts [S, num_rows - 1], shift [S]), kv).
+               attention: AttentionConfig, num_rows: int = 1, out_sharding=None,
+               expert_mesh=None):  # fmt: skip
+    """((logits [S, num_rows, V] fp32, drafts [S, num_rows - 1], shift [S], expert load [X] or
+    None), kv). `expert_mesh`: the mesh whose "expert" axis shards the MoE experts (None: one
+    device holds them all).
 
     Sequence s's last 1 + num_drafts[s] tokens are its last real token and its drafts; their rows'
     logits verify the drafts. `prev_tokens` [S, num_rows] / `prev_counts` [S]: the previous step's
@@ -110,10 +120,10 @@ def mixed_step(params, kv: KVCache, batch: RaggedBatch, num_drafts: jax.Array,
                                     page_table=table)  # fmt: skip
     tokens = jnp.where(placeholder, last[src], tokens)
     batch = dataclasses.replace(batch, tokens=tokens)
-    hidden, kv = forward_paged(params, cfg, batch, kv, attention=attention)
+    hidden, kv, load = _forward(params, cfg, batch, kv, attention, expert_mesh)
     rows = logit_rows(batch.query_start_loc, num_drafts, num_rows)
     logits = compute_logits(params, cfg, hidden[rows])
-    return _constrain((logits, tokens[rows[:, 1:]], shift), out_sharding), kv
+    return _constrain((logits, tokens[rows[:, 1:]], shift, load), out_sharding), kv
 
 
 @partial(jax.jit, static_argnames=("num_logprobs", "out_sharding"))
@@ -144,15 +154,25 @@ class DecodeState:
 
 @partial(
     jax.jit,
-    static_argnames=("cfg", "attention", "num_steps", "num_logprobs", "proposer", "out_sharding"),
+    static_argnames=(
+        "cfg",
+        "attention",
+        "num_steps",
+        "num_logprobs",
+        "proposer",
+        "out_sharding",
+        "expert_mesh",
+    ),
     donate_argnames=("kv",),
 )
 def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingBatch, *,
                 cfg: ModelConfig, attention: AttentionConfig, num_steps: int, num_logprobs: int,
-                proposer: Proposer | None = None, out_sharding=None):  # fmt: skip
-    """((tokens [R, S, K], counts [R, S], logprobs [R, S, K], top_lp [R, S, K, k], top_ids), final
-    DecodeState, kv) over R = `num_steps` rounds of K = 1 + drafts tokens per row; row s keeps
-    tokens[r, s, :counts[r, s]] of round r. The final state can seed the next call directly."""
+                proposer: Proposer | None = None, out_sharding=None,
+                expert_mesh=None):  # fmt: skip
+    """((tokens [R, S, K], counts [R, S], logprobs [R, S, K], top_lp [R, S, K, k], top_ids,
+    expert load [R, X] or None), final DecodeState, kv) over R = `num_steps` rounds of K = 1 +
+    drafts tokens per row; row s keeps tokens[r, s, :counts[r, s]] of round r. The final state
+    can seed the next call directly."""
     gamma = proposer.num_draft_tokens if proposer is not None else 0
     k = 1 + gamma
     rows = state.tokens.shape[0]
@@ -178,7 +198,7 @@ def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingB
             page_table=PageTable(page_ids, jnp.where(st.active, st.positions + k, 0)),
             max_q_len=k,
         )
-        hidden, kv = forward_paged(params, cfg, batch, kv, attention=attention)
+        hidden, kv, load = _forward(params, cfg, batch, kv, attention, expert_mesh)
         logits = compute_logits(params, cfg, hidden).reshape(rows, k, -1)
         step_sb = dataclasses.replace(sb, position=st.positions + 1)
         tok, lp, top_lp, top_ids = sample_rows(
@@ -207,7 +227,7 @@ def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingB
             history=history,
             num_prompt=st.num_prompt,
         )
-        return (kv, new), (tok, n, lp, top_lp, top_ids)
+        return (kv, new), (tok, n, lp, top_lp, top_ids, load)
 
     (kv, final), outs = jax.lax.scan(body, (kv, state), None, length=num_steps)
     outs, final = _constrain((outs, final), out_sharding)
@@ -255,9 +275,21 @@ class ModelRunner:
         return self.shardings.put(x)
 
     # -- device calls --------------------------------------------------------------------------
+    @property
+    def expert_mesh(self):
+        """The mesh when its "expert" axis shards the experts (else None: all on each device)."""
+        mesh = self.shardings.mesh
+        return mesh if self.cfg.moe is not None and mesh.shape.get("expert", 1) > 1 else None
+
+    @property
+    def expert_devices(self) -> int:
+        """Devices the experts are split over (1 unless `expert_mesh`)."""
+        return 1 if self.expert_mesh is None else self.expert_mesh.shape["expert"]
+
     def _mixed_static(self):
         return dict(cfg=self.cfg, attention=self.attention, num_rows=self.num_rows,
-                    out_sharding=self.shardings.replicated)  # fmt: skip
+                    out_sharding=self.shardings.replicated,
+                    expert_mesh=self.expert_mesh)  # fmt: skip
 
     def _sample_static(self):
         return dict(num_logprobs=self.config.num_logprobs, out_sharding=self.shardings.replicated)
@@ -265,7 +297,8 @@ class ModelRunner:
     def _decode_static(self, num_steps: int):
         return dict(cfg=self.cfg, attention=self.attention, num_steps=num_steps,
                     num_logprobs=self.config.num_logprobs, proposer=self.scan_proposer,
-                    out_sharding=self.shardings.replicated)  # fmt: skip
+                    out_sharding=self.shardings.replicated,
+                    expert_mesh=self.expert_mesh)  # fmt: skip
 
     def no_prev(self) -> tuple:
         """(prev_tokens, prev_counts) of a step that refers to no earlier step's tokens, and the
@@ -279,7 +312,8 @@ class ModelRunner:
     def run_mixed(self, batch: RaggedBatch, num_drafts, sb: SamplingBatch, prev=None,
                   history=None):  # fmt: skip
         """Dispatch one mixed step; returns its device arrays (tokens [S, K], counts [S],
-        logprobs, top logprobs, top ids), by the batch's sequence order. `num_drafts`: a host
+        logprobs, top logprobs, top ids, rows per expert [X] or None), by the batch's sequence
+        order. `num_drafts`: a host
         array [max_num_seqs], or None for none; `prev`: the previous step's outputs (its tokens
         and counts); `history`: the sequences' tokens, for penalties (`history_arrays`)."""
         no_tokens, no_counts, no_drafts = self.no_prev()
@@ -288,14 +322,13 @@ class ModelRunner:
         args = (self.params, self.kv, batch, num_drafts, prev_tokens, prev_counts)
         exe = self._executables.get(("mixed", batch.tokens.shape[0], batch.max_q_len))
         if exe is not None:
-            (logits, drafts, shift), self.kv = exe(*args)
+            (logits, drafts, shift, load), self.kv = exe(*args)
         else:  # a shape warm-up did not compile: jit compiles it (and the engine counts it)
-            (logits, drafts, shift), self.kv = mixed_step(*args, **self._mixed_static())
+            (logits, drafts, shift, load), self.kv = mixed_step(*args, **self._mixed_static())
         args = (logits, drafts, args[3], shift, sb, history)
         exe = self._executables.get(("sample", sb.filtered))
-        if exe is not None:
-            return exe(*args)
-        return sample_step(*args, **self._sample_static())
+        sampled = exe(*args) if exe is not None else sample_step(*args, **self._sample_static())
+        return (*sampled, load)
 
     def history_arrays(self, token_lists: list[list[int]], prompt_lens: list[int], rows: int):
         """(tokens [rows, max_model_len] -1 padded, prompt lengths [rows]) on the device: what

@@ -17,7 +17,10 @@ class StepRecord:
     step's jitted call (>1 on the decode fast path); preemptions: sequences preempted in this step; device_ms: time the host waited for the
     device's results; host_ms: the rest of the step's wall time (scheduling, batch building,
     post-processing). With async decode, device work overlaps host work, so device_ms is the
-    part of the device time the host could not hide.
+    part of the device time the host could not hide. MoE models only (else None):
+    expert_tokens, the (token, choice) rows routed to each expert, summed over the MoE layers,
+    in the device results this step read (padding tokens route nowhere); expert_device_tokens,
+    the same per device of the mesh's "expert" axis (one entry without expert parallelism).
     """
 
     time: float
@@ -32,6 +35,8 @@ class StepRecord:
     device_ms: float = 0.0
     kv_slots_allocated: int = 0
     decode_steps: int = 1
+    expert_tokens: list[int] | None = None
+    expert_device_tokens: list[int] | None = None
 
     def to_row(self) -> dict:
         return asdict(self)

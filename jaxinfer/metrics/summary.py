@@ -12,7 +12,9 @@ Definitions (all times in seconds):
                   duration_s; slo_attainment is their fraction of all requests
   steps           KV use fraction = kv_pages_used / kv_pages_total per step (mean, max); mean
                   batch occupancy = mean num_seqs / max_num_seqs (when given); wasted KV slot
-                  fraction = wasted_slots / kv_slots_allocated per step, averaged
+                  fraction = wasted_slots / kv_slots_allocated per step, averaged; MoE
+                  expert (and expert-device) imbalance = max / mean rows per expert (device)
+                  per step, averaged over the steps that routed rows (1: balanced)
 
 Undefined values (no data, zero duration) are None; everything else is a plain float or int.
 """
@@ -81,6 +83,8 @@ def _step_summary(steps: list[dict], max_num_seqs: int | None) -> dict:
             "total_preemptions": 0,
             "host_ms_mean": None,
             "device_ms_mean": None,
+            "expert_imbalance_mean": None,
+            "expert_device_imbalance_mean": None,
         }
     kv = [s["kv_pages_used"] / s["kv_pages_total"] for s in steps if s["kv_pages_total"] > 0]
     wasted = [s["wasted_slots"] / s["kv_slots_allocated"] for s in steps if s["kv_slots_allocated"]]
@@ -97,7 +101,16 @@ def _step_summary(steps: list[dict], max_num_seqs: int | None) -> dict:
         "total_preemptions": int(sum(s["preemptions"] for s in steps)),
         "host_ms_mean": _f(np.mean([s["host_ms"] for s in steps])),
         "device_ms_mean": _f(np.mean([s["device_ms"] for s in steps])),
+        "expert_imbalance_mean": _imbalance(s.get("expert_tokens") for s in steps),
+        "expert_device_imbalance_mean": _imbalance(s.get("expert_device_tokens") for s in steps),
     }
+
+
+def _imbalance(loads) -> float | None:
+    """Mean over the steps that routed rows of max / mean rows per expert (or per device): 1 is
+    perfect balance; a step's time follows its busiest expert (device)."""
+    ratios = [max(x) / np.mean(x) for x in loads if x is not None and sum(x) > 0]
+    return _f(np.mean(ratios)) if ratios else None
 
 
 def summarize(

@@ -170,6 +170,73 @@ ROPE_SCALINGS: dict[str, type[RopeScaling]] = {
 }
 
 
+SCORINGS = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The routed FFN of the layers whose kind is "moe" (`ModelConfig.ffn_kinds`).
+
+    Each token's router scores (fp32) pick `experts_per_token` of `num_experts` SwiGLU experts of
+    width `expert_size`; their outputs are summed with the selected scores as weights.
+    - `scoring`: "softmax" over all experts (Mixtral, Qwen2/3-MoE) or a per-expert "sigmoid"
+      (DeepSeek-V3). `norm_topk_prob` renormalises the k selected weights to sum to 1 (Mixtral
+      always does; Qwen's `norm_topk_prob`); `routed_scaling_factor` then multiplies them.
+    - DeepSeek-V3's aux-loss-free balancing: `score_bias` adds a learned per-expert bias
+      (`e_score_correction_bias`) to the scores for selection only, never to the weights; with
+      `num_groups` > 1, selection is limited to the `topk_groups` groups (of consecutive experts)
+      whose two best biased scores sum highest.
+    - A shared expert: a dense SwiGLU of width `shared_expert_size` (0: none) every token goes
+      through, added to the routed output; `shared_expert_gate` (Qwen2-MoE) scales it by
+      sigmoid(x @ w_shared_gate) per token. DeepSeek's `n_shared_experts` of width w are one
+      shared expert of width n * w.
+    """
+
+    num_experts: int
+    experts_per_token: int
+    expert_size: int
+    scoring: str = "softmax"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    score_bias: bool = False
+    num_groups: int = 1
+    topk_groups: int = 1
+    shared_expert_size: int = 0
+    shared_expert_gate: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "experts_per_token", "expert_size", "num_groups",
+                     "topk_groups"):  # fmt: skip
+            _positive_int(self, name)
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(f"experts_per_token ({self.experts_per_token}) exceeds num_experts "
+                             f"({self.num_experts})")  # fmt: skip
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"scoring must be one of {SCORINGS}, got {self.scoring!r}")
+        _number(self, "routed_scaling_factor")
+        for name in ("norm_topk_prob", "score_bias", "shared_expert_gate"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        size = self.shared_expert_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"shared_expert_size must be an int >= 0, got {size!r}")
+        if self.shared_expert_gate and not size:
+            raise ValueError("shared_expert_gate needs a shared expert (shared_expert_size > 0)")
+        if self.num_experts % self.num_groups:
+            raise ValueError(f"num_groups ({self.num_groups}) must divide num_experts "
+                             f"({self.num_experts})")  # fmt: skip
+        if self.topk_groups > self.num_groups:
+            raise ValueError(f"topk_groups ({self.topk_groups}) exceeds num_groups "
+                             f"({self.num_groups})")  # fmt: skip
+        per_group = self.num_experts // self.num_groups
+        if self.num_groups > 1 and per_group < 2:
+            raise ValueError(f"group-limited routing ranks groups by their two best experts: "
+                             f"num_groups={self.num_groups} leaves {per_group} per group")  # fmt: skip
+        if self.num_groups > 1 and self.topk_groups * per_group < self.experts_per_token:
+            raise ValueError(f"topk_groups={self.topk_groups} groups of {per_group} experts "
+                             f"hold fewer than experts_per_token={self.experts_per_token}")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class LayerKind:
     """A layer's static shape beyond the model's: layers of one kind share their traced code."""
@@ -200,9 +267,11 @@ class ModelConfig:
     # `layer_types` makes "sliding_attention" (all of them when it is empty)
     sliding_window: int | None = None
     # Per layer (empty: the default for every layer): its attention type (ATTENTION_TYPES), and
-    # its FFN kind, a key of `jaxinfer.models.ffn.FFN_BLOCKS` (default "dense").
+    # its FFN kind, a key of `jaxinfer.models.ffn.FFN_BLOCKS` (default "moe" when `moe` is set,
+    # else "dense"; dense layers of an MoE model have width `intermediate_size`).
     layer_types: tuple[str, ...] = ()
     ffn_kinds: tuple[str, ...] = ()
+    moe: MoeConfig | None = None  # the routed experts of "moe" layers
     # The format of the linear weights of the decoder layers (a key of
     # `jaxinfer.quant.WEIGHT_FORMATS`); None: plain `param_dtype` arrays. Embedding, LM head,
     # norms and biases always stay plain.
@@ -260,6 +329,15 @@ class ModelConfig:
         from jaxinfer.models.ffn import FFN_BLOCKS  # (registries import this module)
         from jaxinfer.quant import WEIGHT_FORMATS
 
+        if isinstance(self.moe, dict):  # (JSON and YAML give a mapping)
+            try:
+                object.__setattr__(self, "moe", MoeConfig(**self.moe))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"ModelConfig.moe: {e}") from e
+        if self.moe is not None and not isinstance(self.moe, MoeConfig):
+            raise ValueError(f"ModelConfig.moe must be a MoeConfig, a mapping or None, "
+                             f"got {self.moe!r}")  # fmt: skip
+
         for name, allowed in (("layer_types", ATTENTION_TYPES), ("ffn_kinds", tuple(FFN_BLOCKS))):
             value = getattr(self, name)
             object.__setattr__(self, name, tuple(value))  # (JSON gives lists)
@@ -269,6 +347,8 @@ class ModelConfig:
             bad = sorted(set(value) - set(allowed))
             if bad:
                 raise ValueError(f"ModelConfig.{name}: {bad} unknown; allowed: {list(allowed)}")
+        if self.moe is None and "moe" in self.ffn_kinds:
+            raise ValueError("ModelConfig.ffn_kinds has moe layers but moe is None")
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ValueError("ModelConfig.layer_types has sliding_attention layers but "
                              "sliding_window is None")  # fmt: skip
@@ -357,7 +437,7 @@ class ModelConfig:
 
     def layer(self, i: int) -> LayerKind:
         """What makes layer `i` differ from the others: its FFN kind and attention window."""
-        ffn = self.ffn_kinds[i] if self.ffn_kinds else "dense"
+        ffn = self.ffn_kinds[i] if self.ffn_kinds else ("moe" if self.moe else "dense")
         sliding = self.layer_types[i] == "sliding_attention" if self.layer_types else True
         return LayerKind(ffn, self.sliding_window if sliding else None)
 

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jaxinfer.kv.cache import KVCache, token_slots
 from jaxinfer.models.attention import (
@@ -26,7 +27,7 @@ from jaxinfer.models.attention import (
 )
 from jaxinfer.models.batch import RaggedBatch
 from jaxinfer.models.config import LayerKind, ModelConfig
-from jaxinfer.models.ffn import FFN_BLOCKS
+from jaxinfer.models.ffn import FFN_BLOCKS, FfnContext
 from jaxinfer.models.layers import (
     apply_rope,
     deferred_rms_norm,
@@ -74,8 +75,10 @@ def decoder_layer(
     carry: Any,
     layer: Any,
     kind: LayerKind,
-) -> tuple[jax.Array, Any]:
-    """Pre-norm attention + FFN block of kind `kind` on x [..., E] with positions [...].
+    ffn_ctx: FfnContext | None = None,
+) -> tuple[jax.Array, Any, jax.Array | None]:
+    """Pre-norm attention + FFN block of kind `kind` on x [..., E] with positions [...]: (x,
+    carry, the FFN's rows per expert [X] or None).
 
     Both norms are deferred (`deferred_rms_norm`): the row scale is applied to the outputs of the
     projections that follow them.
@@ -94,8 +97,8 @@ def decoder_layer(
         o = o + p["bo"]
     x = x + o
     h, r = deferred_rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    x = x + FFN_BLOCKS[kind.ffn].apply(cfg, p, h, r)
-    return x, carry
+    out, load = FFN_BLOCKS[kind.ffn].apply(cfg, p, h, r, ffn_ctx)
+    return x + out, carry, load
 
 
 def qkv_projection(cfg: ModelConfig, p: dict, h: jax.Array, row_scale: jax.Array | None = None):
@@ -133,7 +136,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
         return causal_attention(q, k, v, sliding_window=kind.sliding_window), carry
 
     def layer_fn(p, x, carry, layer, *, kind):
-        return decoder_layer(cfg, p, x, positions, attend, carry, layer, kind)
+        return decoder_layer(cfg, p, x, positions, attend, carry, layer, kind)[:2]
 
     x, _ = apply_layers(cfg, params["layers"], x, None, layer_fn)
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
@@ -147,8 +150,13 @@ def forward_paged(
     kv: KVCache,
     *,
     attention: AttentionConfig = XLA_ATTENTION,
-) -> tuple[jax.Array, KVCache]:
-    """One step over a ragged batch: writes the new tokens' K/V, returns final hidden [T, E].
+    expert_mesh: Any = None,
+    return_expert_load: bool = False,
+):
+    """One step over a ragged batch: writes the new tokens' K/V, returns (final hidden [T, E],
+    kv), and with `return_expert_load` the rows each expert of each layer took, [L, X] int32
+    (zeros in dense layers; padding tokens are routed nowhere). `expert_mesh`: a mesh with an
+    "expert" axis over which the MoE layers' experts are sharded (`jaxinfer.parallel.expert`).
 
     Take logits only at the rows you sample from (`compute_logits(params, cfg, hidden[rows])`):
     the vocabulary projection of every prefill row would cost more than the rest of the step.
@@ -172,11 +180,22 @@ def forward_paged(
             attention=attention,
         )
 
-    def layer_fn(p, x, kv, layer, *, kind):
-        return decoder_layer(cfg, p, x, batch.positions, attend, kv, layer, kind)
+    num_tokens = batch.tokens.shape[0]
+    valid = jnp.arange(num_tokens) < batch.query_start_loc[-1] if cfg.moe else None
+    ctx = FfnContext(valid, expert_mesh)
+    num_experts = cfg.moe.num_experts if cfg.moe else 1
 
-    x, kv = apply_layers(cfg, params["layers"], x, kv, layer_fn)
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv
+    def layer_fn(p, x, carry, layer, *, kind):
+        kv, loads = carry
+        x, kv, load = decoder_layer(cfg, p, x, batch.positions, attend, kv, layer, kind, ctx)
+        if load is not None:
+            loads = lax.dynamic_update_index_in_dim(loads, load, layer, 0)
+        return x, (kv, loads)
+
+    loads = jnp.zeros((cfg.num_layers, num_experts), jnp.int32)
+    x, (kv, loads) = apply_layers(cfg, params["layers"], x, (kv, loads), layer_fn)
+    hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    return (hidden, kv, loads) if return_expert_load else (hidden, kv)
 
 
 def last_token_rows(batch: RaggedBatch) -> jax.Array:

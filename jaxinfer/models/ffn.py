@@ -4,26 +4,41 @@ An `FfnBlock` is its weights' specs and its function. The function's input is th
 `x * row_scale[..., None]` passed in two parts (see `layers.deferred_rms_norm`): a block whose
 first op is a row-wise matmul applies the scale to that matmul's output; one whose first op is
 not (a router's softmax over experts is one) multiplies it in first. Stacked expert weights
-[num_experts, ...] take the logical axis "expert" (sharded on the mesh's "expert" axis).
+[num_experts, ...] take the logical axis "expert" (sharded on the mesh's "expert" axis). It
+returns (output, rows per expert [X] int32 or None): the MoE block's load, which the engine's
+step metrics report.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.layers import linear, scale_rows
+from jaxinfer.models.moe import moe_ffn, moe_ffn_specs
 from jaxinfer.models.spec import ParamSpec, linear_spec
+
+
+@dataclass(frozen=True)
+class FfnContext:
+    """What an FFN block may need beyond its input: which rows are real tokens (`valid` [T]
+    bool; None: all; padding rows route to no expert) and the mesh whose "expert" axis holds
+    the experts (None: all of them on every device)."""
+
+    valid: jax.Array | None = None
+    expert_mesh: Any = None
 
 
 @dataclass(frozen=True)
 class FfnBlock:
     specs: Callable[[ModelConfig], dict[str, ParamSpec]]
-    # (cfg, layer params, x, row_scale or None) -> output [..., E]
-    apply: Callable[[ModelConfig, dict, jax.Array, jax.Array | None], jax.Array]
+    # (cfg, layer params, x, row_scale or None, FfnContext or None) -> (output [..., E],
+    # rows per expert [X] int32 or None)
+    apply: Callable[..., tuple[jax.Array, jax.Array | None]]
 
 
 def dense_ffn_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
@@ -41,7 +56,7 @@ def dense_ffn_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
 
 
 def dense_ffn(
-    cfg: ModelConfig, p: dict, x: jax.Array, row_scale: jax.Array | None = None
+    cfg: ModelConfig, p: dict, x: jax.Array, row_scale: jax.Array | None = None, ctx=None
 ) -> jax.Array:
     """SwiGLU: down(silu(h @ gate) * (h @ up)) of h = x * row_scale, gate and up as one matmul with
     the fused `w_gate_up`; the row scale is applied to that matmul's output."""
@@ -55,4 +70,11 @@ def dense_ffn(
     return out
 
 
-FFN_BLOCKS: dict[str, FfnBlock] = {"dense": FfnBlock(dense_ffn_specs, dense_ffn)}
+def _dense_block(cfg, p, x, row_scale=None, ctx=None):
+    return dense_ffn(cfg, p, x, row_scale), None
+
+
+FFN_BLOCKS: dict[str, FfnBlock] = {
+    "dense": FfnBlock(dense_ffn_specs, _dense_block),
+    "moe": FfnBlock(moe_ffn_specs, moe_ffn),
+}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxinfer.models.config import Llama3RopeScaling, ModelConfig
+from jaxinfer.models.config import Llama3RopeScaling, ModelConfig, MoeConfig
 
 _LLAMA31_SCALING = Llama3RopeScaling(8.0, 1.0, 4.0, 8192)
 
@@ -44,6 +44,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,
         tie_word_embeddings=True, max_position_embeddings=8192,
     ),
+    "qwen3-30b-a3b": dict(  # Qwen3-30B-A3B: every layer MoE, 128 experts of 768, top-8
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48,
+        num_heads=32, num_kv_heads=4, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        qk_norm=True, max_position_embeddings=40960,
+        moe=MoeConfig(num_experts=128, experts_per_token=8, expert_size=768),
+    ),
+    "qwen3-a3b-dense": dict(  # qwen3-30b-a3b's active parameters as a dense model: an FFN of
+        # 8 x 768 = 6144, the width of the 8 experts each token runs (seed 000's comparison)
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48,
+        num_heads=32, num_kv_heads=4, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        qk_norm=True, max_position_embeddings=40960,
+    ),
     # Tiny shapes for CPU tests and the quickstart.
     "tiny": dict(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -54,6 +66,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
         num_kv_heads=1, head_dim=32, qk_norm=True, rms_norm_eps=1e-6,
         max_position_embeddings=2048, param_dtype="float32", dtype="float32",
+    ),
+    "tiny-moe": dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=16, max_position_embeddings=2048,
+        moe=MoeConfig(num_experts=8, experts_per_token=2, expert_size=32),
+        param_dtype="float32", dtype="float32",
     ),
 }  # fmt: skip
 

@@ -97,10 +97,24 @@ def layer_specs(cfg: ModelConfig, layer: int) -> dict[str, ParamSpec]:
 
 
 def _formatted(cfg: ModelConfig, layer: int, name: str, spec: ParamSpec):
-    """`spec` in the format cfg gives weight `name` of `layer` (`weight_format_of`); norms and
-    biases (not linear: in_dims 0) stay plain."""
+    """`spec` in the format cfg gives weight `name` of `layer` (`weight_format_of`); norms,
+    biases and routers (not linear: in_dims 0) stay plain. Stacked MoE expert weights take no
+    format yet: one given to them is refused (a recipe entry can keep them plain)."""
+    if _is_expert_stack(spec):
+        fmt = cfg.weight_format_of(layer, name)
+        if fmt is not None:
+            raise ValueError(
+                f"ModelConfig: weight format {fmt!r} applies to layers.{layer}.{name}, a stacked "
+                "MoE expert weight, and expert weights take no format yet; keep them plain with "
+                "a recipe entry first, e.g. weight_formats=[['layers.*.w_expert_*', null]]"
+            )
+        return spec
     fmt = cfg.weight_format_of(layer, name) if spec.in_dims else None
     return spec if fmt is None else formatted_spec(WEIGHT_FORMATS[fmt], spec)
+
+
+def _is_expert_stack(spec: ParamSpec) -> bool:
+    return bool(spec.axes) and spec.axes[0] == "expert"
 
 
 def layer_weight_paths(cfg: ModelConfig) -> tuple[list[str], list[str]]:
@@ -111,7 +125,8 @@ def layer_weight_paths(cfg: ModelConfig) -> tuple[list[str], list[str]]:
     linear, plain = [], [k for k in specs if k != "layers"]
     for i, layer in enumerate(specs["layers"]):
         for name, spec in layer.items():
-            (linear if spec.in_dims else plain).append(f"layers.{i}.{name}")
+            quantizable = spec.in_dims or _is_expert_stack(spec)  # (experts: refused by name)
+            (linear if quantizable else plain).append(f"layers.{i}.{name}")
     return linear, plain
 
 

@@ -1,0 +1,148 @@
+"""The MoE FFN block: a router, routed SwiGLU experts, an optional shared expert.
+
+Weights (`moe_ffn_specs`), experts stacked on a leading axis with logical axis "expert":
+- `router` [E, X] (plain, read in fp32), and `router_bias` [X] fp32 with `score_bias`;
+- `w_expert_gate_up` [X, E, 2, F] (each expert's gate then up) and `w_expert_down` [X, F, E];
+- with a shared expert: `w_shared_gate_up` [E, 2, S], `w_shared_down` [S, E] and, gated,
+  `w_shared_gate` [E, 1].
+
+Dispatch on one device (`routed_experts`) is dropless with static shapes: the T * k (token,
+choice) rows are sorted by expert, the experts run as two grouped matmuls over those rows
+(`grouped_matmul`, whose group sizes are data: no capacity, no bucket, no token dropped), and the
+rows are unsorted and summed with their weights. Padding tokens (past the batch's real tokens)
+route to no expert: their rows sort last and fall outside every group, so they cost no expert
+compute and do not count in the load. With an expert-parallel mesh the same rows travel to the
+devices holding their experts and back (`jaxinfer.parallel.expert`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxinfer.models.config import ModelConfig, MoeConfig
+from jaxinfer.models.layers import linear, scale_rows
+from jaxinfer.models.spec import ParamSpec, linear_spec
+
+
+def moe_ffn_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
+    m, e, w = cfg.moe, cfg.hidden_size, cfg.jnp_param_dtype
+    x, f = m.num_experts, m.expert_size
+    std = 1.0 / math.sqrt(e)
+    specs = {
+        "router": ParamSpec((e, x), w, ("embed", None), "normal", std),
+        # Expert stacks are not `linear` weights (in_dims 0): the grouped matmul reads them.
+        "w_expert_gate_up": ParamSpec(
+            (x, e, 2, f), w, ("expert", "embed", None, "mlp"), "normal", std
+        ),
+        "w_expert_down": ParamSpec(
+            (x, f, e), w, ("expert", "mlp", "embed"), "normal", 1.0 / math.sqrt(f)
+        ),
+    }
+    if m.score_bias:
+        # fp32 whatever param_dtype is: it reorders nearly equal scores (HF keeps it fp32 too).
+        # Random init draws it like a trained one (nonzero), so tests see it change selection.
+        specs["router_bias"] = ParamSpec((x,), jnp.dtype(jnp.float32), (None,), "normal", 0.1)
+    s = m.shared_expert_size
+    if s:
+        specs["w_shared_gate_up"] = linear_spec((e, 2, s), w, ("embed", None, "mlp"), 1)
+        specs["w_shared_down"] = linear_spec((s, e), w, ("mlp", "embed"), 1)
+    if m.shared_expert_gate:
+        specs["w_shared_gate"] = ParamSpec((e, 1), w, ("embed", None), "normal", std)
+    return specs
+
+
+def route(m: MoeConfig, p: dict, h: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each token's experts and their weights: (weights [T, k] fp32, experts [T, k] int32) of h
+    [T, E] (already normed), as transformers' routers compute them (see `MoeConfig`)."""
+    logits = jnp.dot(h.astype(jnp.float32), p["router"].astype(jnp.float32))
+    scores = jax.nn.softmax(logits, axis=-1) if m.scoring == "softmax" else jax.nn.sigmoid(logits)
+    choice = scores + p["router_bias"] if m.score_bias else scores
+    if m.num_groups > 1:
+        t, per_group = h.shape[0], m.num_experts // m.num_groups
+        grouped = choice.reshape(t, m.num_groups, per_group)
+        group_score = lax.top_k(grouped, 2)[0].sum(-1)  # [T, G]: its two best experts
+        _, top_groups = lax.top_k(group_score, m.topk_groups)
+        keep = jnp.zeros((t, m.num_groups), bool).at[jnp.arange(t)[:, None], top_groups].set(True)
+        choice = jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(t, m.num_experts)
+    _, experts = lax.top_k(choice, m.experts_per_token)
+    weights = jnp.take_along_axis(scores, experts, axis=1)
+    if m.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return weights * m.routed_scaling_factor, experts.astype(jnp.int32)
+
+
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """lhs [R, K] (rows sorted by group) @ rhs [G, K, N] per group -> [R, N] in lhs's dtype, fp32
+    accumulation; rows past sum(group_sizes) are zero."""
+    out = lax.ragged_dot(lhs, rhs.astype(lhs.dtype), group_sizes,
+                         preferred_element_type=jnp.float32)  # fmt: skip
+    return out.astype(lhs.dtype)
+
+
+def expert_ffn(xs: jax.Array, sizes: jax.Array, w_gate_up: jax.Array,
+               w_down: jax.Array) -> jax.Array:  # fmt: skip
+    """SwiGLU of rows xs [R, E] sorted by expert (sizes [X] rows each) with stacked weights
+    w_gate_up [X, E, 2, F], w_down [X, F, E] -> [R, E]."""
+    x, e, _, f = w_gate_up.shape
+    gate_up = grouped_matmul(xs, w_gate_up.reshape(x, e, 2 * f), sizes)
+    act = jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:]
+    return grouped_matmul(act, w_down, sizes)
+
+
+def sort_rows(experts: jax.Array, num_experts: int):
+    """(order, sorted expert ids, sizes [X]) of the flattened (token, choice) rows of experts
+    [T, k]; an id of `num_experts` (no expert) sorts last and is in no group."""
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    return order, flat[order], jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+
+
+def combine(y_sorted: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Array:
+    """Rows y_sorted [T * k, E] in `order` back to tokens: sum_j weights[t, j] * y[t, j] -> [T, E]
+    fp32."""
+    t, k = weights.shape
+    y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(t, k, -1)
+    return jnp.einsum("tk,tke->te", weights, y.astype(jnp.float32))
+
+
+def routed_experts(h: jax.Array, weights: jax.Array, experts: jax.Array,
+                   w_gate_up: jax.Array, w_down: jax.Array) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """(sum of each token's experts' outputs, weighted [T, E] fp32, rows per expert [X] int32)
+    on one device; experts [T, k] may hold X (no expert) for padding tokens."""
+    k = experts.shape[1]
+    order, _, sizes = sort_rows(experts, w_gate_up.shape[0])
+    y = expert_ffn(h[order // k], sizes, w_gate_up, w_down)
+    return combine(y, order, weights), sizes
+
+
+def moe_ffn(cfg: ModelConfig, p: dict, x: jax.Array, row_scale: jax.Array | None = None,
+            ctx=None) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """(output [..., E], rows per expert [X] int32) of the MoE FFN on x [..., E] (times
+    row_scale). `ctx` (`ffn.FfnContext`): which tokens are real, and the expert-parallel mesh."""
+    m = cfg.moe
+    shape = x.shape
+    h = scale_rows(x, row_scale, 1).reshape(-1, shape[-1])
+    weights, experts = route(m, p, h)
+    valid = None if ctx is None else ctx.valid
+    if valid is not None:
+        experts = jnp.where(valid.reshape(-1, 1), experts, m.num_experts)
+    mesh = None if ctx is None else ctx.expert_mesh
+    if mesh is not None:
+        from jaxinfer.parallel.expert import expert_parallel_experts
+
+        out, sizes = expert_parallel_experts(h, weights, experts, p["w_expert_gate_up"],
+                                             p["w_expert_down"], mesh)  # fmt: skip
+    else:
+        out, sizes = routed_experts(h, weights, experts, p["w_expert_gate_up"],
+                                    p["w_expert_down"])  # fmt: skip
+    if m.shared_expert_size:
+        gate_up = linear(h, p["w_shared_gate_up"])
+        shared = linear(jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :], p["w_shared_down"])
+        if m.shared_expert_gate:
+            shared = jax.nn.sigmoid(linear(h, p["w_shared_gate"])) * shared
+        out = out + shared.astype(jnp.float32)
+    return out.astype(x.dtype).reshape(shape), sizes
