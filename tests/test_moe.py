@@ -273,8 +273,43 @@ def test_expert_stacks_refuse_weight_formats_and_a_recipe_keeps_them_plain(fresh
     )
 
 
-def test_moe_models_are_not_exported_silently_wrong(tmp_path):
+@pytest.mark.parametrize(
+    "moe_fields",
+    [
+        dict(qk_norm=True, ffn_kinds=("moe", "dense"), moe=MoeConfig(8, 2, 32)),  # Qwen3-MoE
+        dict(qkv_bias=True, moe=MoeConfig(8, 3, 32, norm_topk_prob=False, shared_expert_size=24,
+                                          shared_expert_gate=True)),  # Qwen2-MoE
+        dict(intermediate_size=32, sliding_window=5, moe=MoeConfig(4, 2, 32)),  # Mixtral
+    ],
+    ids=["qwen3-moe", "qwen2-moe", "mixtral"],
+)  # fmt: skip
+def test_saved_moe_models_run_in_transformers_as_ours(tmp_path, fresh_seed, moe_fields):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from jaxinfer.checkpoint import load_hf_model, save_hf_model
+    from jaxinfer.models.dense import forward
+
+    cfg = preset("tiny-moe", **moe_fields)
+    params = init_params(cfg, jax.random.key(fresh_seed))
+    if cfg.qkv_bias:  # nonzero biases, so a dropped one shows
+        for layer in params["layers"]:
+            layer["b_qkv"] = 0.1 * jax.random.normal(jax.random.key(1), layer["b_qkv"].shape)
+    save_hf_model(tmp_path / "m", cfg, params, dtype="float32")
+    tokens = np.random.default_rng(fresh_seed).integers(0, cfg.vocab_size, (1, 17))
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m").float().eval()
+    with torch.no_grad():
+        want = model(torch.as_tensor(tokens)).logits.numpy()
+    got = np.asarray(forward(params, cfg, jnp.asarray(tokens)))
+    np.testing.assert_allclose(got, want, atol=1e-4, err_msg=f"seed {fresh_seed}")
+    back_cfg, back = load_hf_model(tmp_path / "m", dtype="float32")
+    assert back_cfg.replace(eos_token_ids=cfg.eos_token_ids) == cfg
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_deepseek_routing_is_not_exported():
     from jaxinfer.checkpoint.hf_saver import config_to_hf
 
-    with pytest.raises(ValueError, match=r"ModelConfig\.moe=.* cannot be exported"):
-        config_to_hf(preset("tiny-moe"))
+    sigmoid = MoeConfig(8, 2, 32, scoring="sigmoid", score_bias=True)
+    with pytest.raises(ValueError, match=r"ModelConfig\.moe=.* cannot be exported: DeepSeek"):
+        config_to_hf(preset("tiny-moe", moe=sigmoid))

@@ -30,7 +30,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from jaxinfer.checkpoint.hf_config import config_from_hf
-from jaxinfer.checkpoint.hf_loader import _TOP_RULES, _hf_layout, _Rule, layer_parts
+from jaxinfer.checkpoint.hf_loader import _MOE_KEYS, _TOP_RULES, _hf_layout, _Rule, layer_parts
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.spec import ParamSpec, param_specs
 
@@ -52,12 +52,12 @@ def _architecture(cfg: ModelConfig) -> str:
         value = getattr(cfg, field)
         return ValueError(
             f"ModelConfig.{field}={value!r} cannot be exported: {why} (no Hugging Face "
-            "architecture among Llama, Mistral, Qwen2, Qwen3 represents this config)"
+            "architecture among Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE "
+            "represents this config)"
         )
 
     if cfg.moe is not None:
-        raise refuse("moe", "MoE models are not exported yet (they load from Mixtral, Qwen2-MoE "
-                     "and Qwen3-MoE checkpoints)")  # fmt: skip
+        return _moe_architecture(cfg, refuse)
     if set(cfg.ffn_kinds) - {"dense"}:
         raise refuse("ffn_kinds", "only dense MLP blocks are supported")
     if cfg.has_formats:
@@ -86,6 +86,58 @@ def _architecture(cfg: ModelConfig) -> str:
         # Llama's `attention_bias` covers q, k, v and o together.
         raise refuse("o_bias", f"Llama needs o_bias == qkv_bias={cfg.qkv_bias}")
     return "LlamaForCausalLM"
+
+
+def _moe_architecture(cfg: ModelConfig, refuse) -> str:
+    """Mixtral, Qwen2-MoE or Qwen3-MoE, whichever represents the MoE `cfg` exactly."""
+    m = cfg.moe
+    if m.scoring != "softmax" or m.score_bias or m.num_groups > 1 or m.routed_scaling_factor != 1:
+        raise refuse("moe", "DeepSeek-style routing (sigmoid scores, a selection bias, groups, "
+                     "a scaling factor) has no exported architecture")  # fmt: skip
+    if cfg.mlp_bias:
+        raise refuse("mlp_bias", "MoE architectures have no MLP bias")
+    if cfg.qk_norm:  # Qwen3-MoE: attention_bias on q, k, v and o; no shared expert
+        if m.shared_expert_size:
+            raise refuse("moe", "Qwen3-MoE (qk_norm) has no shared expert")
+        if cfg.qkv_bias != cfg.o_bias:
+            raise refuse("o_bias", f"Qwen3-MoE needs o_bias == qkv_bias={cfg.qkv_bias}")
+        return "Qwen3MoeForCausalLM"
+    if cfg.o_bias or cfg.layer_types:
+        raise refuse("o_bias" if cfg.o_bias else "layer_types",
+                     "Mixtral and Qwen2-MoE have no o bias or per-layer attention types")  # fmt: skip
+    if m.shared_expert_size or m.shared_expert_gate or cfg.qkv_bias or not m.norm_topk_prob:
+        if not m.shared_expert_gate:
+            raise refuse("moe", "Qwen2-MoE (qkv_bias, unnormalised top-k or a shared expert) "
+                         "has a gated shared expert")  # fmt: skip
+        if cfg.sliding_window is not None:
+            raise refuse("sliding_window", "Qwen2-MoE's sliding windows are not exported")
+        return "Qwen2MoeForCausalLM"
+    if cfg.ffn_kinds and set(cfg.ffn_kinds) != {"moe"}:
+        raise refuse("ffn_kinds", "Mixtral has no dense layers")
+    return "MixtralForCausalLM"
+
+
+def _moe_fields(cfg: ModelConfig, arch: str) -> dict[str, Any]:
+    m = cfg.moe
+    if arch == "MixtralForCausalLM":
+        return {"num_local_experts": m.num_experts, "num_experts_per_tok": m.experts_per_token,
+                "sliding_window": cfg.sliding_window}  # fmt: skip
+    hf = {
+        "num_experts": m.num_experts,
+        "num_experts_per_tok": m.experts_per_token,
+        "moe_intermediate_size": m.expert_size,
+        "norm_topk_prob": m.norm_topk_prob,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in range(cfg.num_layers) if cfg.layer(i).ffn == "dense"],
+    }
+    if arch == "Qwen2MoeForCausalLM":
+        hf.update(shared_expert_intermediate_size=m.shared_expert_size,
+                  qkv_bias=bool(cfg.qkv_bias), use_sliding_window=False)  # fmt: skip
+    else:
+        hf.update(attention_bias=bool(cfg.qkv_bias),
+                  use_sliding_window=cfg.sliding_window is not None,
+                  sliding_window=cfg.sliding_window)  # fmt: skip
+    return hf
 
 
 def _rope_fields(cfg: ModelConfig) -> dict[str, Any]:
@@ -170,6 +222,9 @@ def config_to_hf(cfg: ModelConfig, *, dtype: str = "bfloat16") -> dict[str, Any]
             "MistralForCausalLM": "mistral",
             "Qwen2ForCausalLM": "qwen2",
             "Qwen3ForCausalLM": "qwen3",
+            "MixtralForCausalLM": "mixtral",
+            "Qwen2MoeForCausalLM": "qwen2_moe",
+            "Qwen3MoeForCausalLM": "qwen3_moe",
         }[arch],
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
@@ -197,9 +252,11 @@ def config_to_hf(cfg: ModelConfig, *, dtype: str = "bfloat16") -> dict[str, Any]
         hf["sliding_window"] = int(cfg.sliding_window)
     elif arch == "Qwen2ForCausalLM":
         hf.update(_qwen_window_fields(cfg))
-    else:  # Qwen3ForCausalLM
+    elif arch == "Qwen3ForCausalLM":
         hf["attention_bias"] = bool(cfg.qkv_bias)
         hf.update(_qwen_window_fields(cfg))
+    else:
+        hf.update(_moe_fields(cfg, arch))
 
     # Backstop for the rules above: what we write must read back as what we were given.
     try:
@@ -281,6 +338,9 @@ def hf_state_dict(cfg: ModelConfig, params: Mapping[str, Any], dtype: str = "bfl
         for key, spec in layer_spec.items():
             param, leaf = f"layers[{i}].{key}", layer[key]
             host = _host(leaf, spec, param, np_dtype)
+            if key in _MOE_KEYS:
+                out.update(_moe_tensors(cfg, i, key, host))
+                continue
             parts, axis = layer_parts(key, spec)
             pieces = [host]
             if axis is not None:  # a fused param (w_qkv, w_gate_up, ...): split into HF's tensors
@@ -290,6 +350,25 @@ def hf_state_dict(cfg: ModelConfig, params: Mapping[str, Any], dtype: str = "bfl
                 out[f"model.layers.{i}.{rule.hf_name}"] = _to_hf_layout(
                     rule, part_spec, piece, param
                 )
+    return out
+
+
+def _moe_tensors(cfg: ModelConfig, i: int, key: str, host: np.ndarray) -> dict[str, np.ndarray]:
+    """An MoE param as HF's tensors: the router, and each expert's gate, up and down weights
+    (Mixtral's w1, w3, w2), per expert as the hub's checkpoints store them."""
+    mixtral = _architecture(cfg) == "MixtralForCausalLM"
+    block = f"model.layers.{i}.{'block_sparse_moe' if mixtral else 'mlp'}."
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    if key == "router":
+        return {f"{block}gate.weight": np.ascontiguousarray(host.T)}
+    out = {}
+    for j, w in enumerate(host):
+        name = f"{block}experts.{j}."
+        if key == "w_expert_gate_up":  # ours [E, 2, F] -> [F, E] each
+            out[f"{name}{gate}.weight"] = np.ascontiguousarray(w[:, 0].T)
+            out[f"{name}{up}.weight"] = np.ascontiguousarray(w[:, 1].T)
+        else:  # w_expert_down: ours [F, E] -> [E, F]
+            out[f"{name}{down}.weight"] = np.ascontiguousarray(w.T)
     return out
 
 
