@@ -103,8 +103,10 @@ METHODS = {
         "dtypes, 4-bit values two a byte), except that an untied input embedding (always "
         "plain) contributes only the `batch` rows it gathers. K/V bytes: K and V of every "
         "layer for the mean attended length of a scan's steps, context + (decode_steps + 1) / "
-        "2, in the pool's dtype (plus per-page scales for FP8 pools). ratio = step_ms / "
-        "roofline_ms."
+        "2, in the pool's dtype (plus per-page scales for FP8 pools). MoE: each MoE layer "
+        "counts only its experts that got rows, experts_active_per_layer, measured on the "
+        "timed scans (the decode batch is padded to `rows`, but padding routes nowhere). ratio "
+        "= step_ms / roofline_ms."
     ),
     "throughput": (
         "offline: every request added at t=0 (LLM.generate), greedy, ignore_eos, max_tokens = "
@@ -381,13 +383,19 @@ def per_workload(ap, flag: str, values, default, workloads: dict, parse) -> dict
 # Bytes per decode step (the roofline)
 
 
-def weight_bytes_per_step(cfg: ModelConfig, batch: int) -> int:
+def weight_bytes_per_step(cfg: ModelConfig, batch: int, experts_active: float | None = None) -> int:
     """Stored bytes of the params of `cfg` (a quantized config counts its formats' arrays), less
     the rows of an untied input table that a step does not gather (the embedding is never in a
-    format: its rows are `param_dtype`)."""
+    format: its rows are `param_dtype`) and, in an MoE model, the experts no token was routed to:
+    each MoE layer reads `experts_active` (measured) of its experts."""
     n = param_bytes(cfg)
     if not cfg.tie_word_embeddings:  # the input table is gathered; a tied one is read as lm_head
         n -= (cfg.vocab_size - batch) * cfg.hidden_size * cfg.jnp_param_dtype.itemsize
+    if cfg.moe is not None and experts_active is not None:
+        m = cfg.moe
+        per_expert = 3 * cfg.hidden_size * m.expert_size * cfg.jnp_param_dtype.itemsize
+        moe_layers = sum(cfg.layer(i).ffn == "moe" for i in range(cfg.num_layers))
+        n -= int(moe_layers * (m.num_experts - experts_active) * per_expert)
     return n
 
 
@@ -427,11 +435,14 @@ def time_decode(llm: LLM, batch: int, context: int, pages: np.ndarray, args) -> 
     sb = SamplingBatch.build([SamplingParams()] * batch, list(range(batch)), [context + 1] * batch,
                              rows, put=runner.put)  # fmt: skip
 
+    last = []
+
     def scans(n: int) -> float:
         t0 = time.perf_counter()
         for _ in range(n):
             outs, _ = runner.run_decode(table, state, sb, k)
         jax.block_until_ready(outs)
+        last[:] = [outs]
         return time.perf_counter() - t0
 
     scans(1)  # first call of this shape: transfers, autotuning caches
@@ -439,7 +450,10 @@ def time_decode(llm: LLM, batch: int, context: int, pages: np.ndarray, args) -> 
     n = max(2, min(200, math.ceil(args.min_timed_s / min(sync))))
     step_s = statistics.median(scans(n) for _ in range(args.repeats)) / (n * k)
     kv_bytes = kv_bytes_per_step(cfg, runner.kv, batch, context, k)
-    weight_bytes = weight_bytes_per_step(cfg, batch)
+    active = None
+    if cfg.moe is not None:  # experts with rows per MoE layer, over the scan's real rows' steps
+        active = float(np.mean(jax.device_get(last[0][5][1])))
+    weight_bytes = weight_bytes_per_step(cfg, batch, active)
     roofline_s = (weight_bytes + kv_bytes) / HBM_BYTES_PER_S
     return {
         "batch": batch,
@@ -452,6 +466,7 @@ def time_decode(llm: LLM, batch: int, context: int, pages: np.ndarray, args) -> 
         "tok_s": round(batch / step_s, 1),
         "kv_bytes_per_step": int(kv_bytes),
         "weight_bytes_per_step": int(weight_bytes),
+        **({} if active is None else {"experts_active_per_layer": round(active, 2)}),
         "scans": n,
         "decode_steps": k,
     }

@@ -233,7 +233,7 @@ EP_SCRIPT = """
     base = [o.token_ids for o in llm.generate(prompts, sp)]
     # (a step that read no device results has no load)
     base_load = sum(np.array(r.expert_tokens) for r in llm.engine.step_records if r.expert_tokens)
-    for mesh in ({"expert": 4}, {"data": 2, "expert": 4}):
+    for mesh in ({"data": 2, "expert": 4},):  # (the data axis replicates: EP over 4)
         llm = LLM("preset:tiny-moe", mesh=mesh, **kw)
         got = [o.token_ids for o in llm.generate(prompts, sp)]
         assert got == base, (f"seed {seed}", mesh, got, base)
@@ -277,9 +277,10 @@ def test_expert_stacks_refuse_weight_formats_and_a_recipe_keeps_them_plain(fresh
     "moe_fields",
     [
         dict(qk_norm=True, ffn_kinds=("moe", "dense"), moe=MoeConfig(8, 2, 32)),  # Qwen3-MoE
-        dict(qkv_bias=True, moe=MoeConfig(8, 3, 32, norm_topk_prob=False, shared_expert_size=24,
+        dict(qk_norm=False, qkv_bias=True, moe=MoeConfig(8, 3, 32, norm_topk_prob=False, shared_expert_size=24,
                                           shared_expert_gate=True)),  # Qwen2-MoE
-        dict(intermediate_size=32, sliding_window=5, moe=MoeConfig(4, 2, 32)),  # Mixtral
+        dict(qk_norm=False, intermediate_size=32, sliding_window=5,
+             moe=MoeConfig(4, 2, 32)),  # Mixtral
     ],
     ids=["qwen3-moe", "qwen2-moe", "mixtral"],
 )  # fmt: skip
@@ -313,3 +314,28 @@ def test_deepseek_routing_is_not_exported():
     sigmoid = MoeConfig(8, 2, 32, scoring="sigmoid", score_bias=True)
     with pytest.raises(ValueError, match=r"ModelConfig\.moe=.* cannot be exported: DeepSeek"):
         config_to_hf(preset("tiny-moe", moe=sigmoid))
+
+
+def test_step_metrics_report_expert_load(tmp_path):
+    """Step records of an MoE engine carry its load; the summary and the parquet tables too."""
+    from jaxinfer.engine.llm import LLM
+    from jaxinfer.engine.request import SamplingParams
+    from jaxinfer.metrics.summary import summarize
+    from jaxinfer.metrics.tables import write_tables
+
+    llm = LLM("preset:tiny-moe", max_num_seqs=4, max_num_batched_tokens=32, num_pages=32,
+              page_size=16, max_model_len=96, decode_steps=4)  # fmt: skip
+    outs = llm.generate([[1, 2, 3, 4, 5], [7] * 20], SamplingParams(max_tokens=6, ignore_eos=True))
+    records = [r for r in llm.engine.step_records if r.expert_tokens is not None]
+    routed = sum(sum(r.expert_tokens) for r in records)
+    # every token fed (the last sampled one is not), x top-2 x 2 MoE layers, and the rows a decode
+    # scan re-feeds for a sequence that finished in it (computed: they count)
+    tokens = 25 + sum(len(o.token_ids) for o in outs) - 2
+    assert routed % 4 == 0 and routed >= tokens * 4, (routed, tokens)
+    assert all(1 <= r.experts_active <= 8 for r in records), records
+    summary = summarize([], llm.engine.step_records)
+    assert summary["expert_imbalance_mean"] >= 1 and 1 <= summary["experts_active_mean"] <= 8
+    import pyarrow.parquet as pq
+
+    _, steps = write_tables(tmp_path, [], llm.engine.step_records)
+    assert pq.read_table(steps).column("expert_tokens").to_pylist()[-1] is not None

@@ -347,9 +347,15 @@ class Engine:
         return [self._append(seq, new_tokens, now) for seq, new_tokens in results]
 
     def _add_expert_load(self, load) -> None:
-        """Rows per expert of device results just read: the next step record reports them."""
-        if load is not None:
-            self._expert_load = load if self._expert_load is None else self._expert_load + load
+        """(rows per expert [X], experts with rows per MoE layer [..., L_moe]) of device results
+        just read (a mixed step, or a scan's rounds): the next step record reports them."""
+        if load is None:
+            return
+        rows, active = load[0], np.reshape(load[1], (-1, load[1].shape[-1]))
+        if self._expert_load is not None:
+            rows = rows + self._expert_load[0]
+            active = np.concatenate([self._expert_load[1], active])
+        self._expert_load = (rows, active)
 
     def _record(self, t_start, num_seqs, num_batched, decode_only, k, device_s):
         """A StepRecord; its preemptions are every one since the last record (a schedule that
@@ -372,10 +378,11 @@ class Engine:
                 host_ms=1e3 * ((self.clock() - t_start) - device_s),
                 device_ms=1e3 * device_s,
                 decode_steps=k,
-                expert_tokens=None if load is None else [int(n) for n in load],
+                expert_tokens=None if load is None else [int(n) for n in load[0]],
                 expert_device_tokens=None
                 if load is None
-                else [int(n) for n in load.reshape(self.runner.expert_devices, -1).sum(1)],
+                else [int(n) for n in load[0].reshape(self.runner.expert_devices, -1).sum(1)],
+                experts_active=None if load is None else float(np.mean(load[1])),
             )
         )
 
@@ -516,7 +523,7 @@ class Engine:
         t0 = self.clock()
         tok, counts, lp, top_lp, top_ids, load = jax.device_get(scan.outs)
         device_s = self.clock() - t0
-        self._add_expert_load(None if load is None else load.sum(0))  # over the rounds
+        self._add_expert_load(None if load is None else (load[0].sum(0), load[1]))
         results = []
         for i, seq in enumerate(scan.seqs):
             if seq.is_finished:  # finished while this scan was in flight: its tokens are void

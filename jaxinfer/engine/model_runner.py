@@ -78,10 +78,16 @@ def _constrain(x, sharding):
 
 
 def _forward(params, cfg, batch, kv, attention, expert_mesh):
-    """(hidden, kv, rows per expert [X] summed over the layers, or None for a dense model)."""
+    """(hidden, kv, expert load): the load of an MoE model is (rows per expert [X] summed over
+    the layers, experts given at least one row in each MoE layer [L_moe]); None for a dense one.
+    The second sets a decode step's expert weight traffic."""
     out = forward_paged(params, cfg, batch, kv, attention=attention, expert_mesh=expert_mesh,
                         return_expert_load=cfg.moe is not None)  # fmt: skip
-    return out[0], out[1], (out[2].sum(0) if cfg.moe is not None else None)
+    if cfg.moe is None:
+        return out[0], out[1], None
+    moe_layers = [i for i in range(cfg.num_layers) if cfg.layer(i).ffn == "moe"]
+    load = out[2][np.asarray(moe_layers)]
+    return out[0], out[1], (load.sum(0), (load > 0).sum(-1).astype(jnp.int32))
 
 
 @partial(jax.jit, static_argnames=("cfg", "attention", "num_rows", "out_sharding",
@@ -90,8 +96,8 @@ def mixed_step(params, kv: KVCache, batch: RaggedBatch, num_drafts: jax.Array,
                prev_tokens: jax.Array, prev_counts: jax.Array, *, cfg: ModelConfig,
                attention: AttentionConfig, num_rows: int = 1, out_sharding=None,
                expert_mesh=None):  # fmt: skip
-    """((logits [S, num_rows, V] fp32, drafts [S, num_rows - 1], shift [S], expert load [X] or
-    None), kv). `expert_mesh`: the mesh whose "expert" axis shards the MoE experts (None: one
+    """((logits [S, num_rows, V] fp32, drafts [S, num_rows - 1], shift [S], expert load (see
+    `_forward`) or None), kv). `expert_mesh`: the mesh whose "expert" axis shards the MoE experts (None: one
     device holds them all).
 
     Sequence s's last 1 + num_drafts[s] tokens are its last real token and its drafts; their rows'
@@ -170,7 +176,7 @@ def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingB
                 proposer: Proposer | None = None, out_sharding=None,
                 expert_mesh=None):  # fmt: skip
     """((tokens [R, S, K], counts [R, S], logprobs [R, S, K], top_lp [R, S, K, k], top_ids,
-    expert load [R, X] or None), final DecodeState, kv) over R = `num_steps` rounds of K = 1 +
+    expert load per round (see `_forward`) or None), final DecodeState, kv) over R = `num_steps` rounds of K = 1 +
     drafts tokens per row; row s keeps tokens[r, s, :counts[r, s]] of round r. The final state
     can seed the next call directly."""
     gamma = proposer.num_draft_tokens if proposer is not None else 0
@@ -312,8 +318,8 @@ class ModelRunner:
     def run_mixed(self, batch: RaggedBatch, num_drafts, sb: SamplingBatch, prev=None,
                   history=None):  # fmt: skip
         """Dispatch one mixed step; returns its device arrays (tokens [S, K], counts [S],
-        logprobs, top logprobs, top ids, rows per expert [X] or None), by the batch's sequence
-        order. `num_drafts`: a host
+        logprobs, top logprobs, top ids, expert load or None: see `_forward`), by the batch's
+        sequence order. `num_drafts`: a host
         array [max_num_seqs], or None for none; `prev`: the previous step's outputs (its tokens
         and counts); `history`: the sequences' tokens, for penalties (`history_arrays`)."""
         no_tokens, no_counts, no_drafts = self.no_prev()

@@ -512,6 +512,7 @@ STEP_ROWS = (
     ("device time per step, mean (ms)", "device_ms_mean", 1),
     ("MoE expert load, max / mean per step (mean)", "expert_imbalance_mean", 1),
     ("MoE expert-device load, max / mean per step (mean)", "expert_device_imbalance_mean", 1),
+    ("MoE experts with rows per layer, mean", "experts_active_mean", 1),
     ("warm-up (s)", "warmup_s", 1),
     ("compiles after warm-up", "compiles_after_warmup", 1),
 )
@@ -535,7 +536,7 @@ def summary_table(name: str, m: dict) -> Table:
     table.add_column("metric")
     table.add_column("value", justify="right")
     for label, key, scale in (*SUMMARY_ROWS, *_slo_rows(m), *STEP_ROWS):
-        if key in m and not (key.startswith("expert_") and m[key] is None):  # (MoE runs only)
+        if key in m and not (key.startswith("expert") and m[key] is None):  # (MoE runs only)
             v = m[key]
             v = v * scale if isinstance(v, int | float) and scale != 1 else v
             table.add_row(

@@ -20,7 +20,9 @@ class StepRecord:
     part of the device time the host could not hide. MoE models only (else None):
     expert_tokens, the (token, choice) rows routed to each expert, summed over the MoE layers,
     in the device results this step read (padding tokens route nowhere); expert_device_tokens,
-    the same per device of the mesh's "expert" axis (one entry without expert parallelism).
+    the same per device of the mesh's "expert" axis (one entry without expert parallelism);
+    experts_active, the experts given at least one row per MoE layer and forward pass, averaged
+    (what sets a decode step's expert weight traffic).
     """
 
     time: float
@@ -37,6 +39,7 @@ class StepRecord:
     decode_steps: int = 1
     expert_tokens: list[int] | None = None
     expert_device_tokens: list[int] | None = None
+    experts_active: float | None = None
 
     def to_row(self) -> dict:
         return asdict(self)

@@ -85,6 +85,7 @@ def _step_summary(steps: list[dict], max_num_seqs: int | None) -> dict:
             "device_ms_mean": None,
             "expert_imbalance_mean": None,
             "expert_device_imbalance_mean": None,
+            "experts_active_mean": None,
         }
     kv = [s["kv_pages_used"] / s["kv_pages_total"] for s in steps if s["kv_pages_total"] > 0]
     wasted = [s["wasted_slots"] / s["kv_slots_allocated"] for s in steps if s["kv_slots_allocated"]]
@@ -103,7 +104,13 @@ def _step_summary(steps: list[dict], max_num_seqs: int | None) -> dict:
         "device_ms_mean": _f(np.mean([s["device_ms"] for s in steps])),
         "expert_imbalance_mean": _imbalance(s.get("expert_tokens") for s in steps),
         "expert_device_imbalance_mean": _imbalance(s.get("expert_device_tokens") for s in steps),
+        "experts_active_mean": _mean_of(s.get("experts_active") for s in steps),
     }
+
+
+def _mean_of(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return _f(np.mean(values)) if values else None
 
 
 def _imbalance(loads) -> float | None:

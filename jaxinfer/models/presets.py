@@ -67,9 +67,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_kv_heads=1, head_dim=32, qk_norm=True, rms_norm_eps=1e-6,
         max_position_embeddings=2048, param_dtype="float32", dtype="float32",
     ),
-    "tiny-moe": dict(
+    "tiny-moe": dict(  # a tiny Qwen3-MoE
         vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=16, max_position_embeddings=2048,
+        num_kv_heads=2, head_dim=16, qk_norm=True, max_position_embeddings=2048,
         moe=MoeConfig(num_experts=8, experts_per_token=2, expert_size=32),
         param_dtype="float32", dtype="float32",
     ),
