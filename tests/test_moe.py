@@ -339,3 +339,27 @@ def test_step_metrics_report_expert_load(tmp_path):
 
     _, steps = write_tables(tmp_path, [], llm.engine.step_records)
     assert pq.read_table(steps).column("expert_tokens").to_pylist()[-1] is not None
+
+
+def test_moe_vs_dense_pairs_rows_and_refuses_disjoint_results(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("moe_vs_dense", "experiments/moe_vs_dense.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def result(step_ms, tok_s, batches=(1, 64)):
+        rows = [{"batch": b, "context": 512, "step_ms": step_ms * b ** 0.5, "roofline_ms": 1.0,
+                 "weight_bytes_per_step": 10 * b} for b in batches]  # fmt: skip
+        tput = [
+            {"impl": "jaxinfer", "workload": "fixed_128_128", "output_tok_s": tok_s},
+            {"impl": "transformers", "workload": "fixed_128_128", "output_tok_s": 1.0},
+        ]
+        return {"decode": rows, "throughput": tput, "preset": "p"}
+
+    out = mod.compare(result(2.0, 3000.0, (1, 8, 64)), result(1.0, 6000.0))
+    assert [(r["batch"], r["moe_over_dense"]) for r in out["decode"]] == [(1, 2.0), (64, 2.0)]
+    assert out["throughput"] == [{"workload": "fixed_128_128", "moe_output_tok_s": 3000.0,
+                                  "dense_output_tok_s": 6000.0, "moe_over_dense": 0.5}]  # fmt: skip
+    with pytest.raises(ValueError, match="share no decode"):
+        mod.compare({"decode": [], "throughput": []}, result(1.0, 1.0))
