@@ -363,3 +363,66 @@ def test_moe_vs_dense_pairs_rows_and_refuses_disjoint_results(tmp_path):
                                   "dense_output_tok_s": 6000.0, "moe_over_dense": 0.5}]  # fmt: skip
     with pytest.raises(ValueError, match="share no decode"):
         mod.compare({"decode": [], "throughput": []}, result(1.0, 1.0))
+
+
+MULTI_HOST_WORKER = """
+    import sys
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    pid, port, seed = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+    from jaxinfer.models.config import MoeConfig
+    from jaxinfer.models.moe import route, routed_experts
+    from jaxinfer.models.presets import preset
+    from jaxinfer.models.spec import init_params
+    from jaxinfer.parallel.expert import expert_parallel_experts
+    from jaxinfer.parallel.sharding import make_mesh
+
+    assert jax.process_count() == 2 and jax.device_count() == 4 and jax.local_device_count() == 2
+    cfg = preset("tiny-moe", moe=MoeConfig(num_experts=8, experts_per_token=2, expert_size=32))
+    mesh = make_mesh({"expert": 4})  # both processes' devices
+    p = init_params(cfg, jax.random.key(seed), mesh)["layers"][0]
+    assert len(p["w_expert_down"].sharding.device_set) == 4
+    rep = NamedSharding(mesh, P())
+    h = jax.jit(lambda k: jax.random.normal(k, (21, 64)), out_shardings=rep)(jax.random.key(seed))
+    w, e = jax.jit(lambda p, h: route(cfg.moe, p, h), out_shardings=rep)(p, h)
+    ep = jax.jit(lambda *a: expert_parallel_experts(*a, mesh), out_shardings=(rep, rep))
+    out, sizes = ep(h, w, e, p["w_expert_gate_up"], p["w_expert_down"])
+    # the reference: the same arrays gathered to this process, all experts on one device
+    host = [multihost_utils.process_allgather(x, tiled=True)
+            for x in (h, w, e, p["w_expert_gate_up"], p["w_expert_down"])]
+    with jax.default_device(jax.local_devices()[0]):
+        want, want_sizes = routed_experts(*host)
+    np.testing.assert_allclose(np.asarray(out.addressable_data(0)), want, atol=1e-5,
+                               err_msg=f"seed {seed} process {pid}")
+    np.testing.assert_array_equal(np.asarray(sizes.addressable_data(0)), want_sizes)
+    print("ok")
+"""
+
+
+def test_expert_parallel_across_two_processes(tmp_path, fresh_seed):
+    """Multi-host: two processes (2 CPU devices each) joined by jax.distributed.initialize run
+    one expert-parallel layer over a 4-device mesh spanning both, equal to one device."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import textwrap
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent(MULTI_HOST_WORKER))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}  # fmt: skip
+    procs = [subprocess.Popen([sys.executable, str(script), str(i), str(port), str(fresh_seed % 9999)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]  # fmt: skip
+    for i, proc in enumerate(procs):
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0 and out.strip().endswith("ok"), f"process {i}: {err[-3000:]}"
