@@ -99,6 +99,36 @@ class QuantConfig:
         return self.weights != "none" or any(v is not None for v in self.recipe.values())
 
 
+SPECULATIVE_METHODS = ("none", "ngram")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: each decoding sequence carries up to `num_draft_tokens` draft
+    tokens, scored in one target pass and kept while the target's own samples agree
+    (`sampler.accept_drafts`: the output is the one plain decoding gives, token for token, at
+    any temperature). `method`: "none", or "ngram" (prompt lookup, `engine/ngram.py`: the
+    longest recurring suffix of `ngram_max` down to `ngram_min` tokens)."""
+
+    method: str = "none"
+    num_draft_tokens: int = 4
+    ngram_max: int = 3
+    ngram_min: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"engine.speculative.method={self.method!r} is unknown: must be one "
+                             f"of {', '.join(SPECULATIVE_METHODS)}")  # fmt: skip
+        for key in ("num_draft_tokens", "ngram_max", "ngram_min"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"engine.speculative.{key}={value!r} is invalid: must be an "
+                                 "int >= 1")  # fmt: skip
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"engine.speculative.ngram_min={self.ngram_min} exceeds ngram_max="
+                             f"{self.ngram_max}")  # fmt: skip
+
+
 def _sub_config(cls, data: dict, key: str):
     """`cls(**data)` of a nested config given as a dict (code, or `dataclasses.asdict`), an
     unknown field named by its dotted key."""
@@ -180,10 +210,15 @@ class EngineConfig:
     # Weight formats of the model's layers (QuantConfig), applied to whatever model is loaded,
     # e.g. {weights: fp8_block, recipe: {"layers.0.*": none}}.
     quant: QuantConfig = field(default_factory=QuantConfig)
+    # Speculative decoding (SpeculativeConfig), e.g. {method: ngram, num_draft_tokens: 4}.
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.quant, dict):
             self.quant = _sub_config(QuantConfig, self.quant, "engine.quant")
+        if isinstance(self.speculative, dict):
+            self.speculative = _sub_config(SpeculativeConfig, self.speculative,
+                                           "engine.speculative")  # fmt: skip
 
         def bad(key: str, allowed: str) -> ValueError:
             return ValueError(f"engine.{key}={getattr(self, key)!r} is invalid: must be {allowed}")

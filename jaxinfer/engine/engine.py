@@ -101,6 +101,17 @@ def workspace_bytes(config: EngineConfig, cfg: ModelConfig) -> int:
     return 4 * (activations + scores + logits)
 
 
+def make_proposer(config: EngineConfig) -> Proposer | None:
+    """The proposer `config.speculative` names (None: no speculation)."""
+    spec = config.speculative
+    if spec.method == "ngram":
+        from jaxinfer.engine.ngram import NgramProposer
+
+        return NgramProposer(spec.num_draft_tokens, spec.ngram_max, spec.ngram_min,
+                             config.max_model_len)  # fmt: skip
+    return None
+
+
 class Engine:
     """One engine: `config` (EngineConfig) drives it, `model_config` (ModelConfig) describes
     the model whose `params` it serves on the mesh `config.mesh` (params are placed there).
@@ -141,6 +152,8 @@ class Engine:
         params = jax.device_put(params, param_shardings(model_config, self.shardings.mesh))
         self.block_manager = BlockManager(config.num_pages, config.page_size, config.allocation)
         self.scheduler = Scheduler(config, self.block_manager)
+        if proposer is None:
+            proposer = make_proposer(config)
         self.runner = ModelRunner(model_config, params, config, self.shardings, proposer)
         self.proposer = proposer
         self.eos_ids = tuple(model_config.eos_token_ids)
@@ -152,6 +165,8 @@ class Engine:
         self._unread: UnreadMixed | UnreadScan | None = None  # see inflight.py
         self._preemptions_recorded = 0  # of scheduler.num_preemptions, in step records
         self._expert_load = None  # MoE rows per expert read since the last step record
+        # speculative verifications read since the last record: drafts, and how many kept j
+        self._drafted, self._verifications = 0, []
         self.chained_scans = 0  # decode scans dispatched before the previous one was read
         self.overlapped_steps = 0  # mixed steps dispatched before the previous one was read
         self.warmup_s: float | None = None
@@ -346,6 +361,14 @@ class Engine:
         now = self.clock()
         return [self._append(seq, new_tokens, now) for seq, new_tokens in results]
 
+    def _add_verification(self, drafts: int, accepted: int) -> None:
+        """One sequence's verification of `drafts` drafts kept `accepted` of them (a stop or
+        the token limit may cut a run short: those count as not accepted)."""
+        hist = self._verifications
+        hist += [0] * (drafts + 1 - len(hist))
+        hist[accepted] += 1
+        self._drafted += drafts
+
     def _add_expert_load(self, load) -> None:
         """(rows per expert [X], experts with rows per MoE layer [..., L_moe]) of device results
         just read (a mixed step, or a scan's rounds): the next step record reports them."""
@@ -362,6 +385,8 @@ class Engine:
         preempts and then runs nothing writes no record of its own)."""
         running = self.scheduler.running_seqs()
         load, self._expert_load = self._expert_load, None
+        hist, drafted = self._verifications, self._drafted
+        self._verifications, self._drafted = [], 0
         preempted = self.scheduler.num_preemptions - self._preemptions_recorded
         self._preemptions_recorded = self.scheduler.num_preemptions
         self.step_records.append(
@@ -383,6 +408,9 @@ class Engine:
                 if load is None
                 else [int(n) for n in load[0].reshape(self.runner.expert_devices, -1).sum(1)],
                 experts_active=None if load is None else float(np.mean(load[1])),
+                draft_tokens=drafted,
+                accepted_draft_tokens=sum(j * c for j, c in enumerate(hist)),
+                accepted_hist=hist or None,
             )
         )
 
@@ -445,14 +473,15 @@ class Engine:
         )  # fmt: skip
         outs = self.runner.run_mixed(batch, num_drafts, sb, prev_outs, history)
         self.overlapped_steps += prev_outs is not None
-        samplers = []
+        samplers, drafts = [], []
         for i, s in enumerate(scheduled):
             seq = s.seq
             seq.num_computed_tokens += s.num_new_tokens - s.num_draft_tokens
             if seq.num_computed_tokens == seq.num_tokens:  # prefill done, or a decode: samples
                 add_placeholder(seq, i, s.num_draft_tokens)
                 samplers.append((seq, i))
-        return UnreadMixed(samplers, outs, verifies=num_drafts is not None)
+                drafts.append(s.num_draft_tokens)
+        return UnreadMixed(samplers, outs, verifies=num_drafts is not None, drafts=drafts)
 
     def _take_unread(self):
         unread, self._unread = self._unread, None
@@ -469,11 +498,14 @@ class Engine:
         self._add_expert_load(load)
         now = self.clock()
         outputs = []
-        for seq, i in unread.samplers:
+        drafts = unread.drafts or [0] * len(unread.samplers)
+        for (seq, i), d in zip(unread.samplers, drafts, strict=True):
             if seq.is_finished:  # ended meanwhile: the tokens are void
                 outputs.append(StepOutput(seq, [], False))
                 continue
             n = int(counts[i])
+            if d:
+                self._add_verification(d, n - 1)
             new = [int(t) for t in tok[i, :n]]
             index = fill_placeholder(seq, new)
             if seq.status is SeqStatus.RUNNING:  # (a preempted one recomputes everything)
@@ -525,10 +557,14 @@ class Engine:
         device_s = self.clock() - t0
         self._add_expert_load(None if load is None else (load[0].sum(0), load[1]))
         results = []
+        gamma = self.runner.num_rows - 1 if self.runner.scan_proposer is not None else 0
         for i, seq in enumerate(scan.seqs):
             if seq.is_finished:  # finished while this scan was in flight: its tokens are void
                 results.append((seq, []))
                 continue
+            for r in range(scan.rounds) if gamma else ():
+                if counts[r, i]:
+                    self._add_verification(gamma, int(counts[r, i]) - 1)
             new = [(int(tok[r, i, j]), float(lp[r, i, j]), top_lp[r, i, j], top_ids[r, i, j])
                    for r in range(scan.rounds) for j in range(int(counts[r, i]))]  # fmt: skip
             seq.num_computed_tokens += len(new)

@@ -42,11 +42,12 @@ from jaxinfer.engine.sampler import SamplingBatch
 class UnreadMixed:
     """A dispatched mixed step: `samplers` are its sampling sequences and their rows; `outs` the
     device arrays (tokens [S, K], counts [S], logprobs [S, K], top logprobs, top ids);
-    `verifies`: whether any sequence carried drafts."""
+    `verifies`: whether any sequence carried drafts; `drafts`: each sampler's draft count."""
 
     samplers: list[tuple[Sequence, int]]
     outs: tuple
     verifies: bool = False
+    drafts: list[int] | None = None
 
 
 @dataclass

@@ -22,7 +22,9 @@ class StepRecord:
     in the device results this step read (padding tokens route nowhere); expert_device_tokens,
     the same per device of the mesh's "expert" axis (one entry without expert parallelism);
     experts_active, the experts given at least one row per MoE layer and forward pass, averaged
-    (what sets a decode step's expert weight traffic).
+    (what sets a decode step's expert weight traffic). Speculative decoding: draft_tokens,
+    the drafts verified in the results this step read; accepted_draft_tokens, those kept;
+    accepted_hist[j], the verifications (one sequence, one target pass) that kept j drafts.
     """
 
     time: float
@@ -40,6 +42,9 @@ class StepRecord:
     expert_tokens: list[int] | None = None
     expert_device_tokens: list[int] | None = None
     experts_active: float | None = None
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    accepted_hist: list[int] | None = None
 
     def to_row(self) -> dict:
         return asdict(self)

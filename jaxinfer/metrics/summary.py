@@ -14,7 +14,9 @@ Definitions (all times in seconds):
                   batch occupancy = mean num_seqs / max_num_seqs (when given); wasted KV slot
                   fraction = wasted_slots / kv_slots_allocated per step, averaged; MoE
                   expert (and expert-device) imbalance = max / mean rows per expert (device)
-                  per step, averaged over the steps that routed rows (1: balanced)
+                  per step, averaged over the steps that routed rows (1: balanced);
+                  speculative decoding: draft acceptance rate, tokens per verification (tau)
+                  and acceptance by draft position
 
 Undefined values (no data, zero duration) are None; everything else is a plain float or int.
 """
@@ -86,6 +88,7 @@ def _step_summary(steps: list[dict], max_num_seqs: int | None) -> dict:
             "expert_imbalance_mean": None,
             "expert_device_imbalance_mean": None,
             "experts_active_mean": None,
+            **_speculation([]),
         }
     kv = [s["kv_pages_used"] / s["kv_pages_total"] for s in steps if s["kv_pages_total"] > 0]
     wasted = [s["wasted_slots"] / s["kv_slots_allocated"] for s in steps if s["kv_slots_allocated"]]
@@ -105,6 +108,28 @@ def _step_summary(steps: list[dict], max_num_seqs: int | None) -> dict:
         "expert_imbalance_mean": _imbalance(s.get("expert_tokens") for s in steps),
         "expert_device_imbalance_mean": _imbalance(s.get("expert_device_tokens") for s in steps),
         "experts_active_mean": _mean_of(s.get("experts_active") for s in steps),
+        **_speculation(steps),
+    }
+
+
+def _speculation(steps: list[dict]) -> dict:
+    """Speculative decoding over the run: acceptance rate (kept / verified drafts), tokens per
+    verification (mean kept drafts + 1: what a target pass makes per sequence, tau), and the
+    acceptance by draft position (the fraction of verifications that kept draft j)."""
+    hist: list[int] = []
+    for s in steps:
+        for j, c in enumerate(s.get("accepted_hist") or []):
+            hist += [0] * (j + 1 - len(hist))
+            hist[j] += c
+    n = sum(hist)
+    if not n:
+        return {"draft_acceptance_rate": None, "tokens_per_verification": None,
+                "acceptance_by_position": None}  # fmt: skip
+    accepted = sum(j * c for j, c in enumerate(hist))
+    return {
+        "draft_acceptance_rate": _div(accepted, sum(s.get("draft_tokens", 0) for s in steps)),
+        "tokens_per_verification": _f(1 + accepted / n),
+        "acceptance_by_position": [_f(sum(hist[j + 1 :]) / n) for j in range(len(hist) - 1)],
     }
 
 

@@ -38,7 +38,7 @@ def _step_schema():
     types = {"time": pa.float64(), "is_decode_only": pa.bool_()}
     types |= {"host_ms": pa.float64(), "device_ms": pa.float64()}
     types |= {"expert_tokens": pa.list_(pa.int64()), "expert_device_tokens": pa.list_(pa.int64())}
-    types |= {"experts_active": pa.float64()}
+    types |= {"experts_active": pa.float64(), "accepted_hist": pa.list_(pa.int64())}
     return pa.schema([(c, types.get(c, pa.int64())) for c in STEP_COLUMNS])
 
 

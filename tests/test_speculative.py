@@ -1,0 +1,168 @@
+"""Speculative decoding (`engine.speculative`): the n-gram proposer and exact verification.
+
+Verification keeps a draft only when it equals the target's own sample at its row, drawn with
+that position's key (`sampler.accept_drafts`), so speculative output must equal plain output
+token for token, greedy or sampled (temperature, top-k, top-p, min-p) - the strongest form of
+"the same distribution". A deliberately wrong acceptance rule must break that.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.engine.llm import LLM
+from jaxinfer.engine.ngram import NgramProposer, ngram_drafts
+from jaxinfer.engine.request import SamplingParams
+
+KW = dict(max_num_seqs=4, max_num_batched_tokens=64, num_pages=64, page_size=16,
+          max_model_len=256)  # fmt: skip
+
+
+def brute_force_drafts(tokens: list[int], gamma: int, max_n: int, min_n: int) -> list[int]:
+    """The definition, spelled out: the latest earlier occurrence of the longest recurring
+    suffix, and the tokens after it, continued periodically past the end."""
+    for n in range(max_n, min_n - 1, -1):
+        if n >= len(tokens):
+            continue
+        suffix = tokens[-n:]
+        starts = [i for i in range(len(tokens) - n) if tokens[i : i + n] == suffix]
+        if starts:
+            out = list(tokens)
+            for _ in range(gamma):
+                out.append(out[len(out) - (len(tokens) - n - starts[-1])])
+            return out[len(tokens) :]
+    return []
+
+
+def test_ngram_drafts_follow_the_definition(fresh_seed):
+    rng = np.random.default_rng(fresh_seed)
+    for trial in range(200):
+        tokens = rng.integers(0, 5, int(rng.integers(1, 30))).tolist()  # small vocab: repeats
+        gamma, max_n = int(rng.integers(1, 6)), int(rng.integers(1, 5))
+        min_n = int(rng.integers(1, max_n + 1))
+        want = brute_force_drafts(tokens, gamma, max_n, min_n)
+        got = ngram_drafts(np.asarray(tokens), gamma, max_n, min_n)
+        assert got == want, (f"seed {fresh_seed} trial {trial}", tokens, gamma, max_n, min_n)
+
+
+def test_device_drafts_equal_host_drafts_as_rounds_accept_some(fresh_seed):
+    """The device form tracks each row's context from the previous round's drafts and the new
+    last token (as a decode scan feeds it) and drafts what the host form drafts."""
+    rng = np.random.default_rng(fresh_seed)
+    gamma, rows = 3, 5
+    proposer = NgramProposer(gamma, max_n=3, min_n=1, max_len=128)
+
+    class Seq:
+        def __init__(self, toks):
+            self.all_token_ids = toks
+
+    contexts = [rng.integers(0, 4, int(rng.integers(2, 12))).tolist() for _ in range(rows)]
+    state = proposer.device_state([Seq(c) for c in contexts], rows)
+    state = jax.tree.map(jnp.asarray, state)
+    step = jax.jit(proposer.propose_device)
+    for rnd in range(12):
+        tokens = jnp.asarray([c[-1] for c in contexts])
+        positions = jnp.asarray([len(c) - 1 for c in contexts])
+        drafts, state = step(state, tokens, positions)
+        for i, c in enumerate(contexts):
+            host = ngram_drafts(np.asarray(c), gamma, 3, 1)
+            if host:
+                assert drafts[i].tolist() == host, (f"seed {fresh_seed} round {rnd} row {i}", c)
+            # the target keeps k of the drafts and samples one more token
+            k = int(rng.integers(0, gamma + 1))
+            c += [*drafts[i].tolist()[:k], int(rng.integers(0, 4))]
+
+
+def _generate(prompts, sampling, **engine):
+    llm = LLM("tiny", **KW, **engine)
+    return [o.token_ids for o in llm.generate(prompts, sampling)], llm.engine
+
+
+def _prompts(rng):
+    """Repetitive prompts (n-gram drafts get accepted) and a random one."""
+    motif = rng.integers(3, 400, 7).tolist()
+    return [motif * 4, rng.integers(3, 400, 19).tolist(), [*motif, 9, 9] * 3]
+
+
+@pytest.mark.parametrize("decode_steps", [1, 4], ids=["mixed steps", "decode scans"])
+def test_speculative_output_equals_plain_output_token_for_token(fresh_seed, decode_steps):
+    rng = np.random.default_rng(fresh_seed)
+    prompts = _prompts(rng)
+    sampling = [
+        SamplingParams(max_tokens=20, ignore_eos=True),  # greedy
+        SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.9, top_k=40, seed=fresh_seed),
+        SamplingParams(
+            max_tokens=20,
+            ignore_eos=True,
+            temperature=0.8,
+            top_p=0.9,
+            min_p=0.05,
+            seed=fresh_seed + 1,
+        ),
+    ]
+    plain, _ = _generate(prompts, sampling, decode_steps=decode_steps)
+    spec, engine = _generate(prompts, sampling, decode_steps=decode_steps,
+                             speculative={"method": "ngram", "num_draft_tokens": 3})  # fmt: skip
+    assert spec == plain, f"seed {fresh_seed}"
+    assert engine.compiles_after_warmup == 0
+    records = engine.step_records
+    drafted = sum(r.draft_tokens for r in records)
+    accepted = sum(r.accepted_draft_tokens for r in records)
+    assert drafted > 0 and accepted > 0, (drafted, accepted)  # the motif is drafted and kept
+    verifications = sum(sum(r.accepted_hist or []) for r in records)
+    # each verification made 1 + its kept drafts of the tokens after a sequence's first (the
+    # prefill's); decodes without drafts (no n-gram recurred) are not verifications
+    assert verifications + accepted <= sum(len(t) for t in spec) - len(spec)
+
+
+def test_a_wrong_acceptance_rule_changes_the_output(fresh_seed, monkeypatch):
+    """Keeping every draft (no check against the target) must not pass for exact."""
+    import jaxinfer.engine.model_runner as model_runner
+
+    rng = np.random.default_rng(fresh_seed)
+    prompts = _prompts(rng)
+    sampling = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.9, seed=fresh_seed)
+    plain, _ = _generate(prompts, sampling, decode_steps=4)
+    monkeypatch.setattr(model_runner, "accept_drafts", lambda tok, drafts, n: 1 + n)
+    jax.clear_caches()  # (the steps were traced with the real rule)
+    try:
+        wrong, _ = _generate(prompts, sampling, decode_steps=4,
+                             speculative={"method": "ngram", "num_draft_tokens": 3})  # fmt: skip
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    assert wrong != plain, f"seed {fresh_seed}"
+
+
+def test_speculative_config_names_the_bad_key():
+    from jaxinfer.engine.config import EngineConfig
+
+    with pytest.raises(
+        ValueError, match=re.escape("engine.speculative.method='medusa' is unknown")
+    ):
+        EngineConfig(speculative={"method": "medusa"})
+    with pytest.raises(ValueError, match=re.escape("engine.speculative.num_draft_tokens=0")):
+        EngineConfig(speculative={"method": "ngram", "num_draft_tokens": 0})
+    with pytest.raises(
+        ValueError, match=re.escape("engine.speculative.ngram_min=3 exceeds ngram_max=2")
+    ):
+        EngineConfig(speculative={"method": "ngram", "ngram_min": 3, "ngram_max": 2})
+    with pytest.raises(ValueError, match=re.escape("engine.speculative.gamma is unknown")):
+        EngineConfig(speculative={"gamma": 3})
+
+
+def test_summary_reports_acceptance():
+    from jaxinfer.metrics.summary import summarize
+
+    steps = [{"time": 0.0, "num_seqs": 1, "num_batched_tokens": 4, "kv_pages_used": 1,
+              "kv_pages_total": 8, "draft_tokens": 9, "accepted_draft_tokens": 4,
+              "accepted_hist": [1, 0, 2, 0]}]  # fmt: skip
+    s = summarize([], steps)
+    assert s["draft_acceptance_rate"] == pytest.approx(4 / 9)
+    assert s["tokens_per_verification"] == pytest.approx(1 + 4 / 3)
+    assert s["acceptance_by_position"] == pytest.approx([2 / 3, 2 / 3, 0.0])
