@@ -70,8 +70,9 @@ def test_step_scores_draft_rows_like_a_full_forward(model):
         nd = np.zeros(config.max_num_seqs, np.int32)
         nd[: len(num_drafts)] = num_drafts
         prev = runner.no_prev()[:2] if prev is None else prev
-        (logits, drafts, shift, _), runner.kv = mixed_step(params, runner.kv, batch, runner.put(nd),
-                                                        *prev, **static)  # fmt: skip
+        (logits, drafts, shift, _), runner.kv, _ = mixed_step(
+            params, runner.kv, batch, runner.put(nd), *prev, **static
+        )
         return np.asarray(logits), np.asarray(drafts), (logits, drafts, runner.put(nd), shift)
 
     step([pa, pb], [0, 0], [0, 0])

@@ -106,9 +106,16 @@ def test_speculative_output_equals_plain_output_token_for_token(fresh_seed, deco
         ),
     ]
     plain, _ = _generate(prompts, sampling, decode_steps=decode_steps)
+    if decode_steps > 1:  # a draft model drafts in the decode scans
+        spec, engine = _generate(prompts, sampling, decode_steps=decode_steps,
+                                 speculative={"method": "draft", "draft_model": "tiny-draft",
+                                              "num_draft_tokens": 3})  # fmt: skip
+        assert spec == plain, f"seed {fresh_seed}, draft model"
+        assert engine.compiles_after_warmup == 0
+        assert sum(r.accepted_draft_tokens for r in engine.step_records) > 0
     spec, engine = _generate(prompts, sampling, decode_steps=decode_steps,
                              speculative={"method": "ngram", "num_draft_tokens": 3})  # fmt: skip
-    assert spec == plain, f"seed {fresh_seed}"
+    assert spec == plain, f"seed {fresh_seed}, n-gram"
     assert engine.compiles_after_warmup == 0
     records = engine.step_records
     drafted = sum(r.draft_tokens for r in records)
@@ -166,3 +173,30 @@ def test_summary_reports_acceptance():
     assert s["draft_acceptance_rate"] == pytest.approx(4 / 9)
     assert s["tokens_per_verification"] == pytest.approx(1 + 4 / 3)
     assert s["acceptance_by_position"] == pytest.approx([2 / 3, 2 / 3, 0.0])
+
+
+def test_the_target_as_its_own_draft_keeps_every_greedy_draft(fresh_seed):
+    """With the draft = the target, greedy drafts are the target's own tokens: every
+    verification keeps all γ unless the token limit cuts it. This checks the draft's cache:
+    its catch-up over (token at p - 1, token at p) each round, after kept and cut rounds."""
+    rng = np.random.default_rng(fresh_seed)
+    prompts = [rng.integers(3, 4000, int(n)).tolist() for n in (5, 30)]
+    gamma, max_tokens = 3, 33  # 32 tokens after the prefill's first: 8 rounds of 4
+    _, engine = _generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                          decode_steps=4, speculative={"method": "draft", "draft_model": "tiny",
+                                                       "num_draft_tokens": gamma})  # fmt: skip
+    hist = [0] * (gamma + 1)
+    for r in engine.step_records:
+        for j, c in enumerate(r.accepted_hist or []):
+            hist[j] += c
+    assert hist == [0, 0, 0, 8 * len(prompts)], (f"seed {fresh_seed}", hist)
+
+
+def test_draft_model_must_share_the_vocabulary():
+    with pytest.raises(ValueError, match=r"draft_model='preset:tiny-qwen3' has a vocabulary"):
+        LLM("tiny", **KW, warmup=False,
+            speculative={"method": "draft", "draft_model": "preset:tiny-qwen3"})  # fmt: skip
+    from jaxinfer.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="draft_model names the draft model of method 'draft'"):
+        EngineConfig(speculative={"method": "ngram", "draft_model": "tiny-draft"})

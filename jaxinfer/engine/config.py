@@ -99,7 +99,7 @@ class QuantConfig:
         return self.weights != "none" or any(v is not None for v in self.recipe.values())
 
 
-SPECULATIVE_METHODS = ("none", "ngram")
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
 
 
 @dataclass
@@ -107,13 +107,16 @@ class SpeculativeConfig:
     """Speculative decoding: each decoding sequence carries up to `num_draft_tokens` draft
     tokens, scored in one target pass and kept while the target's own samples agree
     (`sampler.accept_drafts`: the output is the one plain decoding gives, token for token, at
-    any temperature). `method`: "none", or "ngram" (prompt lookup, `engine/ngram.py`: the
-    longest recurring suffix of `ngram_max` down to `ngram_min` tokens)."""
+    any temperature). `method`: "none"; "ngram" (prompt lookup, `engine/ngram.py`: the longest
+    recurring suffix of `ngram_max` down to `ngram_min` tokens); "draft" (`draft_model`, a model
+    name as `engine.model` takes, with the target's vocabulary, drafting greedily from its own
+    KV pool in the decode scans: `engine/draft_model.py`)."""
 
     method: str = "none"
     num_draft_tokens: int = 4
     ngram_max: int = 3
     ngram_min: int = 1
+    draft_model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -124,6 +127,10 @@ class SpeculativeConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"engine.speculative.{key}={value!r} is invalid: must be an "
                                  "int >= 1")  # fmt: skip
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError("engine.speculative.draft_model names the draft model of method "
+                             f"'draft' (and only of it); got method={self.method!r}, "
+                             f"draft_model={self.draft_model!r}")  # fmt: skip
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"engine.speculative.ngram_min={self.ngram_min} exceeds ngram_max="
                              f"{self.ngram_max}")  # fmt: skip

@@ -101,9 +101,23 @@ def workspace_bytes(config: EngineConfig, cfg: ModelConfig) -> int:
     return 4 * (activations + scores + logits)
 
 
-def make_proposer(config: EngineConfig) -> Proposer | None:
-    """The proposer `config.speculative` names (None: no speculation)."""
+def make_proposer(config: EngineConfig, model_config: ModelConfig, mesh=None) -> Proposer | None:
+    """The proposer `config.speculative` names (None: no speculation); a draft model is loaded
+    (in the engine's dtype, onto `mesh`) and must share the target's vocabulary."""
     spec = config.speculative
+    if spec.method == "draft":
+        from jaxinfer.engine.draft_model import DraftModelProposer
+        from jaxinfer.engine.loading import load_model
+
+        cfg, params, _ = load_model(spec.draft_model, config.dtype, config.seed, mesh)
+        if cfg.vocab_size != model_config.vocab_size:
+            raise ValueError(f"engine.speculative.draft_model={spec.draft_model!r} has a "
+                             f"vocabulary of {cfg.vocab_size} tokens, the model "
+                             f"{model_config.vocab_size}: a draft must share the target's")  # fmt: skip
+        if config.max_model_len > cfg.max_context:
+            raise ValueError(f"engine.max_model_len={config.max_model_len} exceeds the draft "
+                             f"model's {cfg.describe_context()}")  # fmt: skip
+        return DraftModelProposer(cfg, params, spec.num_draft_tokens)
     if spec.method == "ngram":
         from jaxinfer.engine.ngram import NgramProposer
 
@@ -153,7 +167,7 @@ class Engine:
         self.block_manager = BlockManager(config.num_pages, config.page_size, config.allocation)
         self.scheduler = Scheduler(config, self.block_manager)
         if proposer is None:
-            proposer = make_proposer(config)
+            proposer = make_proposer(config, model_config, self.shardings.mesh)
         self.runner = ModelRunner(model_config, params, config, self.shardings, proposer)
         self.proposer = proposer
         self.eos_ids = tuple(model_config.eos_token_ids)

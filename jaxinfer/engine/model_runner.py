@@ -91,14 +91,17 @@ def _forward(params, cfg, batch, kv, attention, expert_mesh):
 
 
 @partial(jax.jit, static_argnames=("cfg", "attention", "num_rows", "out_sharding",
-                                   "expert_mesh"), donate_argnames=("kv",))  # fmt: skip
+                                   "expert_mesh", "draft_cfg"),
+         donate_argnames=("kv", "draft_kv"))  # fmt: skip
 def mixed_step(params, kv: KVCache, batch: RaggedBatch, num_drafts: jax.Array,
-               prev_tokens: jax.Array, prev_counts: jax.Array, *, cfg: ModelConfig,
-               attention: AttentionConfig, num_rows: int = 1, out_sharding=None,
-               expert_mesh=None):  # fmt: skip
+               prev_tokens: jax.Array, prev_counts: jax.Array, draft_params=None,
+               draft_kv: KVCache | None = None, *, cfg: ModelConfig, attention: AttentionConfig,
+               num_rows: int = 1, out_sharding=None, expert_mesh=None,
+               draft_cfg: ModelConfig | None = None):  # fmt: skip
     """((logits [S, num_rows, V] fp32, drafts [S, num_rows - 1], shift [S], expert load (see
-    `_forward`) or None), kv). `expert_mesh`: the mesh whose "expert" axis shards the MoE experts (None: one
-    device holds them all).
+    `_forward`) or None), kv, draft_kv). `expert_mesh`: the mesh whose "expert" axis shards the
+    MoE experts (None: one device holds them all). With a draft model (`draft_cfg`,
+    `draft_model.py`) the draft runs over the same batch, filling its own pool.
 
     Sequence s's last 1 + num_drafts[s] tokens are its last real token and its drafts; their rows'
     logits verify the drafts. `prev_tokens` [S, num_rows] / `prev_counts` [S]: the previous step's
@@ -127,9 +130,11 @@ def mixed_step(params, kv: KVCache, batch: RaggedBatch, num_drafts: jax.Array,
     tokens = jnp.where(placeholder, last[src], tokens)
     batch = dataclasses.replace(batch, tokens=tokens)
     hidden, kv, load = _forward(params, cfg, batch, kv, attention, expert_mesh)
+    if draft_cfg is not None:
+        _, draft_kv = forward_paged(draft_params, draft_cfg, batch, draft_kv, attention=attention)
     rows = logit_rows(batch.query_start_loc, num_drafts, num_rows)
     logits = compute_logits(params, cfg, hidden[rows])
-    return _constrain((logits, tokens[rows[:, 1:]], shift, load), out_sharding), kv
+    return _constrain((logits, tokens[rows[:, 1:]], shift, load), out_sharding), kv, draft_kv
 
 
 @partial(jax.jit, static_argnames=("num_logprobs", "out_sharding"))
@@ -169,26 +174,32 @@ class DecodeState:
         "out_sharding",
         "expert_mesh",
     ),
-    donate_argnames=("kv",),
+    donate_argnames=("kv", "draft_kv"),
 )
-def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingBatch, *,
-                cfg: ModelConfig, attention: AttentionConfig, num_steps: int, num_logprobs: int,
+def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingBatch,
+                draft_params=None, draft_kv: KVCache | None = None, *, cfg: ModelConfig,
+                attention: AttentionConfig, num_steps: int, num_logprobs: int,
                 proposer: Proposer | None = None, out_sharding=None,
                 expert_mesh=None):  # fmt: skip
     """((tokens [R, S, K], counts [R, S], logprobs [R, S, K], top_lp [R, S, K, k], top_ids,
-    expert load per round (see `_forward`) or None), final DecodeState, kv) over R = `num_steps` rounds of K = 1 +
-    drafts tokens per row; row s keeps tokens[r, s, :counts[r, s]] of round r. The final state
-    can seed the next call directly."""
+    expert load per round (see `_forward`) or None), final DecodeState, kv, draft_kv) over R =
+    `num_steps` rounds of K = 1 + drafts tokens per row; row s keeps tokens[r, s, :counts[r, s]]
+    of round r. The final state can seed the next call directly. A draft-model proposer drafts
+    from its own pool `draft_kv` (`draft_model.py`)."""
     gamma = proposer.num_draft_tokens if proposer is not None else 0
     k = 1 + gamma
     rows = state.tokens.shape[0]
     j = jnp.arange(k, dtype=jnp.int32)
 
     def body(carry, _):
-        kv, st = carry
+        kv, dkv, st = carry
         pstate = st.proposer
         fed = st.tokens[:, None]
-        if gamma:
+        if gamma and dkv is not None:
+            drafts, pstate, dkv = proposer.draft_device(pstate, st.tokens, st.positions, st.active,
+                                                        page_ids, draft_params, dkv, attention)  # fmt: skip
+            fed = jnp.concatenate([fed, drafts.astype(jnp.int32)], axis=1)
+        elif gamma:
             drafts, pstate = proposer.propose_device(pstate, st.tokens, st.positions)
             fed = jnp.concatenate([fed, drafts.astype(jnp.int32)], axis=1)
         positions = st.positions[:, None] + j
@@ -233,11 +244,12 @@ def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingB
             history=history,
             num_prompt=st.num_prompt,
         )
-        return (kv, new), (tok, n, lp, top_lp, top_ids, load)
+        return (kv, dkv, new), (tok, n, lp, top_lp, top_ids, load)
 
-    (kv, final), outs = jax.lax.scan(body, (kv, state), None, length=num_steps)
+    (kv, draft_kv, final), outs = jax.lax.scan(body, (kv, draft_kv, state), None,
+                                               length=num_steps)  # fmt: skip
     outs, final = _constrain((outs, final), out_sharding)
-    return outs, final, kv
+    return outs, final, kv, draft_kv
 
 
 class ModelRunner:
@@ -258,6 +270,18 @@ class ModelRunner:
         self.scan_proposer = proposer if proposer is not None and proposer.on_device else None
         self.kv = init_kv_cache(cfg, config.num_pages, config.page_size, config.kv_dtype,
                                 mesh=shardings.mesh, rules=shardings.rules)  # fmt: skip
+        # A draft model (`draft_model.py`): its params and its pool of the target's pages.
+        self.draft_cfg = getattr(proposer, "draft_cfg", None)
+        self.draft_params = self.draft_kv = None
+        if self.draft_cfg is not None:
+            from jaxinfer.models.spec import param_shardings
+
+            self.draft_params = jax.device_put(
+                proposer.params, param_shardings(self.draft_cfg, shardings.mesh)
+            )
+            self.draft_kv = init_kv_cache(self.draft_cfg, config.num_pages, config.page_size,
+                                          config.kv_dtype, mesh=shardings.mesh,
+                                          rules=shardings.rules)  # fmt: skip
         self._executables: dict[tuple, object] = {}  # warm-up's compiled steps, by bucket
         self.warmup_stats: dict = {}
         self._no_prev: tuple | None = None
@@ -295,7 +319,7 @@ class ModelRunner:
     def _mixed_static(self):
         return dict(cfg=self.cfg, attention=self.attention, num_rows=self.num_rows,
                     out_sharding=self.shardings.replicated,
-                    expert_mesh=self.expert_mesh)  # fmt: skip
+                    expert_mesh=self.expert_mesh, draft_cfg=self.draft_cfg)  # fmt: skip
 
     def _sample_static(self):
         return dict(num_logprobs=self.config.num_logprobs, out_sharding=self.shardings.replicated)
@@ -325,12 +349,12 @@ class ModelRunner:
         no_tokens, no_counts, no_drafts = self.no_prev()
         prev_tokens, prev_counts = (no_tokens, no_counts) if prev is None else prev[:2]
         num_drafts = no_drafts if num_drafts is None else self.put(num_drafts)
-        args = (self.params, self.kv, batch, num_drafts, prev_tokens, prev_counts)
+        args = (self.params, self.kv, batch, num_drafts, prev_tokens, prev_counts,
+                self.draft_params, self.draft_kv)  # fmt: skip
         exe = self._executables.get(("mixed", batch.tokens.shape[0], batch.max_q_len))
-        if exe is not None:
-            (logits, drafts, shift, load), self.kv = exe(*args)
-        else:  # a shape warm-up did not compile: jit compiles it (and the engine counts it)
-            (logits, drafts, shift, load), self.kv = mixed_step(*args, **self._mixed_static())
+        if exe is None:  # a shape warm-up did not compile: jit compiles it (the engine counts it)
+            exe = partial(mixed_step, **self._mixed_static())
+        (logits, drafts, shift, load), self.kv, self.draft_kv = exe(*args)
         args = (logits, drafts, args[3], shift, sb, history)
         exe = self._executables.get(("sample", sb.filtered))
         sampled = exe(*args) if exe is not None else sample_step(*args, **self._sample_static())
@@ -387,11 +411,10 @@ class ModelRunner:
 
     def run_decode(self, table, state: DecodeState, sb: SamplingBatch, num_steps: int):
         exe = self._executables.get(("decode", table.shape[0], num_steps, sb.filtered))
-        args = (self.params, self.kv, table, state, sb)
-        if exe is not None:
-            outs, final, self.kv = exe(*args)
-        else:
-            outs, final, self.kv = decode_loop(*args, **self._decode_static(num_steps))
+        args = (self.params, self.kv, table, state, sb, self.draft_params, self.draft_kv)
+        if exe is None:
+            exe = partial(decode_loop, **self._decode_static(num_steps))
+        outs, final, self.kv, self.draft_kv = exe(*args)
         return outs, final
 
     # -- warm-up -------------------------------------------------------------------------------
@@ -445,7 +468,7 @@ class ModelRunner:
                 history = self.history_arrays([], [], s)
                 jax.block_until_ready(self.run_mixed(args[2], None, sb, history=history))
             elif key[0] == "decode":
-                jax.block_until_ready(self.run_decode(*args[2:], key[2]))
+                jax.block_until_ready(self.run_decode(*args[2:5], key[2]))
             else:
                 jax.block_until_ready(self._executables[key](*args))
 
@@ -510,8 +533,8 @@ class ModelRunner:
                 batch = RaggedBatch(zeros(t), zeros(t), zeros(s + 1), PageTable(table, zeros(s)),
                                     max_q)  # fmt: skip
                 calls.append((("mixed", t, max_q), mixed_step,
-                              (self.params, self.kv, batch, zeros(s), *prev),
-                              self._mixed_static()))  # fmt: skip
+                              (self.params, self.kv, batch, zeros(s), *prev, self.draft_params,
+                               self.draft_kv), self._mixed_static()))  # fmt: skip
         logits = zeros((s, rows_k, self.cfg.vocab_size), np.float32)
         bias = self.max_logit_bias()
         for filtered in (False, True):  # all-greedy batches, and batches where some row samples
@@ -531,8 +554,8 @@ class ModelRunner:
                                                                  max_logit_bias=bias),
                                              filtered=filtered)  # fmt: skip
                     calls.append((("decode", rows, c.decode_steps, filtered), decode_loop,
-                                  (self.params, self.kv, table, state, sb),
-                                  self._decode_static(c.decode_steps)))  # fmt: skip
+                                  (self.params, self.kv, table, state, sb, self.draft_params,
+                                   self.draft_kv), self._decode_static(c.decode_steps)))  # fmt: skip
         return calls
 
     def _padding_state(self, rows: int) -> DecodeState:

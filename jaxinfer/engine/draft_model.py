@@ -1,0 +1,102 @@
+"""A draft model as the proposer: a smaller model with the target's vocabulary drafts γ tokens
+greedily from its own paged KV pool, inside the decode scan (no host round trip per round).
+
+The draft's pool has the target's pages (same `num_pages` and `page_size`, its own layers and
+heads) and uses the target's page table, so the block manager's pages serve both and a
+preemption frees both. Its cache follows the target's tokens:
+- every mixed step runs the draft over the step's batch too (the runner's `mixed_step`), so a
+  prefill fills the draft's pages as it fills the target's;
+- a decode-scan round starts from the last token t at position p. The draft's cache holds every
+  position before p - 1, and p - 1 too unless the previous round kept all γ drafts (the draft
+  never fed its own last draft). So the round feeds (token at p - 1, t) as a ragged batch of two
+  tokens per row, then its own drafts one at a time: γ draft passes make d_1 .. d_γ, each the
+  draft's argmax. Rejected drafts' K/V is dead by length, as in the target's pool.
+
+Greedy drafts are deterministic, so `sampler.accept_drafts` is exact at any temperature (the
+output equals plain decoding's); the acceptance at temperature T is the target's probability
+of the draft's argmax. (Sampling drafts with Leviathan et al.'s min(1, p/q) rule would accept
+more at T > 0; not done yet.)
+
+Drafts come from the decode scans only (`propose` drafts nothing): a mixed step's drafts would
+need the draft run after the sampling of the step before, on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.engine.request import Sequence
+from jaxinfer.kv.cache import PageTable
+from jaxinfer.models.batch import RaggedBatch
+from jaxinfer.models.config import ModelConfig
+from jaxinfer.models.dense import compute_logits, forward_paged
+
+
+@dataclass(frozen=True)
+class DraftState:
+    """Per row: the previous round's fed tokens (its last token, then its drafts) [S, γ + 1],
+    and that last token's position [S] (so the token at any later position up to its drafts'
+    end is known)."""
+
+    fed: jax.Array
+    position: jax.Array
+
+
+jax.tree_util.register_dataclass(DraftState, data_fields=["fed", "position"], meta_fields=[])
+
+
+class DraftModelProposer:
+    """Greedy drafts of `num_draft_tokens` tokens by the model (`cfg`, `params`)."""
+
+    on_device = True
+
+    def __init__(self, cfg: ModelConfig, params, num_draft_tokens: int) -> None:
+        self.draft_cfg, self.params, self.num_draft_tokens = cfg, params, num_draft_tokens
+
+    def propose(self, seq: Sequence) -> list[int]:
+        return []
+
+    def device_state(self, seqs: list[Sequence], rows: int) -> DraftState:
+        fed = np.zeros((rows, self.num_draft_tokens + 1), np.int32)
+        position = np.zeros(rows, np.int32)
+        for i, seq in enumerate(seqs):  # the token before the last, at its position
+            fed[i, 0] = seq.all_token_ids[-2] if seq.num_tokens > 1 else seq.all_token_ids[-1]
+            position[i] = max(seq.num_tokens - 2, 0)
+        return DraftState(fed, position)
+
+    def propose_device(self, state, tokens, positions):
+        raise NotImplementedError("a draft model drafts through `draft_device` (its KV pool)")
+
+    def draft_device(self, state: DraftState, tokens, positions, active, page_ids, params, kv,
+                     attention):  # fmt: skip
+        """(drafts [S, γ], new state, draft kv) after each row's last token `tokens` [S] at
+        `positions` [S]; `active` [S] marks real rows, `page_ids` the target's page table."""
+        cfg, gamma, rows = self.draft_cfg, self.num_draft_tokens, tokens.shape[0]
+        back = jnp.clip(positions - 1 - state.position, 0, gamma)
+        prev = jnp.take_along_axis(state.fed, back[:, None], axis=1)[:, 0]
+        two = jnp.arange(2, dtype=jnp.int32)
+
+        def step(tok, pos, q):  # q tokens per row ([S, q]) ending at pos; -> argmax after them
+            nonlocal kv
+            batch = RaggedBatch(
+                tokens=tok.reshape(-1),
+                positions=pos.reshape(-1),
+                query_start_loc=jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(active * q)]),
+                page_table=PageTable(page_ids, jnp.where(active, pos[:, -1] + 1, 0)),
+                max_q_len=q,
+            )
+            hidden, kv = forward_paged(params, cfg, batch, kv, attention=attention)
+            last = hidden.reshape(rows, q, -1)[:, -1]
+            return jnp.argmax(compute_logits(params, cfg, last), axis=-1).astype(jnp.int32)
+
+        pos = jnp.maximum(positions[:, None] - 1 + two, 0)
+        drafts = [step(jnp.stack([prev, tokens], axis=1), pos, 2)]
+        for j in range(1, gamma):
+            drafts.append(step(drafts[-1][:, None], (positions + j)[:, None], 1))
+        drafts = jnp.stack(drafts, axis=1)
+        fed = jnp.concatenate([tokens[:, None], drafts], axis=1)
+        return drafts, DraftState(fed, positions), kv
