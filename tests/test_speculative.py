@@ -200,3 +200,20 @@ def test_draft_model_must_share_the_vocabulary():
 
     with pytest.raises(ValueError, match="draft_model names the draft model of method 'draft'"):
         EngineConfig(speculative={"method": "ngram", "draft_model": "tiny-draft"})
+
+
+def test_self_speculation_equals_plain_decoding(fresh_seed):
+    """The target's first layers with its head as the draft (early exit)."""
+    rng = np.random.default_rng(fresh_seed)
+    prompts = [rng.integers(3, 4000, 9).tolist()]
+    sampling = SamplingParams(max_tokens=17, ignore_eos=True, temperature=0.7, seed=fresh_seed)
+    plain, _ = _generate(prompts, sampling, decode_steps=4)
+    spec, engine = _generate(prompts, sampling, decode_steps=4,
+                             speculative={"method": "self", "draft_layers": 2,
+                                          "num_draft_tokens": 2})  # fmt: skip
+    assert spec == plain, f"seed {fresh_seed}"
+    draft = engine.runner.draft_params
+    assert draft["embed"] is not None and len(draft["layers"]) == 2
+    assert sum(r.draft_tokens for r in engine.step_records) > 0
+    with pytest.raises(ValueError, match="draft_layers=4 must be fewer than the model's 4"):
+        LLM("tiny", **KW, warmup=False, speculative={"method": "self", "draft_layers": 4})

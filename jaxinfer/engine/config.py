@@ -99,7 +99,7 @@ class QuantConfig:
         return self.weights != "none" or any(v is not None for v in self.recipe.values())
 
 
-SPECULATIVE_METHODS = ("none", "ngram", "draft")
+SPECULATIVE_METHODS = ("none", "ngram", "draft", "self")
 
 
 @dataclass
@@ -110,13 +110,16 @@ class SpeculativeConfig:
     any temperature). `method`: "none"; "ngram" (prompt lookup, `engine/ngram.py`: the longest
     recurring suffix of `ngram_max` down to `ngram_min` tokens); "draft" (`draft_model`, a model
     name as `engine.model` takes, with the target's vocabulary, drafting greedily from its own
-    KV pool in the decode scans: `engine/draft_model.py`)."""
+    KV pool in the decode scans: `engine/draft_model.py`); "self" (self-speculative, LayerSkip-
+    style early exit: the target's first `draft_layers` layers with its final norm and head as
+    the draft model, sharing the target's weights; its K/V pool is its own)."""
 
     method: str = "none"
     num_draft_tokens: int = 4
     ngram_max: int = 3
     ngram_min: int = 1
     draft_model: str | None = None
+    draft_layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -131,6 +134,14 @@ class SpeculativeConfig:
             raise ValueError("engine.speculative.draft_model names the draft model of method "
                              f"'draft' (and only of it); got method={self.method!r}, "
                              f"draft_model={self.draft_model!r}")  # fmt: skip
+        layers = self.draft_layers
+        if (self.method == "self") != (layers is not None) or (
+            layers is not None and (not isinstance(layers, int) or isinstance(layers, bool)
+                                    or layers < 1)
+        ):  # fmt: skip
+            raise ValueError("engine.speculative.draft_layers (an int >= 1) is the draft of "
+                             f"method 'self' (and only of it); got method={self.method!r}, "
+                             f"draft_layers={layers!r}")  # fmt: skip
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"engine.speculative.ngram_min={self.ngram_min} exceeds ngram_max="
                              f"{self.ngram_max}")  # fmt: skip

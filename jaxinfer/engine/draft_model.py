@@ -49,6 +49,22 @@ class DraftState:
 jax.tree_util.register_dataclass(DraftState, data_fields=["fed", "position"], meta_fields=[])
 
 
+def early_exit_draft(cfg: ModelConfig, params, num_layers: int):
+    """(config, params) of the target's first `num_layers` layers with its own final norm and
+    head (self-speculative decoding, LayerSkip-style early exit, Elhoushi et al. 2024): the
+    arrays are the target's, not copies."""
+    from jaxinfer.models.spec import layer_weight_paths
+
+    plain = cfg.plain().replace(num_layers=num_layers, layer_types=cfg.layer_types[:num_layers],
+                                ffn_kinds=cfg.ffn_kinds[:num_layers])  # fmt: skip
+    # each linear weight keeps the target's format (the target's recipe may name later layers)
+    linear, _ = layer_weight_paths(plain)
+    recipe = tuple((path, cfg.weight_format_of(int(path.split(".")[1]), path.split(".", 2)[2]))
+                   for path in linear) if cfg.has_formats else ()  # fmt: skip
+    draft_cfg = plain.replace(weight_formats=recipe)
+    return draft_cfg, {**params, "layers": tuple(params["layers"][:num_layers])}
+
+
 class DraftModelProposer:
     """Greedy drafts of `num_draft_tokens` tokens by the model (`cfg`, `params`)."""
 

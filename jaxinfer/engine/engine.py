@@ -101,9 +101,11 @@ def workspace_bytes(config: EngineConfig, cfg: ModelConfig) -> int:
     return 4 * (activations + scores + logits)
 
 
-def make_proposer(config: EngineConfig, model_config: ModelConfig, mesh=None) -> Proposer | None:
+def make_proposer(config: EngineConfig, model_config: ModelConfig, params=None,
+                  mesh=None) -> Proposer | None:  # fmt: skip
     """The proposer `config.speculative` names (None: no speculation); a draft model is loaded
-    (in the engine's dtype, onto `mesh`) and must share the target's vocabulary."""
+    (in the engine's dtype, onto `mesh`) and must share the target's vocabulary; a
+    self-speculative draft is the first layers of `params`."""
     spec = config.speculative
     if spec.method == "draft":
         from jaxinfer.engine.draft_model import DraftModelProposer
@@ -117,6 +119,14 @@ def make_proposer(config: EngineConfig, model_config: ModelConfig, mesh=None) ->
         if config.max_model_len > cfg.max_context:
             raise ValueError(f"engine.max_model_len={config.max_model_len} exceeds the draft "
                              f"model's {cfg.describe_context()}")  # fmt: skip
+        return DraftModelProposer(cfg, params, spec.num_draft_tokens)
+    if spec.method == "self":
+        from jaxinfer.engine.draft_model import DraftModelProposer, early_exit_draft
+
+        if spec.draft_layers >= model_config.num_layers:
+            raise ValueError(f"engine.speculative.draft_layers={spec.draft_layers} must be fewer "
+                             f"than the model's {model_config.num_layers} layers")  # fmt: skip
+        cfg, params = early_exit_draft(model_config, params, spec.draft_layers)
         return DraftModelProposer(cfg, params, spec.num_draft_tokens)
     if spec.method == "ngram":
         from jaxinfer.engine.ngram import NgramProposer
@@ -167,7 +177,7 @@ class Engine:
         self.block_manager = BlockManager(config.num_pages, config.page_size, config.allocation)
         self.scheduler = Scheduler(config, self.block_manager)
         if proposer is None:
-            proposer = make_proposer(config, model_config, self.shardings.mesh)
+            proposer = make_proposer(config, model_config, params, self.shardings.mesh)
         self.runner = ModelRunner(model_config, params, config, self.shardings, proposer)
         self.proposer = proposer
         self.eos_ids = tuple(model_config.eos_token_ids)
