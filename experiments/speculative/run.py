@@ -1,0 +1,174 @@
+"""The seeds' claim "speculative decoding: 2-3x with the same output distribution": every
+proposer against the same engine without speculation, in one run.
+
+    python experiments/speculative/run.py --out experiments/results/cpu/speculative.json \
+        --plot experiments/results/cpu/speculative.png                     # tiny + tiny-draft
+    python3 experiments/speculative/run.py --model smollm2 --dtype bfloat16 \
+        --methods none ngram self:10 --batches 1 8 64 --out $OUT/speculative.json  # H200
+
+For each workload, batch B (engine.max_num_seqs = B, B x --waves requests submitted at once) and
+method, one engine (warm-up excluded) generates every request greedily (--temperature 0) or
+sampled, EOS ignored; recorded: output tok/s, the speedup over "none" at the same batch and
+workload, the draft acceptance rate, tokens per verification (tau) and acceptance by draft
+position (`metrics.summary`), and whether the outputs equal "none"'s token for token (they must:
+verification is exact). Methods: none, ngram[:GAMMA], draft:MODEL[:GAMMA], self:LAYERS[:GAMMA]
+(`engine.speculative`; GAMMA defaults to --num-draft-tokens).
+
+Workloads: "grounded", prompts that end asking for a copy of code they contain (an
+input-grounded task where n-gram lookup pays: the output repeats the prompt; Python source of
+the standard library, the reference models' training domain), and "open", the same code without
+the request (free continuation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import time
+from pathlib import Path
+
+from jaxinfer.engine.llm import LLM
+from jaxinfer.engine.request import SamplingParams
+from jaxinfer.metrics.summary import summarize
+from jaxinfer.provenance import provenance
+
+SOURCES = ("textwrap", "shlex", "fnmatch", "heapq", "bisect", "colorsys", "string", "queue")
+
+
+def code_snippets(n: int, chars: int) -> list[str]:
+    """n pieces of standard-library Python source, `chars` characters each."""
+    out = []
+    for name in SOURCES:
+        src = inspect.getsource(__import__(name))
+        out += [src[i : i + chars] for i in range(0, len(src) - chars, chars)]
+    return [out[i % len(out)] for i in range(n)]
+
+
+def prompts_of(workload: str, tokenizer, n: int, chars: int) -> list[list[int]]:
+    snippets = code_snippets(n, chars)
+    if workload == "grounded":
+        texts = [f"```python\n{s}\n```\nThe same code again, unchanged:\n```python\n"
+                 for s in snippets]  # fmt: skip
+    else:
+        texts = snippets
+    return [tokenizer.encode(t).ids for t in texts]
+
+
+def speculative_config(method: str, gamma: int) -> dict:
+    """`engine.speculative` of a method spec (see the module docstring)."""
+    name, *args = method.split(":")
+    if name == "none":
+        return {"method": "none"}
+    if name == "ngram":
+        return {"method": "ngram", "num_draft_tokens": int(args[0]) if args else gamma}
+    if name == "draft":
+        g = int(args[1]) if len(args) > 1 else gamma
+        return {"method": "draft", "draft_model": args[0], "num_draft_tokens": g}
+    if name == "self":
+        g = int(args[1]) if len(args) > 1 else gamma
+        return {"method": "self", "draft_layers": int(args[0]), "num_draft_tokens": g}
+    raise ValueError(f"--methods: {method!r} is not none, ngram[:G], draft:MODEL[:G] or "
+                     "self:LAYERS[:G]")  # fmt: skip
+
+
+def run_point(args, method: str, batch: int, prompts, sampling) -> tuple[dict, list]:
+    engine = dict(model=args.model, dtype=args.dtype, max_num_seqs=batch,
+                  max_num_batched_tokens=max(args.max_num_batched_tokens, batch),
+                  num_pages=args.num_pages, page_size=16, max_model_len=args.max_model_len,
+                  decode_steps=args.decode_steps,
+                  speculative=speculative_config(method, args.num_draft_tokens))  # fmt: skip
+    t0 = time.perf_counter()
+    llm = LLM(**engine)
+    warmup_s = time.perf_counter() - t0
+    llm.engine.step_records.clear()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sampling)
+    wall = time.perf_counter() - t0
+    tokens = [o.token_ids for o in outs]
+    summary = summarize([], llm.engine.step_records)
+    row = {
+        "method": method, "batch": batch, "requests": len(prompts),
+        "output_tokens": sum(map(len, tokens)), "wall_s": round(wall, 3),
+        "output_tok_s": round(sum(map(len, tokens)) / wall, 1),
+        "steps": len(llm.engine.step_records), "warmup_s": round(warmup_s, 1),
+        "compiles_after_warmup": llm.engine.compiles_after_warmup,
+        **{k: summary[k] for k in ("draft_acceptance_rate", "tokens_per_verification",
+                                   "acceptance_by_position")},
+        "speculative": engine["speculative"],
+    }  # fmt: skip
+    del llm
+    return row, tokens
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = sorted({r["workload"] for r in rows})
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 3.6), squeeze=False)
+    for ax, wl in zip(axes[0], workloads, strict=True):
+        for method in dict.fromkeys(r["method"] for r in rows if r["method"] != "none"):
+            sub = [r for r in rows if r["workload"] == wl and r["method"] == method]
+            ax.plot([r["batch"] for r in sub], [r["speedup"] for r in sub], "o-", label=method)
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch (max_num_seqs)")
+        ax.set_ylabel("output tok/s over no speculation")
+        ax.set_title(wl)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--plot", type=Path, default=None)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--methods", nargs="+",
+                    default=["none", "ngram", "draft:tiny-draft", "self:2"])  # fmt: skip
+    ap.add_argument("--num-draft-tokens", type=int, default=4)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--waves", type=int, default=2, help="requests per batch slot")
+    ap.add_argument("--workloads", nargs="+", default=["grounded", "open"])
+    ap.add_argument("--snippet-chars", type=int, default=400)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--decode-steps", type=int, default=8)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--num-pages", type=int, default=1024)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    args = ap.parse_args(argv)
+    if "none" not in args.methods:
+        ap.error("--methods must include none (the baseline of every speedup)")
+    methods = ["none", *[m for m in args.methods if m != "none"]]
+    result = {**provenance(), "args": vars(args) | {"out": str(args.out), "plot": str(args.plot)},
+              "rows": []}  # fmt: skip
+    tokenizer = LLM(args.model, warmup=False, num_pages=4).tokenizer
+    sampling = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True,
+                              temperature=args.temperature, seed=0)  # fmt: skip
+    for wl in args.workloads:
+        for batch in args.batches:
+            prompts = prompts_of(wl, tokenizer, batch * args.waves, args.snippet_chars)
+            base = None
+            for method in methods:
+                row, tokens = run_point(args, method, batch, prompts, sampling)
+                if method == "none":
+                    base, base_tok_s = tokens, row["output_tok_s"]
+                row.update(workload=wl, speedup=round(row["output_tok_s"] / base_tok_s, 3),
+                           same_output_as_none=tokens == base)  # fmt: skip
+                result["rows"].append(row)
+                args.out.write_text(json.dumps(result, indent=1) + "\n")  # (kept as it goes)
+                print(f"{wl:8s} batch {batch:3d} {method:18s} {row['output_tok_s']:9.1f} tok/s "
+                      f"x{row['speedup']:.2f}  tau {row['tokens_per_verification']}  "
+                      f"same {row['same_output_as_none']}", flush=True)  # fmt: skip
+    if args.plot is not None:
+        plot(result["rows"], args.plot)
+
+
+if __name__ == "__main__":
+    main()
