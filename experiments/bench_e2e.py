@@ -94,7 +94,10 @@ METHODS = {
         "dispatched and waited for (what a synchronous engine pays per scan), / decode_steps. "
         "Every call restarts from the same state: sequences of `context` tokens (K/V pool pages "
         "shuffled, zero-valued), so step j of a scan attends over context + j + 1 tokens. The "
-        "decode batch is padded to the engine's bucket (`rows`); greedy sampling."
+        "decode batch is padded to the engine's bucket (`rows`); greedy sampling. With "
+        "--num-draft-tokens G each round is a speculative verification: n-gram drafts of G "
+        "tokens, 1 + G rows per sequence (`rows_per_sequence`) scored and sampled; step_ms is "
+        "then the cost of one verification round (random weights: the drafts are rarely kept)."
     ),
     "roofline": (
         "roofline_ms = (weight bytes + K/V bytes read per decode step) / 4.3e12 B/s. Weight "
@@ -236,6 +239,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     metavar="FORMAT", help="engine.quant.weights: the layers' linear weights in "
                     f"this format (none, {', '.join(sorted(WEIGHT_FORMATS))}); the transformers "
                     "baseline stays plain")  # fmt: skip
+    ap.add_argument("--num-draft-tokens", type=int, default=0, metavar="G",
+                    help="speculative verification cost: n-gram drafts of G tokens, so each decode "
+                         "row's step is a verification round of 1 + G rows per sequence")  # fmt: skip
     ap.add_argument("--batches", type=int, nargs="+", default=None)
     ap.add_argument("--contexts", type=int, nargs="+", default=None)
     ap.add_argument("--num-requests", type=int, default=None)
@@ -421,7 +427,7 @@ def kv_bytes_per_step(cfg: ModelConfig, kv, batch: int, context: int, steps: int
 def time_decode(llm: LLM, batch: int, context: int, pages: np.ndarray, args) -> dict:
     """One decode row on the engine's runner (see METHODS["decode"])."""
     runner, cfg, k = llm.engine.runner, llm.engine.model_config, args.decode_steps
-    need = math.ceil((context + k) / runner.config.page_size)
+    need = math.ceil((context + k * runner.num_rows) / runner.config.page_size)
     if batch * need > len(pages):
         raise ValueError(f"{batch} x {need} pages exceed the pool ({len(pages)} usable)")
     rng = np.random.default_rng(batch * 100_003 + context)
@@ -469,6 +475,7 @@ def time_decode(llm: LLM, batch: int, context: int, pages: np.ndarray, args) -> 
         **({} if active is None else {"experts_active_per_layer": round(active, 2)}),
         "scans": n,
         "decode_steps": k,
+        "rows_per_sequence": runner.num_rows,  # 1 + G draft tokens verified per round
     }
 
 
@@ -819,7 +826,7 @@ def engine_options(args, workloads: dict[str, list[WorkloadRequest]]) -> dict:
     """EngineConfig fields: max_num_seqs = the largest decode batch; max_model_len and the page
     pool fit the longest decode context (+ one scan) and the longest request at every slot."""
     page_size, k = args.page_size, args.decode_steps
-    longest = max([c + k for c in args.contexts] +
+    longest = max([c + k * (1 + args.num_draft_tokens) for c in args.contexts] +
                   [r.prompt_len + r.output_len for reqs in workloads.values() for r in reqs])  # fmt: skip
     max_model_len = math.ceil(longest / page_size) * page_size
     max_num_seqs = args.max_num_seqs or max(args.batches)
@@ -843,6 +850,8 @@ def engine_options(args, workloads: dict[str, list[WorkloadRequest]]) -> dict:
         options["decode_buckets"] = list(args.decode_buckets)
     if args.quant != "none":  # (absent for plain runs: their engine options read as before)
         options["quant"] = {"weights": args.quant}
+    if args.num_draft_tokens:  # decode rows time verification rounds of 1 + G rows per sequence
+        options["speculative"] = {"method": "ngram", "num_draft_tokens": args.num_draft_tokens}
     return options
 
 
