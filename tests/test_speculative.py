@@ -109,7 +109,7 @@ def test_speculative_output_equals_plain_output_token_for_token(fresh_seed, deco
     if decode_steps > 1:  # a draft model drafts in the decode scans
         spec, engine = _generate(prompts, sampling, decode_steps=decode_steps,
                                  speculative={"method": "draft", "draft_model": "tiny-draft",
-                                              "num_draft_tokens": 3})  # fmt: skip
+                                              "num_draft_tokens": 3, "draft_sampling": "greedy"})  # fmt: skip
         assert spec == plain, f"seed {fresh_seed}, draft model"
         assert engine.compiles_after_warmup == 0
         assert sum(r.accepted_draft_tokens for r in engine.step_records) > 0
@@ -175,6 +175,25 @@ def test_summary_reports_acceptance():
     assert s["acceptance_by_position"] == pytest.approx([2 / 3, 2 / 3, 0.0])
 
 
+def test_rejection_sampled_drafts_in_the_engine(fresh_seed):
+    """Sampled drafts (the default): greedy requests still decode exactly as plain decoding,
+    sampled ones keep drafts, no compile after warm-up. (That sampled outputs follow the
+    target's distribution is checked at the rule's level below: 20,000 rows per position.)"""
+    rng = np.random.default_rng(fresh_seed)
+    prompts = [rng.integers(3, 4000, int(n)).tolist() for n in (7, 19)]
+    sampling = [SamplingParams(max_tokens=20, ignore_eos=True),
+                SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.8, top_p=0.95,
+                               seed=fresh_seed)]  # fmt: skip
+    plain, _ = _generate(prompts, sampling, decode_steps=4)
+    spec, engine = _generate(prompts, sampling, decode_steps=4,
+                             speculative={"method": "draft", "draft_model": "tiny-draft",
+                                          "num_draft_tokens": 3})  # fmt: skip
+    assert spec[0] == plain[0], f"seed {fresh_seed}: greedy"
+    assert len(spec[1]) == 20 and all(0 <= t < 4096 for t in spec[1])
+    assert engine.compiles_after_warmup == 0
+    assert sum(r.accepted_draft_tokens for r in engine.step_records) > 0
+
+
 def test_the_target_as_its_own_draft_keeps_every_greedy_draft(fresh_seed):
     """With the draft = the target, greedy drafts are the target's own tokens: every
     verification keeps all γ unless the token limit cuts it. This checks the draft's cache:
@@ -210,10 +229,106 @@ def test_self_speculation_equals_plain_decoding(fresh_seed):
     plain, _ = _generate(prompts, sampling, decode_steps=4)
     spec, engine = _generate(prompts, sampling, decode_steps=4,
                              speculative={"method": "self", "draft_layers": 2,
-                                          "num_draft_tokens": 2})  # fmt: skip
+                                          "num_draft_tokens": 2, "draft_sampling": "greedy"})  # fmt: skip
     assert spec == plain, f"seed {fresh_seed}"
     draft = engine.runner.draft_params
     assert draft["embed"] is not None and len(draft["layers"]) == 2
     assert sum(r.draft_tokens for r in engine.step_records) > 0
     with pytest.raises(ValueError, match="draft_layers=4 must be fewer than the model's 4"):
         LLM("tiny", **KW, warmup=False, speculative={"method": "self", "draft_layers": 4})
+
+
+# ---- rejection sampling (sampled drafts) ---------------------------------------------------------
+
+CHI2_CRITICAL_DF4 = 33.4  # P(chi2 with 4 dof > 33.4) ~ 1e-6: a correct rule fails ~1e-6 per check
+
+
+def _simulate(rule, p, q, n, seed, gamma=3):
+    """Run speculative sampling to the end of `p` (positions [L, V], context-free target) for n
+    independent rows (seeds seed..seed+n-1) with drafts drawn from q [L, V]; tokens [n, L]."""
+    from jaxinfer.engine.sampler import DRAFT_STREAM, SamplingBatch, draw_from
+
+    length = p.shape[0]
+    sb = SamplingBatch(jnp.ones(n), jnp.zeros(n, jnp.int32), jnp.ones(n), jnp.zeros(n),
+                       jnp.arange(seed, seed + n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32))  # fmt: skip
+    pad = lambda a: jnp.concatenate([a, jnp.tile(a[-1:], (gamma + 1, 1))])  # noqa: E731
+    p_all, q_all = pad(jnp.asarray(p)), pad(jnp.asarray(q))
+    out = np.full((n, length + gamma + 1), -1)
+    pos = np.zeros(n, np.int64)
+
+    @jax.jit
+    def round_(pos):
+        cols = jnp.asarray(pos)[:, None] + jnp.arange(gamma + 1)
+        pr, qr = p_all[cols], q_all[cols[:, :gamma]]
+        drafts = jnp.stack([draw_from(qr[:, j], sb, jnp.asarray(pos) + j, DRAFT_STREAM)
+                            for j in range(gamma)], axis=1)  # fmt: skip
+        bonus = draw_from(pr[:, gamma], sb, jnp.asarray(pos) + gamma, 0)
+        return rule(pr, qr, drafts, bonus, sb, jnp.asarray(pos, jnp.int32))
+
+    while (pos < length).any():
+        tokens, kept = map(np.asarray, round_(pos))
+        for i in np.flatnonzero(pos < length):
+            k = kept[i] + 1
+            out[i, pos[i] : pos[i] + k] = tokens[i, :k]
+            pos[i] += k
+    return out[:, :length]
+
+
+def _chi2(tokens, p):
+    n = len(tokens)
+    counts = np.bincount(tokens, minlength=len(p))
+    expected = n * p
+    return float(np.sum((counts - expected) ** 2 / np.where(expected > 0, expected, 1)))
+
+
+def _distributions(rng, length=5, v=5):
+    """Per position a target p and a draft q that differ, some tokens impossible under each."""
+    p = rng.dirichlet(np.ones(v), length)
+    q = rng.dirichlet(np.ones(v), length)
+    p[:, 0], q[:, 1] = 0.0, 0.0  # a token the target never emits; one the draft never drafts
+    return p / p.sum(1, keepdims=True), q / q.sum(1, keepdims=True)
+
+
+def test_rejection_sampling_emits_the_target_distribution(fresh_seed):
+    """Each output position's token, over 20,000 independent rows, follows p (chi-square), and
+    draft tokens were kept (not a plain sampler in disguise)."""
+    from jaxinfer.engine.sampler import rejection_verify
+
+    rng = np.random.default_rng(fresh_seed)
+    p, q = _distributions(rng)
+    tokens = _simulate(rejection_verify, p, q, 20_000, fresh_seed % 2**20)
+    for j in range(p.shape[0]):
+        stat = _chi2(tokens[:, j], p[j])
+        assert stat < CHI2_CRITICAL_DF4, (f"seed {fresh_seed}: position {j} chi2 {stat:.1f}", p[j])
+    assert not (tokens == 0).any(), "a token of target probability 0 was emitted"
+
+
+def test_a_correction_drawn_from_p_instead_of_the_residual_fails_the_check(fresh_seed):
+    from jaxinfer.engine.sampler import RESIDUAL_STREAM, draw_from, rejection_verify
+
+    def wrong_rule(p, q, drafts, bonus, sb, positions):
+        tokens, kept = rejection_verify(p, q, drafts, bonus, sb, positions)
+        rows, g = jnp.arange(drafts.shape[0]), drafts.shape[1]
+        from_p = draw_from(p[rows, jnp.minimum(kept, g - 1)], sb, positions + kept,
+                           RESIDUAL_STREAM)  # fmt: skip
+        return tokens.at[rows, kept].set(jnp.where(kept == g, tokens[rows, kept], from_p)), kept
+
+    rng = np.random.default_rng(fresh_seed)
+    p, q = _distributions(rng)
+    tokens = _simulate(wrong_rule, p, q, 20_000, fresh_seed % 2**20)
+    worst = max(_chi2(tokens[:, j], p[j]) for j in range(p.shape[0]))
+    assert worst > CHI2_CRITICAL_DF4, f"seed {fresh_seed}: the wrong rule passed (chi2 {worst})"
+
+
+def test_a_draft_the_target_gives_probability_zero_is_never_kept(monkeypatch):
+    """Even when the acceptance uniform is exactly 0 (SGLang shipped this bug)."""
+    from jaxinfer.engine import sampler
+
+    monkeypatch.setattr(jax.random, "uniform", lambda key, *a, **k: jnp.zeros((), jnp.float32))
+    p = jnp.asarray([[[0.0, 0.5, 0.5], [0.0, 0.5, 0.5]]])  # [S=1, G+1=2, V=3]
+    q = jnp.asarray([[[1.0, 0.0, 0.0]]])  # the draft always drafts token 0
+    sb = sampler.SamplingBatch(jnp.ones(1), jnp.zeros(1, jnp.int32), jnp.ones(1), jnp.zeros(1),
+                               jnp.zeros(1, jnp.uint32), jnp.zeros(1, jnp.int32))  # fmt: skip
+    tokens, kept = sampler.rejection_verify(p, q, jnp.zeros((1, 1), jnp.int32),
+                                            jnp.ones(1, jnp.int32), sb, jnp.zeros(1, jnp.int32))  # fmt: skip
+    assert int(kept[0]) == 0 and int(tokens[0, 0]) in (1, 2)

@@ -120,6 +120,12 @@ class SpeculativeConfig:
     ngram_min: int = 1
     draft_model: str | None = None
     draft_layers: int | None = None
+    # How a draft model's drafts are drawn: "rejection" samples them from the draft's filtered
+    # distribution q and keeps each with probability min(1, p/q) (Leviathan et al. 2023: the
+    # output is distributed as plain decoding's); "greedy" drafts its argmax and keeps a draft
+    # while it equals the target's own sample (the output is plain decoding's, token for token).
+    # Greedy rows (temperature 0) are the same either way.
+    draft_sampling: str = "rejection"
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -142,6 +148,9 @@ class SpeculativeConfig:
             raise ValueError("engine.speculative.draft_layers (an int >= 1) is the draft of "
                              f"method 'self' (and only of it); got method={self.method!r}, "
                              f"draft_layers={layers!r}")  # fmt: skip
+        if self.draft_sampling not in ("rejection", "greedy"):
+            raise ValueError(f"engine.speculative.draft_sampling={self.draft_sampling!r} is "
+                             "unknown: must be rejection or greedy")  # fmt: skip
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"engine.speculative.ngram_min={self.ngram_min} exceeds ngram_max="
                              f"{self.ngram_max}")  # fmt: skip

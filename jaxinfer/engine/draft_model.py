@@ -12,10 +12,13 @@ preemption frees both. Its cache follows the target's tokens:
   tokens per row, then its own drafts one at a time: γ draft passes make d_1 .. d_γ, each the
   draft's argmax. Rejected drafts' K/V is dead by length, as in the target's pool.
 
-Greedy drafts are deterministic, so `sampler.accept_drafts` is exact at any temperature (the
-output equals plain decoding's); the acceptance at temperature T is the target's probability
-of the draft's argmax. (Sampling drafts with Leviathan et al.'s min(1, p/q) rule would accept
-more at T > 0; not done yet.)
+Drafts (`engine.speculative.draft_sampling`): "rejection" draws each from the draft's
+distribution q through the row's own filters (temperature, top-k, top-p, min-p), keyed by
+(seed, position, draft stream), and the verification keeps it with probability min(1, p/q)
+(`sampler.rejection_verify`): the output is distributed as plain decoding's. "greedy" drafts the
+argmax, which `sampler.accept_drafts` keeps while it equals the target's own sample: the output
+is plain decoding's token for token, and a draft survives with the target's probability of the
+draft's argmax (less than the rejection rule's at temperature > 0).
 
 Drafts come from the decode scans only (`propose` drafts nothing): a mixed step's drafts would
 need the draft run after the sampling of the step before, on the device.
@@ -23,6 +26,7 @@ need the draft run after the sampling of the step before, on the device.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -30,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.engine.request import Sequence
+from jaxinfer.engine.sampler import DRAFT_STREAM, draw_from, filtered_probs
 from jaxinfer.kv.cache import PageTable
 from jaxinfer.models.batch import RaggedBatch
 from jaxinfer.models.config import ModelConfig
@@ -70,8 +75,10 @@ class DraftModelProposer:
 
     on_device = True
 
-    def __init__(self, cfg: ModelConfig, params, num_draft_tokens: int) -> None:
+    def __init__(self, cfg: ModelConfig, params, num_draft_tokens: int,
+                 rejection: bool = True) -> None:  # fmt: skip
         self.draft_cfg, self.params, self.num_draft_tokens = cfg, params, num_draft_tokens
+        self.rejection = rejection
 
     def propose(self, seq: Sequence) -> list[int]:
         return []
@@ -88,9 +95,11 @@ class DraftModelProposer:
         raise NotImplementedError("a draft model drafts through `draft_device` (its KV pool)")
 
     def draft_device(self, state: DraftState, tokens, positions, active, page_ids, params, kv,
-                     attention):  # fmt: skip
-        """(drafts [S, γ], new state, draft kv) after each row's last token `tokens` [S] at
-        `positions` [S]; `active` [S] marks real rows, `page_ids` the target's page table."""
+                     attention, sb):  # fmt: skip
+        """(drafts [S, γ], new state, draft kv, q [S, γ, V] or None) after each row's last
+        token `tokens` [S] at `positions` [S]; `active` [S] marks real rows, `page_ids` the
+        target's page table, `sb` the rows' sampling (its positions: the token after the last).
+        q: the distributions the drafts were drawn from (None: greedy drafts)."""
         cfg, gamma, rows = self.draft_cfg, self.num_draft_tokens, tokens.shape[0]
         back = jnp.clip(positions - 1 - state.position, 0, gamma)
         prev = jnp.take_along_axis(state.fed, back[:, None], axis=1)[:, 0]
@@ -106,13 +115,22 @@ class DraftModelProposer:
                 max_q_len=q,
             )
             hidden, kv = forward_paged(params, cfg, batch, kv, attention=attention)
-            last = hidden.reshape(rows, q, -1)[:, -1]
-            return jnp.argmax(compute_logits(params, cfg, last), axis=-1).astype(jnp.int32)
+            logits = compute_logits(params, cfg, hidden.reshape(rows, q, -1)[:, -1])
+            if not self.rejection:
+                return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+            j = pos[:, -1] - positions  # the draft's index: it is the token at sb.position + j
+            row_sb = dataclasses.replace(sb, position=sb.position + j)
+            probs = filtered_probs(logits, row_sb)
+            return draw_from(probs, row_sb, row_sb.position, DRAFT_STREAM), probs
 
         pos = jnp.maximum(positions[:, None] - 1 + two, 0)
-        drafts = [step(jnp.stack([prev, tokens], axis=1), pos, 2)]
+        d, q = step(jnp.stack([prev, tokens], axis=1), pos, 2)
+        drafts, qs = [d], [q]
         for j in range(1, gamma):
-            drafts.append(step(drafts[-1][:, None], (positions + j)[:, None], 1))
+            d, q = step(drafts[-1][:, None], (positions + j)[:, None], 1)
+            drafts.append(d)
+            qs.append(q)
         drafts = jnp.stack(drafts, axis=1)
         fed = jnp.concatenate([tokens[:, None], drafts], axis=1)
-        return drafts, DraftState(fed, positions), kv
+        q = jnp.stack(qs, axis=1) if self.rejection else None
+        return drafts, DraftState(fed, positions), kv, q

@@ -107,6 +107,11 @@ def make_proposer(config: EngineConfig, model_config: ModelConfig, params=None,
     (in the engine's dtype, onto `mesh`) and must share the target's vocabulary; a
     self-speculative draft is the first layers of `params`."""
     spec = config.speculative
+    rejection = spec.draft_sampling == "rejection"
+    if spec.method in ("draft", "self") and rejection and config.penalties:
+        raise ValueError("engine.speculative.draft_sampling=rejection does not apply penalties "
+                         "to the draft's distribution: with engine.penalties use "
+                         "draft_sampling: greedy")  # fmt: skip
     if spec.method == "draft":
         from jaxinfer.engine.draft_model import DraftModelProposer
         from jaxinfer.engine.loading import load_model
@@ -119,7 +124,7 @@ def make_proposer(config: EngineConfig, model_config: ModelConfig, params=None,
         if config.max_model_len > cfg.max_context:
             raise ValueError(f"engine.max_model_len={config.max_model_len} exceeds the draft "
                              f"model's {cfg.describe_context()}")  # fmt: skip
-        return DraftModelProposer(cfg, params, spec.num_draft_tokens)
+        return DraftModelProposer(cfg, params, spec.num_draft_tokens, rejection)
     if spec.method == "self":
         from jaxinfer.engine.draft_model import DraftModelProposer, early_exit_draft
 
@@ -127,7 +132,7 @@ def make_proposer(config: EngineConfig, model_config: ModelConfig, params=None,
             raise ValueError(f"engine.speculative.draft_layers={spec.draft_layers} must be fewer "
                              f"than the model's {model_config.num_layers} layers")  # fmt: skip
         cfg, params = early_exit_draft(model_config, params, spec.draft_layers)
-        return DraftModelProposer(cfg, params, spec.num_draft_tokens)
+        return DraftModelProposer(cfg, params, spec.num_draft_tokens, rejection)
     if spec.method == "ngram":
         from jaxinfer.engine.ngram import NgramProposer
 

@@ -34,7 +34,13 @@ import numpy as np
 
 from jaxinfer.engine.config import EngineConfig, compiler_options_key
 from jaxinfer.engine.proposer import Proposer
-from jaxinfer.engine.sampler import SamplingBatch, accept_drafts, sample_rows
+from jaxinfer.engine.sampler import (
+    SamplingBatch,
+    accept_drafts,
+    filtered_probs,
+    rejection_verify,
+    sample_rows,
+)
 from jaxinfer.kv.cache import SCRATCH_PAGE, KVCache, PageTable, init_kv_cache
 from jaxinfer.models.attention import AttentionConfig
 from jaxinfer.models.batch import RaggedBatch, build_ragged_batch
@@ -75,6 +81,15 @@ def _constrain(x, sharding):
     """Step outputs are laid out as declared (`EngineShardings.replicated`), so the executables
     that read them were compiled for what they get."""
     return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+
+def _rows_of(sb: SamplingBatch, k: int) -> SamplingBatch:
+    """Each sequence's sampling repeated for its k rows, row j at the position after j more."""
+    rep = lambda x: None if x is None else jnp.repeat(x, k, axis=0)  # noqa: E731
+    position = (sb.position[:, None] + jnp.arange(k, dtype=jnp.int32)).reshape(-1)
+    return SamplingBatch(*(rep(x) for x in (sb.temperature, sb.top_k, sb.top_p, sb.min_p,
+                                            sb.seed)), position, sb.filtered,
+                         rep(sb.seed_hi))  # fmt: skip
 
 
 def _forward(params, cfg, batch, kv, attention, expert_mesh):
@@ -195,9 +210,12 @@ def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingB
         kv, dkv, st = carry
         pstate = st.proposer
         fed = st.tokens[:, None]
+        step_sb = dataclasses.replace(sb, position=st.positions + 1)
+        q = None  # a draft model's draft distributions (rejection sampling)
         if gamma and dkv is not None:
-            drafts, pstate, dkv = proposer.draft_device(pstate, st.tokens, st.positions, st.active,
-                                                        page_ids, draft_params, dkv, attention)  # fmt: skip
+            drafts, pstate, dkv, q = proposer.draft_device(
+                pstate, st.tokens, st.positions, st.active, page_ids, draft_params, dkv,
+                attention, step_sb)  # fmt: skip
             fed = jnp.concatenate([fed, drafts.astype(jnp.int32)], axis=1)
         elif gamma:
             drafts, pstate = proposer.propose_device(pstate, st.tokens, st.positions)
@@ -217,13 +235,20 @@ def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingB
         )
         hidden, kv, load = _forward(params, cfg, batch, kv, attention, expert_mesh)
         logits = compute_logits(params, cfg, hidden).reshape(rows, k, -1)
-        step_sb = dataclasses.replace(sb, position=st.positions + 1)
         tok, lp, top_lp, top_ids = sample_rows(
             logits, step_sb, jnp.zeros_like(st.positions), num_logprobs,
             None if history is None else (history, st.num_prompt),
         )  # fmt: skip
         live = st.active & (st.remaining > 0)
-        n = jnp.minimum(accept_drafts(tok, fed[:, 1:], jnp.full(rows, gamma)), st.remaining)
+        if q is not None:  # sampled drafts: keep each with probability min(1, p / q)
+            p = filtered_probs(logits.reshape(rows * k, -1),
+                               _rows_of(step_sb, k)).reshape(rows, k, -1)  # fmt: skip
+            tok, kept = rejection_verify(p, q, fed[:, 1:], tok[:, -1], step_sb, step_sb.position)
+            raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+            lp = jnp.take_along_axis(raw, tok[..., None], axis=-1)[..., 0]
+            n = jnp.minimum(kept + 1, st.remaining)
+        else:
+            n = jnp.minimum(accept_drafts(tok, fed[:, 1:], jnp.full(rows, gamma)), st.remaining)
         stops = jnp.any(tok[:, :, None] == st.stop_ids[:, None, :], axis=-1) & (j < n[:, None])
         hit_stop = jnp.any(stops, axis=1)
         n = jnp.where(live, jnp.where(hit_stop, jnp.argmax(stops, axis=1) + 1, n), 0)

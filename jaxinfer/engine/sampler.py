@@ -152,6 +152,20 @@ def sample(
 
 def _sample_filtered(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
     """Temperature, top-k, top-p, min-p filtering and a draw per row with its own key."""
+    order, filtered = _filtered_sorted(logits, sb)
+    hi = jnp.zeros_like(sb.seed) if sb.seed_hi is None else sb.seed_hi
+
+    def draw(seed, seed_hi, position, row):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), seed_hi), position)
+        return jax.random.categorical(key, row)
+
+    choice = jax.vmap(draw)(sb.seed, hi, sb.position, filtered)
+    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+
+
+def _filtered_sorted(logits: jax.Array, sb: SamplingBatch) -> tuple[jax.Array, jax.Array]:
+    """(vocabulary order by descending scaled logit [R, V], those logits with the filtered-out
+    ones -inf): the distribution a sampled row draws from, sorted."""
     scaled = logits / jnp.maximum(sb.temperature, 1e-6)[:, None]
     order = jnp.argsort(-scaled, axis=-1)
     sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
@@ -163,16 +177,73 @@ def _sample_filtered(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
     keep &= (jnp.cumsum(probs, axis=-1) - probs) < sb.top_p[:, None]
     keep &= probs >= sb.min_p[:, None] * probs[:, :1]
     keep = keep.at[:, 0].set(True)  # the most likely token always survives
-    filtered = jnp.where(keep, sorted_logits, -jnp.inf)
+    return order, jnp.where(keep, sorted_logits, -jnp.inf)
 
+
+def filtered_probs(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
+    """The distribution each row's token is drawn from, [R, V] in vocabulary order: the
+    filtered softmax of a sampled row (temperature > 0), the argmax's one-hot of a greedy one."""
+    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    if not sb.filtered:
+        return greedy
+    order, filtered = _filtered_sorted(logits.astype(jnp.float32), sb)
+    rows = jnp.arange(logits.shape[0])[:, None]
+    probs = jnp.zeros_like(filtered).at[rows, order].set(jax.nn.softmax(filtered, axis=-1))
+    return jnp.where((sb.temperature > 0)[:, None], probs, greedy)
+
+
+# Key streams of speculative sampling, beside the plain draw's key (seed, position): a draft's
+# draw, the acceptance uniform and the residual draw of the token at a position.
+DRAFT_STREAM, ACCEPT_STREAM, RESIDUAL_STREAM = 1, 2, 3
+
+
+def _keys(sb: SamplingBatch, positions: jax.Array, stream: int) -> jax.Array:
+    """Keys [S, K] of (seed, position, stream) for positions [S, K]."""
     hi = jnp.zeros_like(sb.seed) if sb.seed_hi is None else sb.seed_hi
 
-    def draw(seed, seed_hi, position, row):
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), seed_hi), position)
-        return jax.random.categorical(key, row)
+    def one(seed, seed_hi, position):
+        base = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), seed_hi), position)
+        return jax.random.fold_in(base, stream)
 
-    choice = jax.vmap(draw)(sb.seed, hi, sb.position, filtered)
-    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+    return jax.vmap(jax.vmap(one, (None, None, 0)))(sb.seed, hi, positions)
+
+
+def draw_from(probs: jax.Array, sb: SamplingBatch, positions: jax.Array, stream: int):
+    """A token per row [S] from probs [S, V] with the key of (seed, positions [S], stream)."""
+    keys = _keys(sb, positions[:, None], stream)[:, 0]
+    logits = jnp.log(probs)  # (zero-probability tokens: -inf, never drawn)
+    return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
+
+
+def rejection_verify(p: jax.Array, q: jax.Array, drafts: jax.Array, bonus: jax.Array,
+                     sb: SamplingBatch, positions: jax.Array) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023): drafts [S, G] drawn from
+    q [S, G, V] against the target's p [S, G + 1, V] (both through the same filters,
+    `filtered_probs`); draft j is the token at positions [S] + j. Draft j is kept when
+    u_j q_j(d_j) < p_j(d_j), u_j uniform in [0, 1) keyed by (seed, position, accept): strictly
+    less, so a draft the target gives probability 0 is never kept, even at u = 0. At the first
+    rejection the token is drawn from norm(max(0, p_j - q_j)); when all G pass, `bonus` [S] (the
+    target's own draw at the last row) follows. Returns (tokens [S, G + 1]: kept drafts, then the
+    correction or bonus, then anything; kept drafts [S]). Every output token is distributed as
+    p given the tokens before it."""
+    s, g = drafts.shape
+    j = jnp.arange(g, dtype=jnp.int32)
+    pos = positions[:, None] + j
+    u = jax.vmap(jax.vmap(jax.random.uniform))(_keys(sb, pos, ACCEPT_STREAM))
+    p_d = jnp.take_along_axis(p[:, :g], drafts[..., None], axis=-1)[..., 0]
+    q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    ok = u * q_d < p_d
+    kept = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)  # [S] leading accepts
+    first = jnp.minimum(kept, g - 1)  # the rejected row (when kept < g)
+    rows = jnp.arange(s)
+    residual = jnp.maximum(p[rows, first] - q[rows, first], 0.0)
+    mass = residual.sum(-1, keepdims=True)
+    residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p[rows, first])
+    fix = draw_from(residual, sb, positions + first, RESIDUAL_STREAM)
+    last = jnp.where(kept == g, bonus, fix)
+    tokens = jnp.concatenate([drafts, bonus[:, None]], axis=1)
+    tokens = jnp.where(jnp.arange(g + 1)[None, :] == kept[:, None], last[:, None], tokens)
+    return tokens, kept
 
 
 def sample_rows(logits, sb: SamplingBatch, shift, num_logprobs: int = 0, history=None):
