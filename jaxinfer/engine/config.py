@@ -199,6 +199,9 @@ class EngineConfig:
     # logical axes (jaxinfer.parallel.sharding.DEFAULT_RULES), the KV pages by KV head.
     mesh: dict[str, int] = field(default_factory=dict)
     async_decode: bool = True  # dispatch the next decode scan before reading the previous one
+    # Prefix caching: full KV pages are content-addressed, so a request whose prompt starts
+    # with cached pages skips their prefill (block_manager.py).
+    prefix_caching: bool = False
     # dispatch each mixed step before reading the previous one's sampled tokens (they are fed
     # from the device), so host scheduling and post-processing overlap device work
     async_schedule: bool = True

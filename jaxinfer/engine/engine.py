@@ -179,7 +179,10 @@ class Engine:
             config = dataclasses.replace(config, num_pages=pages_in_budget(config, model_config))
             self.config = config
         params = jax.device_put(params, param_shardings(model_config, self.shardings.mesh))
-        self.block_manager = BlockManager(config.num_pages, config.page_size, config.allocation)
+        # prefix caching: a page's contents also depend on the model, its dtypes and the KV dtype
+        salt = f"{config.model}|{model_config!r}|{config.kv_dtype}".encode()
+        self.block_manager = BlockManager(config.num_pages, config.page_size, config.allocation,
+                                          config.prefix_caching, salt)  # fmt: skip
         self.scheduler = Scheduler(config, self.block_manager)
         if proposer is None:
             proposer = make_proposer(config, model_config, params, self.shardings.mesh)
@@ -193,6 +196,7 @@ class Engine:
         self._seeds: dict[int, int] = {}
         self._unread: UnreadMixed | UnreadScan | None = None  # see inflight.py
         self._preemptions_recorded = 0  # of scheduler.num_preemptions, in step records
+        self._evictions_recorded = 0  # of block_manager.num_evictions
         self._expert_load = None  # MoE rows per expert read since the last step record
         # speculative verifications read since the last record: drafts, and how many kept j
         self._drafted, self._verifications = 0, []
@@ -413,11 +417,15 @@ class Engine:
         """A StepRecord; its preemptions are every one since the last record (a schedule that
         preempts and then runs nothing writes no record of its own)."""
         running = self.scheduler.running_seqs()
+        for seq in running:  # prefix caching: full pages computed by now (or dispatched)
+            self.block_manager.register(seq, seq.num_computed_tokens)
         load, self._expert_load = self._expert_load, None
         hist, drafted = self._verifications, self._drafted
         self._verifications, self._drafted = [], 0
         preempted = self.scheduler.num_preemptions - self._preemptions_recorded
         self._preemptions_recorded = self.scheduler.num_preemptions
+        evictions = self.block_manager.num_evictions - self._evictions_recorded
+        self._evictions_recorded = self.block_manager.num_evictions
         self.step_records.append(
             StepRecord(
                 time=t_start,
@@ -432,6 +440,8 @@ class Engine:
                 host_ms=1e3 * ((self.clock() - t_start) - device_s),
                 device_ms=1e3 * device_s,
                 decode_steps=k,
+                kv_pages_cached=self.block_manager.num_cached_pages,
+                evictions=evictions,
                 expert_tokens=None if load is None else [int(n) for n in load[0]],
                 expert_device_tokens=None
                 if load is None

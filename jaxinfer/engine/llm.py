@@ -28,6 +28,7 @@ class RequestOutput:
     error: str | None
     logprobs: list[dict]
     num_preemptions: int
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (prefill skipped)
 
     @staticmethod
     def of(seq: Sequence, tokenizer) -> RequestOutput:
@@ -37,6 +38,7 @@ class RequestOutput:
         return RequestOutput(
             seq.seq_id, seq.prompt, seq.prompt_token_ids, list(seq.output_token_ids), text,
             seq.finish_reason, seq.error, list(seq.output_logprobs), seq.num_preemptions,
+            seq.num_cached_tokens,
         )  # fmt: skip
 
 

@@ -182,6 +182,11 @@ class Sequence:
     output_logprobs: list[dict] = field(default_factory=list)
     num_computed_tokens: int = 0
     page_ids: list[int] = field(default_factory=list)
+    # prefix caching: content hashes of its leading full pages (block_manager), and the prompt
+    # tokens its admissions found cached (their prefill skipped)
+    page_hashes: list[bytes] = field(default_factory=list)
+    num_registered_pages: int = 0
+    num_cached_tokens: int = 0
     # Timestamps (engine clock, seconds).
     scheduled_time: float | None = None  # first time it was scheduled
     first_token_time: float | None = None

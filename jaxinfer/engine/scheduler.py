@@ -187,12 +187,17 @@ class Scheduler:
             for seq in self._admission_order(was_running):
                 if len(self.running) >= self.config.max_num_seqs:
                     break
+                cached = self.block_manager.match_prefix(seq)  # (prefix caching)
+                seq.num_computed_tokens += cached
                 n = self._num_new_tokens(seq, scheduled)
-                if not n:
+                if not n or not self.block_manager.allocate(seq, seq.num_computed_tokens + n):
+                    if cached:  # (undone: it stays waiting, holding nothing)
+                        self.block_manager.free(seq)
+                        seq.num_computed_tokens = 0
+                    if n:
+                        self._batch = []  # a static batch is what fits
                     break  # no overtaking: later sequences wait too
-                if not self.block_manager.allocate(seq, seq.num_computed_tokens + n):
-                    self._batch = []  # a static batch is what fits
-                    break
+                seq.num_cached_tokens += cached
                 self.waiting.remove(seq)
                 if seq in self._batch:
                     self._batch.remove(seq)

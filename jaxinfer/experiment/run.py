@@ -513,6 +513,7 @@ STEP_ROWS = (
     ("MoE expert load, max / mean per step (mean)", "expert_imbalance_mean", 1),
     ("MoE expert-device load, max / mean per step (mean)", "expert_device_imbalance_mean", 1),
     ("MoE experts with rows per layer, mean", "experts_active_mean", 1),
+    ("prefix cache hit rate (of prompt tokens)", "prefix_cache_hit_rate", 1),
     ("draft acceptance rate", "draft_acceptance_rate", 1),
     ("tokens per verification (tau)", "tokens_per_verification", 1),
     ("warm-up (s)", "warmup_s", 1),
@@ -538,7 +539,7 @@ def summary_table(name: str, m: dict) -> Table:
     table.add_column("metric")
     table.add_column("value", justify="right")
     for label, key, scale in (*SUMMARY_ROWS, *_slo_rows(m), *STEP_ROWS):
-        optional = key.startswith(("expert", "draft_", "tokens_per_verification"))
+        optional = key.startswith(("expert", "draft_", "tokens_per_verification", "prefix_"))
         if key in m and not (optional and m[key] is None):  # (MoE / speculative runs only)
             v = m[key]
             v = v * scale if isinstance(v, int | float) and scale != 1 else v

@@ -31,6 +31,7 @@ REQUEST_COLUMNS = (
     "e2e",
     "itls",
     "num_preemptions",
+    "cached_tokens",
     "finish_reason",
     "failed",
     "error",
@@ -69,6 +70,7 @@ def request_row(seq: Sequence) -> dict:
         "e2e": e2e,
         "itls": [b - a for a, b in itertools.pairwise(times)],
         "num_preemptions": seq.num_preemptions,
+        "cached_tokens": seq.num_cached_tokens,  # prefill skipped by prefix-cache hits
         "finish_reason": seq.finish_reason,
         "failed": seq.status is SeqStatus.FAILED or seq.finish_reason == "error",
         "error": seq.error,

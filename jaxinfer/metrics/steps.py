@@ -16,8 +16,10 @@ class StepRecord:
     reservations: the paged-vs-contiguous measure); decode_steps: tokens per sequence in this
     step's jitted call (>1 on the decode fast path); preemptions: sequences preempted in this step; device_ms: time the host waited for the
     device's results; host_ms: the rest of the step's wall time (scheduling, batch building,
-    post-processing). With async decode, device work overlaps host work, so device_ms is the
-    part of the device time the host could not hide. MoE models only (else None):
+    post-processing); kv_pages_cached: pages in the prefix cache (held or not; those no
+    sequence holds are not in kv_pages_used); evictions: cached pages reclaimed in this step.
+    With async decode, device work overlaps host work, so device_ms is the part of the device
+    time the host could not hide. MoE models only (else None):
     expert_tokens, the (token, choice) rows routed to each expert, summed over the MoE layers,
     in the device results this step read (padding tokens route nowhere); expert_device_tokens,
     the same per device of the mesh's "expert" axis (one entry without expert parallelism);
@@ -39,6 +41,8 @@ class StepRecord:
     device_ms: float = 0.0
     kv_slots_allocated: int = 0
     decode_steps: int = 1
+    kv_pages_cached: int = 0
+    evictions: int = 0
     expert_tokens: list[int] | None = None
     expert_device_tokens: list[int] | None = None
     experts_active: float | None = None

@@ -172,6 +172,10 @@ def summarize(
         "request_throughput": _div(len(ok), dur),
         "output_throughput": _div(out_toks, dur),
         "total_token_throughput": _div(in_toks + out_toks, dur),
+        # prefix caching: prompt tokens found cached (prefill skipped), over all prompt tokens
+        "prefix_cache_hit_rate": _div(sum(r.get("cached_tokens") or 0 for r in ok), in_toks)
+        if any(r.get("cached_tokens") for r in ok)
+        else None,
     }
     for metric in LATENCY_METRICS:
         values = [g for r in ok for g in r["itls"]] if metric == "itl" else [r[metric] for r in ok]

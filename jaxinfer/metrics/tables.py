@@ -25,6 +25,7 @@ def _request_schema():
         "output_len": i64,
         "itls": pa.list_(f64),
         "num_preemptions": i64,
+        "cached_tokens": i64,
         "finish_reason": pa.string(),
         "failed": pa.bool_(),
         "error": pa.string(),
