@@ -162,3 +162,24 @@ def test_a_hit_shares_full_pages_only_and_never_the_last_tokens_page():
     with pytest.raises(AssertionError):  # (the checker catches a corrupted refcount)
         bm._refcount[a.page_ids[0]] += 1
         bm.check_invariants()
+
+
+def test_lpm_admits_the_longest_cached_prefix_first(fresh_seed):
+    """`scheduler: lpm` orders the waiting queue by cached prefix (then arrival): with one slot,
+    after a first request the one sharing its prefix goes before earlier unrelated ones."""
+    rng = np.random.default_rng(fresh_seed)
+    shared = rng.integers(3, 4000, 64).tolist()
+    first = [*shared, 5]
+    others = [rng.integers(3, 4000, 40).tolist() for _ in range(3)]
+    sp = SamplingParams(max_tokens=2, ignore_eos=True)
+    for policy, want_second in (("fcfs", 1), ("lpm", 4)):
+        llm = LLM("tiny", num_pages=64, prefix_caching=True, scheduler=policy,
+                  **{**KW, "max_num_seqs": 1})  # fmt: skip
+        engine = llm.engine
+        seqs = [engine.add_request(p, sp) for p in [first, *others, [*shared, 9]]]
+        while engine.has_unfinished():
+            engine.step()
+        order = sorted(range(len(seqs)), key=lambda i: seqs[i].scheduled_time)
+        assert order[1] == want_second, (policy, order)
+    with pytest.raises(ValueError, match="scheduler=lpm .* needs engine.prefix_caching"):
+        LLM("tiny", scheduler="lpm", warmup=False, **KW)

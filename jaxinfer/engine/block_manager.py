@@ -170,22 +170,31 @@ class BlockManager:
             hashes.append(self.digest(parent + self.salt + self._page_tokens(seq, len(hashes))))
         return hashes[:num_pages]
 
-    def match_prefix(self, seq: Sequence) -> int:
-        """Admission: share the cached pages of `seq`'s longest cached run of leading full
-        pages (it holds none yet, nothing is computed); returns the tokens they hold, which
-        need no prefill. The page of its last known token is never matched (it is computed)."""
+    def cached_prefix_tokens(self, seq: Sequence) -> int:
+        """Tokens `match_prefix` would find cached for `seq` now (nothing changes)."""
         if not self.prefix_caching or seq.page_ids or seq.num_computed_tokens:
             return 0
+        return len(self._matching_pages(seq)) * self.page_size
+
+    def _matching_pages(self, seq: Sequence) -> list[int]:
         known = seq.num_tokens - seq.num_placeholders
-        hashes = self._chain(seq, (known - 1) // self.page_size)
         pages: list[int] = []
-        for i, h in enumerate(hashes):
+        for i, h in enumerate(self._chain(seq, (known - 1) // self.page_size)):
             page = self._cached.get(h)
             parent = pages[-1] if pages else SCRATCH_PAGE
             want = (parent, self._registration.get(parent, 0), self._page_tokens(seq, i))
             if page is None or self._content[page] != want:
                 break
             pages.append(page)
+        return pages
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Admission: share the cached pages of `seq`'s longest cached run of leading full
+        pages (it holds none yet, nothing is computed); returns the tokens they hold, which
+        need no prefill. The page of its last known token is never matched (it is computed)."""
+        if not self.prefix_caching or seq.page_ids or seq.num_computed_tokens:
+            return 0
+        pages = self._matching_pages(seq)
         for page in pages:
             if self._refcount[page] == 0:
                 del self._evictable[page]

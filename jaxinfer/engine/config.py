@@ -299,6 +299,9 @@ class EngineConfig:
             isinstance(budget, bool) or not isinstance(budget, int | float) or not budget > 0
         ):
             raise bad("memory_budget_gb", "a number of GB > 0, or null (the device's memory)")
+        if self.scheduler == "lpm" and not self.prefix_caching:
+            raise ValueError("engine.scheduler=lpm (longest cached prefix first) needs "
+                             "engine.prefix_caching: true")  # fmt: skip
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise bad("max_num_batched_tokens", f">= max_num_seqs ({self.max_num_seqs})")
         if self.num_logprobs < 0:

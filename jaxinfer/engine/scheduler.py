@@ -46,6 +46,9 @@ class Policy:
 
     key: Callable[[Sequence], tuple]
     admits_while_running: bool = True
+    # admit the waiting sequences with the longest cached prefix first (SGLang's LPM), ties in
+    # `key` order; needs engine.prefix_caching
+    prefix_first: bool = False
 
 
 def _arrival(seq: Sequence) -> tuple:
@@ -58,6 +61,7 @@ POLICIES: dict[str, Policy] = {
     "shortest_first": Policy(lambda s: (s.num_prompt_tokens, *_arrival(s))),
     # The naive baseline: a batch is admitted only when nothing runs, then runs to completion.
     "static": Policy(_arrival, admits_while_running=False),
+    "lpm": Policy(_arrival, prefix_first=True),
 }
 
 
@@ -221,6 +225,9 @@ class Scheduler:
         return list(self._batch)
 
     def _waiting_key(self, seq: Sequence) -> tuple:
+        if self.policy.prefix_first:
+            cached = self.block_manager.cached_prefix_tokens(seq)
+            return (seq.status is not SeqStatus.PREEMPTED, -cached, *self.policy.key(seq))
         return (seq.status is not SeqStatus.PREEMPTED, *self.policy.key(seq))
 
     def _num_new_tokens(self, seq: Sequence, scheduled: _Scheduled) -> int:
