@@ -181,5 +181,5 @@ def test_lpm_admits_the_longest_cached_prefix_first(fresh_seed):
             engine.step()
         order = sorted(range(len(seqs)), key=lambda i: seqs[i].scheduled_time)
         assert order[1] == want_second, (policy, order)
-    with pytest.raises(ValueError, match="scheduler=lpm .* needs engine.prefix_caching"):
+    with pytest.raises(ValueError, match=r"scheduler=lpm .* needs engine\.prefix_caching"):
         LLM("tiny", scheduler="lpm", warmup=False, **KW)
