@@ -159,8 +159,15 @@ class BlockManager:
 
     # -- prefix cache ------------------------------------------------------------------------------
     def _page_tokens(self, seq: Sequence, i: int) -> bytes:
-        size = self.page_size
-        return np.asarray(seq.all_token_ids[i * size : (i + 1) * size], np.int64).tobytes()
+        """Page i's token ids as bytes (sliced from the prompt and outputs, not concatenated)."""
+        lo, hi, prompt = i * self.page_size, (i + 1) * self.page_size, seq.prompt_token_ids
+        n = len(prompt)
+        tokens = (
+            prompt[lo:hi]
+            if hi <= n
+            else prompt[lo:] + seq.output_token_ids[max(lo - n, 0) : hi - n]
+        )
+        return np.asarray(tokens, np.int64).tobytes()
 
     def _chain(self, seq: Sequence, num_pages: int) -> list[bytes]:
         """Content hashes of `seq`'s first `num_pages` full pages (extending seq.page_hashes)."""
