@@ -88,6 +88,41 @@ def chunked_prefill(results: Path) -> str | None:
     return f"TTFT p50 **{ttft}**, throughput **{tput}**; ITL p99 {itl}"
 
 
+def prefix_caching(results: Path) -> str | None:
+    sweep = results / "prefix_caching"
+    if not sweep.is_dir():
+        return None
+    points, _ = load_points([sweep])
+    by = {(p.params.get("engine.prefix_caching"), p.params.get("engine.scheduler")): p
+          for p in points}  # fmt: skip
+    if not {(False, "fcfs"), (True, "fcfs")} <= set(by):
+        return None
+    on, off = by[(True, "fcfs")], by[(False, "fcfs")]
+    ttft = _change(_m(on, "ttft_median"), _m(off, "ttft_median"))
+    p99 = _change(_m(on, "ttft_p99"), _m(off, "ttft_p99"))
+    work = _change(_m(on, "device_ms_mean") * _m(on, "num_steps"),
+                   _m(off, "device_ms_mean") * _m(off, "num_steps"))  # fmt: skip
+    hit = 100 * _m(on, "prefix_cache_hit_rate")
+    return (
+        f"TTFT p50 **{ttft}**, p99 {p99}; device time **{work}**; {hit:.0f}% of prompt tokens hit"
+    )
+
+
+def speculative(results: Path) -> str | None:
+    path = results / "speculative.json"
+    if not path.is_file():
+        return None
+    rows = [r for r in json.loads(path.read_text())["rows"] if r["method"] != "none"]
+    if not rows:
+        return None
+    batch = min(r["batch"] for r in rows)
+    best = max((r for r in rows if r["batch"] == batch), key=lambda r: r["speedup"])
+    same = all(r["same_output_as_none"] for r in rows)
+    return (f"best at batch {batch}: **{best['speedup']:.2f}×** ({best['method']}, "
+            f"{best['workload']}, τ {best['tokens_per_verification']:.2f}); outputs "
+            f"{'identical' if same else 'DIFFER'}")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Claim:
     row: str  # the `#` cell of its table row
@@ -102,6 +137,8 @@ CLAIMS = (
     Claim("2", "paged_vs_contiguous", paged_vs_contiguous, "paged_vs_contiguous/report/report.md"),
     Claim("3", "vs_transformers", vs_transformers, "vs_transformers.json"),
     Claim("4", "chunked_prefill", chunked_prefill, "chunked_prefill/report/report.md"),
+    Claim("5", "prefix_caching", prefix_caching, "prefix_caching/report/report.md"),
+    Claim("6", "speculative", speculative, "speculative.json"),
 )  # fmt: skip
 LINKS_COLUMN = "plots"
 _LINK = re.compile(r"\[([^\]]+)\]\(([^)]+)\)")
