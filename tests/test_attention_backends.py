@@ -8,10 +8,13 @@ layers). `tests/test_gpu_engine.py` runs the whole engine on the compiled kernel
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_paged_attention_kernel import interpreter_compiles_each_thread_once
 
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.kv.cache import init_kv_cache
@@ -22,10 +25,20 @@ from jaxinfer.models.presets import preset
 from jaxinfer.models.spec import init_params
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _interpreter_compiles_each_thread_once():
+    with interpreter_compiles_each_thread_once():  # (the prefill launches are warp-specialised)
+        yield
+
+
 def load_model(seed: int = 0):
     cfg = preset("tiny", hidden_size=128, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=64,
                  param_dtype="bfloat16", dtype="bfloat16")  # fmt: skip
     return cfg, init_params(cfg, jax.random.key(seed))
+
+
+# One jitted step for every test: a batch shape and backend compiled once serves them all.
+step = jax.jit(forward_paged, static_argnames=("cfg", "attention"))
 
 
 def test_pallas_backend_matches_xla_through_prefill_and_decode(fresh_seed):
@@ -35,14 +48,13 @@ def test_pallas_backend_matches_xla_through_prefill_and_decode(fresh_seed):
     hidden = {}
     for backend in ("xla", "pallas"):
         kv = init_kv_cache(cfg, 48, 16, dtype="bfloat16")
-        step = jax.jit(lambda p, b, kv, backend=backend: forward_paged(
-            p, cfg, b, kv, attention=AttentionConfig(backend)))  # fmt: skip
+        attention = AttentionConfig(backend)
         prefill = build_ragged_batch([p1, p2], [0, 0], [[5, 2], [7]], num_tokens=32, num_seqs=4,
                                      pages_per_seq=4, max_q_len=32)  # fmt: skip
-        h1, kv = step(params, prefill, kv)
+        h1, kv = step(params, cfg, prefill, kv, attention=attention)
         decode = build_ragged_batch([[5], [9]], [21, 7], [[5, 2], [7]], num_tokens=8, num_seqs=4,
                                     pages_per_seq=4, max_q_len=1)  # fmt: skip
-        h2, kv = step(params, decode, kv)
+        h2, kv = step(params, cfg, decode, kv, attention=attention)
         hidden[backend] = [np.asarray(h1[:28], np.float32), np.asarray(h2[:2], np.float32)]
     for ref, out in zip(hidden["xla"], hidden["pallas"], strict=True):
         assert np.isfinite(out).all()
@@ -69,22 +81,24 @@ def test_decode_step_writes_kv_in_the_kernel(monkeypatch, fresh_seed):
     prefill = build_ragged_batch([p1, p2], [0, 0], [[5, 2], [7]], num_tokens=48, num_seqs=4,
                                  pages_per_seq=4, max_q_len=48)  # fmt: skip
     kv0 = init_kv_cache(cfg, 48, 16, dtype="bfloat16")
-    _, kv0 = jax.jit(lambda p, b, kv: forward_paged(p, cfg, b, kv))(params, prefill, kv0)
+    _, kv0 = step(params, cfg, prefill, kv0, attention=AttentionConfig())
     # sequence 1's new token starts page 2 of its table (position 16)
     decode = build_ragged_batch([[5], [9]], [21, 16], [[5, 2], [7, 3]], num_tokens=8, num_seqs=4,
                                 pages_per_seq=4, max_q_len=1)  # fmt: skip
     out = {}
     for fused in (True, False):
-        step = jax.jit(lambda p, b, kv, fused=fused: forward_paged(
+        # (a jit of its own: the spy sees the launch when the step is traced)
+        fused_step = jax.jit(lambda p, b, kv, fused=fused: forward_paged(
             p, cfg, b, kv, attention=AttentionConfig("pallas", (("fused_kv_write", fused),))))  # fmt: skip
         writes.clear()
-        h, kv = step(params, decode, jax.tree.map(jnp.copy, kv0))
+        h, kv = fused_step(params, decode, jax.tree.map(jnp.copy, kv0))
         assert writes and set(writes) == {fused}, writes  # (the layer is traced once)
         out[fused] = np.asarray(h[:2], np.float32), np.asarray(kv.pages[:, 1:], np.float32)
-    # a decode step past the token limit (an int option) scatters first
+    # a decode step past the token limit (an int option) scatters first: the launch is decided
+    # while tracing, so a trace (no run of the interpreted kernel) shows it
     writes.clear()
-    forward_paged(params, cfg, decode, jax.tree.map(jnp.copy, kv0),
-                  attention=AttentionConfig("pallas", (("fused_kv_write", 7),)))  # fmt: skip
+    jax.eval_shape(functools.partial(forward_paged, cfg=cfg, attention=AttentionConfig(
+        "pallas", (("fused_kv_write", 7),))), params, batch=decode, kv=kv0)  # fmt: skip
     assert writes and not any(writes), writes
     np.testing.assert_array_equal(out[True][1], out[False][1])
     np.testing.assert_allclose(out[True][0], out[False][0], rtol=1e-5, atol=1e-5)
@@ -106,20 +120,19 @@ def test_mixed_step_and_kernel_options(fresh_seed):
     mixed = build_ragged_batch([[5], p2], [21, 0], [[5, 2], [7]], num_tokens=16, num_seqs=4,
                                pages_per_seq=4, max_q_len=16)  # fmt: skip
     kv = init_kv_cache(cfg, 48, 16, dtype="bfloat16")
-    _, kv = jax.jit(lambda p, b, kv: forward_paged(p, cfg, b, kv))(params, prefill, kv)
+    _, kv = step(params, cfg, prefill, kv, attention=AttentionConfig())
     hidden = {}
     for backend in ("xla", "pallas"):
-        step = jax.jit(lambda p, b, kv, backend=backend: forward_paged(
-            p, cfg, b, kv, attention=AttentionConfig(backend)))  # fmt: skip
-        h, _ = step(params, mixed, jax.tree.map(jnp.copy, kv))
+        h, _ = step(
+            params, cfg, mixed, jax.tree.map(jnp.copy, kv), attention=AttentionConfig(backend)
+        )
         hidden[backend] = np.asarray(h[:10], np.float32)
     out, ref = hidden["pallas"], hidden["xla"]
     assert np.isfinite(out).all()
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
-    with pytest.raises(ValueError, match="block_kv"):
-        forward_paged(
-            params, cfg, mixed, kv, attention=AttentionConfig("pallas", (("block_kv", 96),))
-        )
+    with pytest.raises(ValueError, match="block_kv"):  # (raised while tracing: no kernel runs)
+        jax.eval_shape(functools.partial(forward_paged, cfg=cfg, attention=AttentionConfig(
+            "pallas", (("block_kv", 96),))), params, batch=mixed, kv=kv)  # fmt: skip
 
 
 def test_backend_option_is_validated():

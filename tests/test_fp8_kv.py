@@ -220,7 +220,8 @@ def test_engine_with_fp8_cache_generates_nearly_the_same_greedy_tokens():
     kw = dict(max_num_seqs=4, max_num_batched_tokens=64, num_pages=64, max_model_len=256)
     prompts = ["def read_lines(path):\n", "import numpy as np\n\nclass ", "# A paged KV cache"]
     sampling = SamplingParams(max_tokens=24, ignore_eos=True)
-    base = LLM("tiny", **kw).generate(prompts, sampling)
+    # (the reference needs no warm-up: it compiles only what it runs; the fp8 engine warms up)
+    base = LLM("tiny", warmup=False, **kw).generate(prompts, sampling)
     llm = LLM("tiny", kv_dtype="float8_e4m3fn", **kw)
     assert llm.engine.runner.kv.dtype == jnp.float8_e4m3fn
     got = llm.generate(prompts, sampling)

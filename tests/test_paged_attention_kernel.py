@@ -17,7 +17,9 @@ kernel on the device.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import inspect
 import secrets
 
 import jax
@@ -30,6 +32,53 @@ from pallas_kernels.paged_attention import paged_attention, ragged_paged_attenti
 from pallas_kernels.paged_attention.mosaic_gpu import ragged_paged_attention_mgpu
 
 E4M3_MAX = 448.0
+
+
+@contextlib.contextmanager
+def interpreter_compiles_each_thread_once():
+    """Under this, jax's GPU interpreter compiles each thread's program of a kernel launch once,
+    not once per grid point: the same outputs, bit for bit, in a fraction of the time.
+
+    A kernel with several warpgroups (the warp-specialised pipelines) runs each grid point's
+    threads as XLA programs of their own, and `thread_map._run_jaxpr` lowers and compiles the
+    thread's program afresh at every grid point (~1 s each on the CI's cores: 80-90% of those
+    tests' time), though only its arguments (the thread id, the grid point) change. This keeps
+    one jitted program per (program, thread id); one program shared by the threads deadlocked.
+    The interpreter's semantics (barriers, copies, races, errors) are its callbacks inside that
+    program, untouched. Without that function (another jax) this leaves the interpreter as is."""
+    try:
+        from jax._src.core import eval_jaxpr
+        from jax._src.pallas.mosaic.interpret import thread_map
+    except ImportError:  # pragma: no cover - another jax layout: run as is
+        yield
+        return
+    run = getattr(thread_map, "_run_jaxpr", None)
+    if run is None or list(inspect.signature(run).parameters) != ["jaxpr", "consts", "args"]:
+        yield  # pragma: no cover
+        return
+
+    def evaluate(jaxpr, consts, *args):
+        eval_jaxpr(jaxpr, consts, *args)
+
+    @functools.lru_cache(maxsize=64)
+    def program(jaxpr, thread):
+        return jax.jit(functools.partial(evaluate, jaxpr))
+
+    def run_jaxpr(jaxpr, consts, *args):  # args[0]: the thread id
+        program(jaxpr, int(args[0]))(consts, *args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(thread_map, "_run_jaxpr", run_jaxpr)
+        try:
+            yield
+        finally:
+            program.cache_clear()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreter_compiles_each_thread_once():
+    with interpreter_compiles_each_thread_once():
+        yield
 
 
 def quantize_e4m3(pages: np.ndarray):
