@@ -180,7 +180,9 @@ def run_case(
 ):
     largest = max(p + m for _, p, m, _ in specs)
     num_pages = 1 + max(1, math.ceil(largest * capacity_scale / page_size))
-    cfg = sched_config(policy, max_num_seqs, budget, chunked, max_model_len)
+    # (lpm needs the cache switched on; this block manager has none, so it orders as fcfs)
+    cfg = sched_config(policy, max_num_seqs, budget, chunked, max_model_len,
+                       prefix_caching=policy == "lpm")  # fmt: skip
     seqs, preemptions = simulate(specs, cfg, num_pages, page_size, allocation)
     event("preempted" if preemptions else "no preemption")
     event(f"{sum(s.status is SeqStatus.FAILED for s in seqs) * 4 // len(seqs)}/4 rejected")
