@@ -71,7 +71,9 @@ def early_exit_draft(cfg: ModelConfig, params, num_layers: int):
 
 
 class DraftModelProposer:
-    """Greedy drafts of `num_draft_tokens` tokens by the model (`cfg`, `params`)."""
+    """Drafts of `num_draft_tokens` tokens by the model (`cfg`, `params`). Its device form is
+    `draft_device` (it needs its KV pool), which the runner's decode scan calls in place of the
+    `Proposer.propose_device` of model-free proposers."""
 
     on_device = True
 
@@ -90,9 +92,6 @@ class DraftModelProposer:
             fed[i, 0] = seq.all_token_ids[-2] if seq.num_tokens > 1 else seq.all_token_ids[-1]
             position[i] = max(seq.num_tokens - 2, 0)
         return DraftState(fed, position)
-
-    def propose_device(self, state, tokens, positions):
-        raise NotImplementedError("a draft model drafts through `draft_device` (its KV pool)")
 
     def draft_device(self, state: DraftState, tokens, positions, active, page_ids, params, kv,
                      attention, sb):  # fmt: skip

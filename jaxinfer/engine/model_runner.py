@@ -39,6 +39,7 @@ from jaxinfer.engine.sampler import (
     accept_drafts,
     filtered_probs,
     rejection_verify,
+    rows_of,
     sample_rows,
 )
 from jaxinfer.kv.cache import SCRATCH_PAGE, KVCache, PageTable, init_kv_cache
@@ -81,15 +82,6 @@ def _constrain(x, sharding):
     """Step outputs are laid out as declared (`EngineShardings.replicated`), so the executables
     that read them were compiled for what they get."""
     return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
-
-
-def _rows_of(sb: SamplingBatch, k: int) -> SamplingBatch:
-    """Each sequence's sampling repeated for its k rows, row j at the position after j more."""
-    rep = lambda x: None if x is None else jnp.repeat(x, k, axis=0)  # noqa: E731
-    position = (sb.position[:, None] + jnp.arange(k, dtype=jnp.int32)).reshape(-1)
-    return SamplingBatch(*(rep(x) for x in (sb.temperature, sb.top_k, sb.top_p, sb.min_p,
-                                            sb.seed)), position, sb.filtered,
-                         rep(sb.seed_hi))  # fmt: skip
 
 
 def _forward(params, cfg, batch, kv, attention, expert_mesh):
@@ -242,7 +234,7 @@ def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingB
         live = st.active & (st.remaining > 0)
         if q is not None:  # sampled drafts: keep each with probability min(1, p / q)
             p = filtered_probs(logits.reshape(rows * k, -1),
-                               _rows_of(step_sb, k)).reshape(rows, k, -1)  # fmt: skip
+                               rows_of(step_sb, k)).reshape(rows, k, -1)  # fmt: skip
             tok, kept = rejection_verify(p, q, fed[:, 1:], tok[:, -1], step_sb, step_sb.position)
             raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
             lp = jnp.take_along_axis(raw, tok[..., None], axis=-1)[..., 0]

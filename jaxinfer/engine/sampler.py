@@ -246,6 +246,19 @@ def rejection_verify(p: jax.Array, q: jax.Array, drafts: jax.Array, bonus: jax.A
     return tokens, kept
 
 
+def rows_of(sb: SamplingBatch, k: int, shift=0) -> SamplingBatch:
+    """Each sequence's sampling repeated for its k rows: row j samples the token at position
+    `sb.position + shift + j`."""
+    rep = lambda x: None if x is None else jnp.repeat(x, k, axis=0)  # noqa: E731
+    return SamplingBatch(
+        *(rep(x) for x in (sb.temperature, sb.top_k, sb.top_p, sb.min_p, sb.seed)),
+        ((sb.position + shift)[:, None] + jnp.arange(k, dtype=jnp.int32)).reshape(-1),
+        sb.filtered,
+        rep(sb.seed_hi),
+        None if sb.penalties is None else sb.penalties.rows(k),
+    )
+
+
 def sample_rows(logits, sb: SamplingBatch, shift, num_logprobs: int = 0, history=None):
     """Sample K rows per sequence: logits [S, K, V] fp32, `sb` per sequence, where row j of
     sequence s samples the token at position `sb.position[s] + shift[s] + j` (its key, so a seeded
@@ -256,16 +269,9 @@ def sample_rows(logits, sb: SamplingBatch, shift, num_logprobs: int = 0, history
     if k == 1:
         sb = dataclasses.replace(sb, position=sb.position + shift)
         return tuple(x[:, None] for x in sample(logits[:, 0], sb, num_logprobs, history))
-    rep = lambda x: None if x is None else jnp.repeat(x, k, axis=0)  # noqa: E731
-    rows = SamplingBatch(
-        *(rep(x) for x in (sb.temperature, sb.top_k, sb.top_p, sb.min_p, sb.seed)),
-        ((sb.position + shift)[:, None] + jnp.arange(k, dtype=jnp.int32)).reshape(-1),
-        sb.filtered,
-        rep(sb.seed_hi),
-        None if sb.penalties is None else sb.penalties.rows(k),
-    )
+    rows = rows_of(sb, k, shift)
     if history is not None:
-        history = tuple(rep(x) for x in history)
+        history = tuple(jnp.repeat(x, k, axis=0) for x in history)
     out = sample(logits.reshape(s * k, v), rows, num_logprobs, history)
     return tuple(x.reshape(s, k, *x.shape[1:]) for x in out)
 

@@ -26,6 +26,7 @@ from jax import lax
 from jaxinfer.models.config import ModelConfig, MoeConfig
 from jaxinfer.models.layers import linear, scale_rows
 from jaxinfer.models.spec import ParamSpec, linear_spec
+from pallas_kernels.moe.reference import grouped_matmul_ref
 
 
 def moe_ffn_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
@@ -78,9 +79,7 @@ def route(m: MoeConfig, p: dict, h: jax.Array) -> tuple[jax.Array, jax.Array]:
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """lhs [R, K] (rows sorted by group) @ rhs [G, K, N] per group -> [R, N] in lhs's dtype, fp32
     accumulation; rows past sum(group_sizes) are zero."""
-    out = lax.ragged_dot(lhs, rhs.astype(lhs.dtype), group_sizes,
-                         preferred_element_type=jnp.float32)  # fmt: skip
-    return out.astype(lhs.dtype)
+    return grouped_matmul_ref(lhs, rhs.astype(lhs.dtype), group_sizes).astype(lhs.dtype)
 
 
 def expert_ffn(xs: jax.Array, sizes: jax.Array, w_gate_up: jax.Array,
