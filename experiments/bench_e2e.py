@@ -226,6 +226,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="auto",
         help="engine attention_backend: auto | xla | pallas | cudnn",
     )
+    ap.add_argument("--moe-backend", default="auto", choices=["auto", "xla", "pallas"],
+                    help="engine moe_backend: the MoE experts' grouped matmul")  # fmt: skip
     ap.add_argument("--xla-options", nargs="*", default=[], metavar="KIND:NAME=VALUE",
                     type=_xla_option, help="engine.compiler_options, on top of the engine's "
                     "defaults: XLA options of the executables of one kind (all, mixed, decode, "
@@ -836,7 +838,8 @@ def engine_options(args, workloads: dict[str, list[WorkloadRequest]]) -> dict:
         max_num_batched_tokens=max(args.max_num_batched_tokens, max_num_seqs),
         max_model_len=max_model_len, decode_steps=k, chunked_prefill=True, async_decode=True,
         attention_backend=args.attention_backend, compile_workers=args.compile_workers,
-        async_schedule=bool(args.async_schedule), attention_options=dict(args.attention_options),
+        moe_backend=args.moe_backend, async_schedule=bool(args.async_schedule),
+        attention_options=dict(args.attention_options),
     )  # fmt: skip
     # the engine's default XLA options with --xla-options on top ("default" drops one: XLA's own),
     # written out so that the results file records them
@@ -1014,6 +1017,8 @@ def main(argv=None) -> dict:
         llm, warmup = build_engine(args, options)
         backend = resolved_backend(llm)
         result["attention_backend"] = {"requested": args.attention_backend, "resolved": backend}
+        result["moe_backend"] = {"requested": args.moe_backend,
+                                 "resolved": llm.engine.runner.moe_backend}  # fmt: skip
         result["warmup_s"] = warmup.pop("warmup_s")
         result["warmup"] = warmup
         result["compiles_after_warmup"] = llm.engine.compiles_after_warmup

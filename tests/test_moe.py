@@ -426,3 +426,101 @@ def test_expert_parallel_across_two_processes(tmp_path, fresh_seed):
     for i, proc in enumerate(procs):
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0 and out.strip().endswith("ok"), f"process {i}: {err[-3000:]}"
+
+
+def _bf16_moe_layer(fresh_seed: int):
+    """A bf16 MoE layer whose dims the Pallas grouped matmul takes (K, N multiples of 64)."""
+    cfg = preset("tiny-moe", dtype="bfloat16", param_dtype="bfloat16",
+                 moe=MoeConfig(num_experts=4, experts_per_token=2, expert_size=64,
+                               shared_expert_size=64))  # fmt: skip
+    return cfg, init_params(cfg, jax.random.key(fresh_seed))["layers"][0]
+
+
+def test_moe_block_through_the_pallas_kernel_matches_xla(fresh_seed, monkeypatch):
+    """backend "pallas" (the Mosaic GPU kernel, interpreted on CPU) in the MoE block, with padding
+    tokens and a shared expert: the kernel runs (a spy counts it) and gives XLA's output."""
+    import jaxinfer.models.moe as moe
+
+    calls = []
+    kernel = moe.grouped_matmul_mgpu
+    monkeypatch.setattr(
+        moe, "grouped_matmul_mgpu", lambda *a, **k: calls.append(1) or kernel(*a, **k)
+    )
+    cfg, p = _bf16_moe_layer(fresh_seed)
+    x = jax.random.normal(jax.random.key(fresh_seed + 3), (24, cfg.hidden_size), jnp.bfloat16)
+    valid = jnp.arange(24) < 19
+    want, want_sizes = moe_ffn(cfg, p, x, None, FfnContext(valid, None, "xla"))
+    assert not calls
+    got, sizes = moe_ffn(cfg, p, x, None, FfnContext(valid, None, "pallas"))
+    assert len(calls) == 2, calls  # gate_up and down
+    want = np.asarray(want, np.float32)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0,
+                               atol=2e-2 * np.abs(want).max(), err_msg=f"seed {fresh_seed}")  # fmt: skip
+    np.testing.assert_array_equal(sizes, want_sizes)
+
+
+def test_moe_backend_resolves_by_device_and_model_and_names_the_key():
+    from types import SimpleNamespace
+
+    from jaxinfer.engine.config import EngineConfig
+    from jaxinfer.models.moe import resolve_moe_backend
+
+    gpu, cpu = SimpleNamespace(platform="gpu"), jax.devices("cpu")[0]
+    big = preset("qwen3-30b-a3b")
+    assert resolve_moe_backend("auto", big, gpu) == "pallas"
+    assert resolve_moe_backend("auto", big, cpu) == "xla"
+    assert resolve_moe_backend("xla", big, gpu) == "xla"
+    tiny = preset("tiny-moe")  # float32, expert_size 32: not the kernel's
+    assert resolve_moe_backend("auto", tiny, gpu) == "xla"
+    with pytest.raises(ValueError, match=r"engine\.moe_backend=.pallas.*float32"):
+        resolve_moe_backend("pallas", tiny, gpu)
+    odd = preset("tiny-moe", dtype="bfloat16", moe=MoeConfig(num_experts=8, experts_per_token=2,
+                                                             expert_size=32))  # fmt: skip
+    with pytest.raises(ValueError, match=r"moe\.expert_size a multiple of 64, got 32"):
+        resolve_moe_backend("pallas", odd, gpu)
+    assert resolve_moe_backend("pallas", preset("tiny"), gpu) == "xla"  # dense: unused
+    with pytest.raises(ValueError, match=r"engine\.moe_backend='cuda' is invalid"):
+        EngineConfig(moe_backend="cuda")
+
+
+def test_engine_steps_pass_the_moe_backend_to_the_grouped_matmul(monkeypatch):
+    """The engine's resolved moe_backend reaches every MoE layer of its mixed steps and decode
+    scans (a spy records the backend each grouped matmul is traced with and runs XLA's)."""
+    import jaxinfer.engine.model_runner as model_runner
+    import jaxinfer.models.moe as moe
+    from jaxinfer.engine.llm import LLM
+    from jaxinfer.engine.request import SamplingParams
+
+    seen = set()
+    reference = moe.grouped_matmul
+
+    def spy(lhs, rhs, sizes, backend="xla"):
+        seen.add(backend)
+        return reference(lhs, rhs, sizes)
+
+    monkeypatch.setattr(moe, "grouped_matmul", spy)
+    monkeypatch.setattr(model_runner, "resolve_moe_backend", lambda *a: "pallas")
+    llm = LLM("preset:tiny-moe", max_num_seqs=2, max_num_batched_tokens=16, num_pages=16,
+              page_size=16, max_model_len=64, decode_steps=2, warmup=False)  # fmt: skip
+    outs = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(outs[0].token_ids) == 4 and llm.engine.runner.moe_backend == "pallas"
+    assert seen == {"pallas"}, seen
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [8, 512])
+def test_qwen3_moe_block_on_the_gpu_kernel_matches_xla(fresh_seed, tokens):
+    """Qwen3-30B-A3B's MoE block (128 experts of 768, top-8) in bf16 on the GPU: the Pallas
+    grouped matmul gives XLA's ragged_dot output, at a decode and a prefill size, with padding."""
+    cfg = preset("qwen3-30b-a3b", num_layers=1)
+    p = init_params(cfg, jax.random.key(fresh_seed))["layers"][0]
+    x = jax.random.normal(jax.random.key(fresh_seed + 4), (tokens, cfg.hidden_size), jnp.bfloat16)
+    valid = jnp.arange(tokens) < tokens - 3
+    run = jax.jit(lambda p, x, backend: moe_ffn(cfg, p, x, None, FfnContext(valid, None, backend)),
+                  static_argnums=2)  # fmt: skip
+    want, want_sizes = run(p, x, "xla")
+    got, sizes = run(p, x, "pallas")
+    want = np.asarray(want, np.float32)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0,
+                               atol=2e-2 * np.abs(want).max(), err_msg=f"seed {fresh_seed}")  # fmt: skip
+    np.testing.assert_array_equal(sizes, want_sizes)

@@ -15,6 +15,7 @@ from jaxinfer.engine.block_manager import ALLOCATION_POLICIES
 from jaxinfer.engine.scheduler import POLICIES
 from jaxinfer.kv.cache import KV_DTYPES
 from jaxinfer.models.attention import ATTENTION_BACKENDS, ATTENTION_OPTIONS
+from jaxinfer.models.moe import MOE_BACKENDS
 
 DATA_PARALLEL_BACKENDS = ("auto", "process")
 # Which warm-up executables an entry of `compiler_options` applies to ("all": every one).
@@ -209,6 +210,9 @@ class EngineConfig:
     # Tuning keywords of the Pallas attention kernel, for ablations (used when the kernel runs),
     # e.g. {split_decode_rows: false, num_stages: 3}; keys: ATTENTION_OPTIONS.
     attention_options: dict[str, Any] = field(default_factory=dict)
+    # The MoE experts' grouped matmul (`jaxinfer.models.moe.resolve_moe_backend`): "pallas" (the
+    # Mosaic GPU kernel), "xla" (lax.ragged_dot) or "auto" (the kernel on a GPU where it fits).
+    moe_backend: str = "auto"
     # XLA compiler options of the warm-up executables, by kind (EXECUTABLE_KINDS) and, for the
     # bucketed kinds, by bucket size ("decode>=64": decode scans of >= 64 rows; "mixed>=N": mixed
     # steps of >= N tokens): XLA_FLAGS per executable, values as on the XLA_FLAGS command line;
@@ -257,6 +261,7 @@ class EngineConfig:
             ("scheduler", tuple(POLICIES)),
             ("allocation", ALLOCATION_POLICIES),
             ("attention_backend", ATTENTION_BACKENDS),
+            ("moe_backend", MOE_BACKENDS),
             ("kv_dtype", KV_DTYPES),
             ("data_parallel_backend", DATA_PARALLEL_BACKENDS),
         ):

@@ -47,6 +47,7 @@ from jaxinfer.models.attention import AttentionConfig
 from jaxinfer.models.batch import RaggedBatch, build_ragged_batch
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.dense import compute_logits, forward_paged
+from jaxinfer.models.moe import resolve_moe_backend
 from jaxinfer.parallel.sharding import EngineShardings
 
 MAX_STOP_IDS = 8  # stop/eos ids checked on the device per sequence in the decode loop
@@ -84,12 +85,12 @@ def _constrain(x, sharding):
     return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
 
-def _forward(params, cfg, batch, kv, attention, expert_mesh):
+def _forward(params, cfg, batch, kv, attention, expert_mesh, moe_backend):
     """(hidden, kv, expert load): the load of an MoE model is (rows per expert [X] summed over
     the layers, experts given at least one row in each MoE layer [L_moe]); None for a dense one.
     The second sets a decode step's expert weight traffic."""
     out = forward_paged(params, cfg, batch, kv, attention=attention, expert_mesh=expert_mesh,
-                        return_expert_load=cfg.moe is not None)  # fmt: skip
+                        moe_backend=moe_backend, return_expert_load=cfg.moe is not None)  # fmt: skip
     if cfg.moe is None:
         return out[0], out[1], None
     moe_layers = [i for i in range(cfg.num_layers) if cfg.layer(i).ffn == "moe"]
@@ -98,17 +99,18 @@ def _forward(params, cfg, batch, kv, attention, expert_mesh):
 
 
 @partial(jax.jit, static_argnames=("cfg", "attention", "num_rows", "out_sharding",
-                                   "expert_mesh", "draft_cfg"),
+                                   "expert_mesh", "moe_backend", "draft_cfg"),
          donate_argnames=("kv", "draft_kv"))  # fmt: skip
 def mixed_step(params, kv: KVCache, batch: RaggedBatch, num_drafts: jax.Array,
                prev_tokens: jax.Array, prev_counts: jax.Array, draft_params=None,
                draft_kv: KVCache | None = None, *, cfg: ModelConfig, attention: AttentionConfig,
                num_rows: int = 1, out_sharding=None, expert_mesh=None,
-               draft_cfg: ModelConfig | None = None):  # fmt: skip
+               moe_backend: str = "xla", draft_cfg: ModelConfig | None = None):  # fmt: skip
     """((logits [S, num_rows, V] fp32, drafts [S, num_rows - 1], shift [S], expert load (see
     `_forward`) or None), kv, draft_kv). `expert_mesh`: the mesh whose "expert" axis shards the
-    MoE experts (None: one device holds them all). With a draft model (`draft_cfg`,
-    `draft_model.py`) the draft runs over the same batch, filling its own pool.
+    MoE experts (None: one device holds them all); `moe_backend`: their grouped matmuls'. With a
+    draft model (`draft_cfg`, `draft_model.py`) the draft runs over the same batch, filling its
+    own pool.
 
     Sequence s's last 1 + num_drafts[s] tokens are its last real token and its drafts; their rows'
     logits verify the drafts. `prev_tokens` [S, num_rows] / `prev_counts` [S]: the previous step's
@@ -136,7 +138,7 @@ def mixed_step(params, kv: KVCache, batch: RaggedBatch, num_drafts: jax.Array,
                                     page_table=table)  # fmt: skip
     tokens = jnp.where(placeholder, last[src], tokens)
     batch = dataclasses.replace(batch, tokens=tokens)
-    hidden, kv, load = _forward(params, cfg, batch, kv, attention, expert_mesh)
+    hidden, kv, load = _forward(params, cfg, batch, kv, attention, expert_mesh, moe_backend)
     if draft_cfg is not None:
         _, draft_kv = forward_paged(draft_params, draft_cfg, batch, draft_kv, attention=attention)
     rows = logit_rows(batch.query_start_loc, num_drafts, num_rows)
@@ -180,6 +182,7 @@ class DecodeState:
         "proposer",
         "out_sharding",
         "expert_mesh",
+        "moe_backend",
     ),
     donate_argnames=("kv", "draft_kv"),
 )
@@ -187,7 +190,7 @@ def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingB
                 draft_params=None, draft_kv: KVCache | None = None, *, cfg: ModelConfig,
                 attention: AttentionConfig, num_steps: int, num_logprobs: int,
                 proposer: Proposer | None = None, out_sharding=None,
-                expert_mesh=None):  # fmt: skip
+                expert_mesh=None, moe_backend: str = "xla"):  # fmt: skip
     """((tokens [R, S, K], counts [R, S], logprobs [R, S, K], top_lp [R, S, K, k], top_ids,
     expert load per round (see `_forward`) or None), final DecodeState, kv, draft_kv) over R =
     `num_steps` rounds of K = 1 + drafts tokens per row; row s keeps tokens[r, s, :counts[r, s]]
@@ -225,7 +228,7 @@ def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingB
             page_table=PageTable(page_ids, jnp.where(st.active, st.positions + k, 0)),
             max_q_len=k,
         )
-        hidden, kv, load = _forward(params, cfg, batch, kv, attention, expert_mesh)
+        hidden, kv, load = _forward(params, cfg, batch, kv, attention, expert_mesh, moe_backend)
         logits = compute_logits(params, cfg, hidden).reshape(rows, k, -1)
         tok, lp, top_lp, top_ids = sample_rows(
             logits, step_sb, jnp.zeros_like(st.positions), num_logprobs,
@@ -282,6 +285,8 @@ class ModelRunner:
         self.attention = AttentionConfig(config.attention_backend,
                                          tuple(config.attention_options.items()),
                                          shardings.device)  # fmt: skip
+        # the experts' grouped matmul: "xla" or "pallas" (raises naming engine.moe_backend)
+        self.moe_backend = resolve_moe_backend(config.moe_backend, cfg, shardings.device)
         self.proposer = proposer
         self.num_rows = 1 + (proposer.num_draft_tokens if proposer is not None else 0)
         self.scan_proposer = proposer if proposer is not None and proposer.on_device else None
@@ -336,7 +341,8 @@ class ModelRunner:
     def _mixed_static(self):
         return dict(cfg=self.cfg, attention=self.attention, num_rows=self.num_rows,
                     out_sharding=self.shardings.replicated,
-                    expert_mesh=self.expert_mesh, draft_cfg=self.draft_cfg)  # fmt: skip
+                    expert_mesh=self.expert_mesh, moe_backend=self.moe_backend,
+                    draft_cfg=self.draft_cfg)  # fmt: skip
 
     def _sample_static(self):
         return dict(num_logprobs=self.config.num_logprobs, out_sharding=self.shardings.replicated)
@@ -345,7 +351,7 @@ class ModelRunner:
         return dict(cfg=self.cfg, attention=self.attention, num_steps=num_steps,
                     num_logprobs=self.config.num_logprobs, proposer=self.scan_proposer,
                     out_sharding=self.shardings.replicated,
-                    expert_mesh=self.expert_mesh)  # fmt: skip
+                    expert_mesh=self.expert_mesh, moe_backend=self.moe_backend)  # fmt: skip
 
     def no_prev(self) -> tuple:
         """(prev_tokens, prev_counts) of a step that refers to no earlier step's tokens, and the

@@ -151,12 +151,14 @@ def forward_paged(
     *,
     attention: AttentionConfig = XLA_ATTENTION,
     expert_mesh: Any = None,
+    moe_backend: str = "xla",
     return_expert_load: bool = False,
 ):
     """One step over a ragged batch: writes the new tokens' K/V, returns (final hidden [T, E],
     kv), and with `return_expert_load` the rows each expert of each layer took, [L, X] int32
     (zeros in dense layers; padding tokens are routed nowhere). `expert_mesh`: a mesh with an
-    "expert" axis over which the MoE layers' experts are sharded (`jaxinfer.parallel.expert`).
+    "expert" axis over which the MoE layers' experts are sharded (`jaxinfer.parallel.expert`);
+    `moe_backend`: their grouped matmuls' ("xla" or "pallas", `moe.resolve_moe_backend`).
 
     Take logits only at the rows you sample from (`compute_logits(params, cfg, hidden[rows])`):
     the vocabulary projection of every prefill row would cost more than the rest of the step.
@@ -182,7 +184,7 @@ def forward_paged(
 
     num_tokens = batch.tokens.shape[0]
     valid = jnp.arange(num_tokens) < batch.query_start_loc[-1] if cfg.moe else None
-    ctx = FfnContext(valid, expert_mesh)
+    ctx = FfnContext(valid, expert_mesh, moe_backend)
     num_experts = cfg.moe.num_experts if cfg.moe else 1
 
     def layer_fn(p, x, carry, layer, *, kind):

@@ -27,10 +27,12 @@ from jaxinfer.models.spec import ParamSpec, linear_spec
 class FfnContext:
     """What an FFN block may need beyond its input: which rows are real tokens (`valid` [T]
     bool; None: all; padding rows route to no expert) and the mesh whose "expert" axis holds
-    the experts (None: all of them on every device)."""
+    the experts (None: all of them on every device), and the grouped matmul's backend
+    ("xla" or "pallas": `moe.resolve_moe_backend`)."""
 
     valid: jax.Array | None = None
     expert_mesh: Any = None
+    moe_backend: str = "xla"
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,10 @@ Weights (`moe_ffn_specs`), experts stacked on a leading axis with logical axis "
 Dispatch on one device (`routed_experts`) is dropless with static shapes: the T * k (token,
 choice) rows are sorted by expert, the experts run as two grouped matmuls over those rows
 (`grouped_matmul`, whose group sizes are data: no capacity, no bucket, no token dropped), and the
-rows are unsorted and summed with their weights. Padding tokens (past the batch's real tokens)
+rows are unsorted and summed with their weights. The grouped matmul has two backends
+(`MOE_BACKENDS`): `xla` (`lax.ragged_dot`, runs anywhere) and `pallas` (the Mosaic GPU kernel of
+`pallas_kernels.moe`, Hopper only; 5.6x ragged_dot on a prefill expert GEMM and 3-18x at decode
+in `experiments/results/h200/grouped_matmul.json`); `resolve_moe_backend` picks. Padding tokens (past the batch's real tokens)
 route to no expert: their rows sort last and fall outside every group, so they cost no expert
 compute and do not count in the load. With an expert-parallel mesh the same rows travel to the
 devices holding their experts and back (`jaxinfer.parallel.expert`).
@@ -26,7 +29,11 @@ from jax import lax
 from jaxinfer.models.config import ModelConfig, MoeConfig
 from jaxinfer.models.layers import linear, scale_rows
 from jaxinfer.models.spec import ParamSpec, linear_spec
+from pallas_kernels.moe.grouped_mgpu import DTYPES as KERNEL_DTYPES
+from pallas_kernels.moe.grouped_mgpu import grouped_matmul_mgpu
 from pallas_kernels.moe.reference import grouped_matmul_ref
+
+MOE_BACKENDS = ("auto", "xla", "pallas")
 
 
 def moe_ffn_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
@@ -76,20 +83,54 @@ def route(m: MoeConfig, p: dict, h: jax.Array) -> tuple[jax.Array, jax.Array]:
     return weights * m.routed_scaling_factor, experts.astype(jnp.int32)
 
 
-def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def kernel_unfit(cfg: ModelConfig) -> str | None:
+    """Why the Pallas grouped matmul cannot run this model's experts (None: it can): it takes
+    bf16/f16 activations and K, N multiples of 64 (hidden_size, and 2 x / 1 x expert_size)."""
+    if jnp.dtype(cfg.dtype) not in KERNEL_DTYPES:
+        return f"the kernel takes bfloat16 or float16 activations, not {cfg.dtype}"
+    for name, size in (("hidden_size", cfg.hidden_size), ("moe.expert_size", cfg.moe.expert_size)):
+        if size % 64:
+            return f"the kernel needs {name} a multiple of 64, got {size}"
+    return None
+
+
+def resolve_moe_backend(name: str, cfg: ModelConfig, device: jax.Device | None = None) -> str:
+    """`xla` or `pallas` for engine.moe_backend `name` (MOE_BACKENDS): `auto` is the kernel on a
+    GPU when it fits the model (`kernel_unfit`), else XLA; `pallas` that does not fit raises,
+    naming the key. A dense model resolves to `xla` (unused)."""
+    if name not in MOE_BACKENDS:
+        raise ValueError(f"engine.moe_backend={name!r} is invalid: must be one of "
+                         f"{', '.join(MOE_BACKENDS)}")  # fmt: skip
+    if cfg.moe is None:
+        return "xla"
+    why = kernel_unfit(cfg)
+    if name == "auto":
+        platform = (device or jax.devices()[0]).platform
+        return "pallas" if platform == "gpu" and why is None else "xla"
+    if name == "pallas" and why is not None:
+        raise ValueError(f"engine.moe_backend='pallas' cannot serve this model: {why}")
+    return name
+
+
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
+                   backend: str = "xla") -> jax.Array:  # fmt: skip
     """lhs [R, K] (rows sorted by group) @ rhs [G, K, N] per group -> [R, N] in lhs's dtype, fp32
-    accumulation; rows past sum(group_sizes) are zero."""
-    return grouped_matmul_ref(lhs, rhs.astype(lhs.dtype), group_sizes).astype(lhs.dtype)
+    accumulation; rows past sum(group_sizes) are zero. `backend`: "xla" or "pallas" (the
+    kernel; interpreted off a GPU)."""
+    rhs = rhs.astype(lhs.dtype)
+    if backend == "pallas":
+        return grouped_matmul_mgpu(lhs, rhs, group_sizes)
+    return grouped_matmul_ref(lhs, rhs, group_sizes).astype(lhs.dtype)
 
 
-def expert_ffn(xs: jax.Array, sizes: jax.Array, w_gate_up: jax.Array,
-               w_down: jax.Array) -> jax.Array:  # fmt: skip
+def expert_ffn(xs: jax.Array, sizes: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
+               backend: str = "xla") -> jax.Array:  # fmt: skip
     """SwiGLU of rows xs [R, E] sorted by expert (sizes [X] rows each) with stacked weights
-    w_gate_up [X, E, 2, F], w_down [X, F, E] -> [R, E]."""
+    w_gate_up [X, E, 2, F], w_down [X, F, E] -> [R, E]; `backend` of the grouped matmuls."""
     x, e, _, f = w_gate_up.shape
-    gate_up = grouped_matmul(xs, w_gate_up.reshape(x, e, 2 * f), sizes)
+    gate_up = grouped_matmul(xs, w_gate_up.reshape(x, e, 2 * f), sizes, backend)
     act = jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:]
-    return grouped_matmul(act, w_down, sizes)
+    return grouped_matmul(act, w_down, sizes, backend)
 
 
 def sort_rows(experts: jax.Array, num_experts: int):
@@ -108,13 +149,13 @@ def combine(y_sorted: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Ar
     return jnp.einsum("tk,tke->te", weights, y.astype(jnp.float32))
 
 
-def routed_experts(h: jax.Array, weights: jax.Array, experts: jax.Array,
-                   w_gate_up: jax.Array, w_down: jax.Array) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+def routed_experts(h: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up: jax.Array,
+                   w_down: jax.Array, backend: str = "xla") -> tuple[jax.Array, jax.Array]:  # fmt: skip
     """(sum of each token's experts' outputs, weighted [T, E] fp32, rows per expert [X] int32)
     on one device; experts [T, k] may hold X (no expert) for padding tokens."""
     k = experts.shape[1]
     order, _, sizes = sort_rows(experts, w_gate_up.shape[0])
-    y = expert_ffn(h[order // k], sizes, w_gate_up, w_down)
+    y = expert_ffn(h[order // k], sizes, w_gate_up, w_down, backend)
     return combine(y, order, weights), sizes
 
 
@@ -130,14 +171,15 @@ def moe_ffn(cfg: ModelConfig, p: dict, x: jax.Array, row_scale: jax.Array | None
     if valid is not None:
         experts = jnp.where(valid.reshape(-1, 1), experts, m.num_experts)
     mesh = None if ctx is None else ctx.expert_mesh
+    backend = "xla" if ctx is None else ctx.moe_backend
     if mesh is not None:
         from jaxinfer.parallel.expert import expert_parallel_experts
 
         out, sizes = expert_parallel_experts(h, weights, experts, p["w_expert_gate_up"],
-                                             p["w_expert_down"], mesh)  # fmt: skip
+                                             p["w_expert_down"], mesh, backend)  # fmt: skip
     else:
         out, sizes = routed_experts(h, weights, experts, p["w_expert_gate_up"],
-                                    p["w_expert_down"])  # fmt: skip
+                                    p["w_expert_down"], backend)  # fmt: skip
     if m.shared_expert_size:
         gate_up = linear(h, p["w_shared_gate_up"])
         shared = linear(jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :], p["w_shared_down"])

@@ -57,7 +57,7 @@ def capacity_buckets(rows: int, n: int) -> tuple[int, ...]:
     return tuple(sorted({*caps, rows}))
 
 
-def expert_parallel_experts(h, weights, experts, w_gate_up, w_down, mesh):
+def expert_parallel_experts(h, weights, experts, w_gate_up, w_down, mesh, backend="xla"):
     """`moe.routed_experts` with the experts sharded over `mesh`'s "expert" axis: (outputs [T, E]
     fp32, rows per expert [X] int32), replicated. experts [T, k] may hold X (no expert)."""
     n = expert_axis_size(mesh)
@@ -70,7 +70,7 @@ def expert_parallel_experts(h, weights, experts, w_gate_up, w_down, mesh):
         h = jnp.pad(h, ((0, pad), (0, 0)))
         weights = jnp.pad(weights, ((0, pad), (0, 0)))
         experts = jnp.pad(experts, ((0, pad), (0, 0)), constant_values=num_experts)
-    local = partial(_local, n=n, num_experts=num_experts)
+    local = partial(_local, n=n, num_experts=num_experts, backend=backend)
     out, sizes = jax.shard_map(
         local,
         mesh=mesh,
@@ -81,7 +81,7 @@ def expert_parallel_experts(h, weights, experts, w_gate_up, w_down, mesh):
     return out[:t], sizes
 
 
-def _local(h, weights, experts, w_gate_up, w_down, *, n: int, num_experts: int):
+def _local(h, weights, experts, w_gate_up, w_down, *, n: int, num_experts: int, backend: str):
     """One device's part: its tokens h [t, E] and their routing, its experts' weights."""
     t, k = experts.shape
     rows = t * k
@@ -106,7 +106,7 @@ def _local(h, weights, experts, w_gate_up, w_down, *, n: int, num_experts: int):
         recv_ids = lax.all_to_all(ids, AXIS, 0, 0).reshape(-1)
         r_order = jnp.argsort(recv_ids, stable=True)
         sizes = jnp.bincount(recv_ids, length=per_device).astype(jnp.int32)
-        y = expert_ffn(recv[r_order], sizes, w_gate_up, w_down)
+        y = expert_ffn(recv[r_order], sizes, w_gate_up, w_down, backend)
         y = jnp.zeros_like(y).at[r_order].set(y).reshape(n, cap, -1)
         back = lax.all_to_all(y, AXIS, 0, 0)  # back[p]: my rows' outputs from peer p
         got = back.at[peer, slot].get(mode="fill", fill_value=0)
