@@ -161,7 +161,7 @@ def test_fp4_codes_are_nearest_to_the_weight_over_its_stored_scale(name, fresh_s
     """Each code is the nearest e2m1 value of w / (the scale as stored: an e4m3 block scale times
     the tensor scale, or a power of two), recomputed here outside the quantizer's program. XLA:GPU
     once chose nvfp4's codes by the block scales before their e4m3 rounding (`results/h200/
-    gpu_tests_quant.json`); tests/test_gpu_quant.py checks the GPU against this CPU result."""
+    archive/gpu_tests_quant_0f5764b.json`); tests/test_gpu_quant.py checks the GPU against this CPU result."""
     w = np.random.default_rng(fresh_seed).normal(size=(256, 48)).astype(np.float32) * 0.02
     qw = quantized(name, w)
     fmt = WEIGHT_FORMATS[name]

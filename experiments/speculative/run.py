@@ -6,9 +6,10 @@ proposer against the same engine without speculation, in one run.
     python3 experiments/speculative/run.py --model smollm2 --dtype bfloat16 \
         --methods none ngram self:10 --batches 1 8 64 --out $OUT/speculative.json  # H200
 
-For each workload, batch B (engine.max_num_seqs = B, B x --waves requests submitted at once) and
-method, one engine (warm-up excluded) generates every request greedily (--temperature 0) or
-sampled, EOS ignored; recorded: output tok/s, the speedup over "none" at the same batch and
+Each method builds one engine (engine.max_num_seqs = the largest batch; its warm-up, once,
+excluded), and for each workload and batch B generates B x --waves requests, B at a time (so B
+run together, all to the same length), greedily (--temperature 0) or sampled, EOS ignored;
+recorded: output tok/s, the speedup over "none" at the same batch and
 workload, the draft acceptance rate, tokens per verification (tau) and acceptance by draft
 position (`metrics.summary`), and whether the outputs equal "none"'s token for token (they must:
 verification is exact). Methods: none, ngram[:GAMMA], draft:MODEL[:GAMMA], self:LAYERS[:GAMMA]
@@ -72,18 +73,28 @@ def speculative_config(method: str, gamma: int) -> dict:
                      "self:LAYERS[:G]")  # fmt: skip
 
 
-def run_point(args, method: str, batch: int, prompts, sampling) -> tuple[dict, list]:
-    engine = dict(model=args.model, dtype=args.dtype, max_num_seqs=batch,
-                  max_num_batched_tokens=max(args.max_num_batched_tokens, batch),
+def build_engine(args, method: str) -> tuple[LLM, dict, float]:
+    """(the method's engine, its engine options, warm-up seconds): one per method for every
+    batch (max_num_seqs = the largest), so a run compiles each method's buckets once."""
+    top = max(args.batches)
+    engine = dict(model=args.model, dtype=args.dtype, max_num_seqs=top,
+                  max_num_batched_tokens=max(args.max_num_batched_tokens, top),
                   num_pages=args.num_pages, page_size=16, max_model_len=args.max_model_len,
-                  decode_steps=args.decode_steps,
+                  decode_steps=args.decode_steps, decode_buckets=sorted(set(args.batches)),
                   speculative=speculative_config(method, args.num_draft_tokens))  # fmt: skip
     t0 = time.perf_counter()
     llm = LLM(**engine)
-    warmup_s = time.perf_counter() - t0
+    return llm, engine, time.perf_counter() - t0
+
+
+def run_point(llm: LLM, engine: dict, warmup_s: float, method: str, batch: int, prompts,
+              sampling) -> tuple[dict, list]:  # fmt: skip
+    """One (method, batch) point on the method's engine: the prompts in groups of `batch`."""
     llm.engine.step_records.clear()
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, sampling)
+    outs = []
+    for i in range(0, len(prompts), batch):
+        outs += llm.generate(prompts[i : i + batch], sampling)
     wall = time.perf_counter() - t0
     tokens = [o.token_ids for o in outs]
     summary = summarize([], llm.engine.step_records)
@@ -91,13 +102,12 @@ def run_point(args, method: str, batch: int, prompts, sampling) -> tuple[dict, l
         "method": method, "batch": batch, "requests": len(prompts),
         "output_tokens": sum(map(len, tokens)), "wall_s": round(wall, 3),
         "output_tok_s": round(sum(map(len, tokens)) / wall, 1),
-        "steps": len(llm.engine.step_records), "warmup_s": round(warmup_s, 1),
+        "steps": len(llm.engine.step_records), "engine_warmup_s": round(warmup_s, 1),
         "compiles_after_warmup": llm.engine.compiles_after_warmup,
         **{k: summary[k] for k in ("draft_acceptance_rate", "tokens_per_verification",
                                    "acceptance_by_position")},
         "speculative": engine["speculative"],
     }  # fmt: skip
-    del llm
     return row, tokens
 
 
@@ -115,7 +125,7 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.plot([r["batch"] for r in sub], [r["speedup"] for r in sub], "o-", label=method)
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch (max_num_seqs)")
+        ax.set_xlabel("batch (requests run together)")
         ax.set_ylabel("output tok/s over no speculation")
         ax.set_title(wl)
         ax.legend(fontsize=8)
@@ -151,21 +161,24 @@ def main(argv=None) -> None:
     tokenizer = LLM(args.model, warmup=False, num_pages=4).tokenizer
     sampling = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True,
                               temperature=args.temperature, seed=0)  # fmt: skip
-    for wl in args.workloads:
-        for batch in args.batches:
-            prompts = prompts_of(wl, tokenizer, batch * args.waves, args.snippet_chars)
-            base = None
-            for method in methods:
-                row, tokens = run_point(args, method, batch, prompts, sampling)
-                if method == "none":
-                    base, base_tok_s = tokens, row["output_tok_s"]
-                row.update(workload=wl, speedup=round(row["output_tok_s"] / base_tok_s, 3),
-                           same_output_as_none=tokens == base)  # fmt: skip
-                result["rows"].append(row)
-                args.out.write_text(json.dumps(result, indent=1) + "\n")  # (kept as it goes)
-                print(f"{wl:8s} batch {batch:3d} {method:18s} {row['output_tok_s']:9.1f} tok/s "
-                      f"x{row['speedup']:.2f}  tau {row['tokens_per_verification']}  "
-                      f"same {row['same_output_as_none']}", flush=True)  # fmt: skip
+    points = [(wl, batch, prompts_of(wl, tokenizer, batch * args.waves, args.snippet_chars))
+              for wl in args.workloads for batch in args.batches]  # fmt: skip
+    base = {}  # (workload, batch) -> (tokens, output tok/s) of "none"
+    for method in methods:  # "none" first: every other row's baseline exists when it runs
+        llm, engine, warmup_s = build_engine(args, method)
+        for wl, batch, prompts in points:
+            row, tokens = run_point(llm, engine, warmup_s, method, batch, prompts, sampling)
+            if method == "none":
+                base[wl, batch] = tokens, row["output_tok_s"]
+            base_tokens, base_tok_s = base[wl, batch]
+            row.update(workload=wl, speedup=round(row["output_tok_s"] / base_tok_s, 3),
+                       same_output_as_none=tokens == base_tokens)  # fmt: skip
+            result["rows"].append(row)
+            args.out.write_text(json.dumps(result, indent=1) + "\n")  # (kept as it goes)
+            print(f"{wl:8s} batch {batch:3d} {method:18s} {row['output_tok_s']:9.1f} tok/s "
+                  f"x{row['speedup']:.2f}  tau {row['tokens_per_verification']}  "
+                  f"same {row['same_output_as_none']}", flush=True)  # fmt: skip
+        del llm
     if args.plot is not None:
         plot(result["rows"], args.plot)
 
