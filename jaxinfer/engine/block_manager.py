@@ -26,6 +26,12 @@ free list is empty (an eviction drops its hash). A content-addressed table was c
 radix tree: a lookup is one hash per page in a dict, the same structure serves sharing across
 unrelated requests, preemption (a re-admitted sequence re-hits its own pages) and n > 1, and it
 is a few dozen lines.
+
+Parallel sampling (`SamplingParams.n`): `fork` gives each further sample the full pages of its
+parent's prompt before the page of the last prompt token, shared; the rest of the prompt (at
+most one page, the last token included) each sample computes into its own page. That recompute
+is the copy-on-write of the page where the samples diverge: no device copy op, no new step
+shape, and no page is ever written by two sequences.
 """
 
 from __future__ import annotations
@@ -156,6 +162,18 @@ class BlockManager:
         seq.page_ids = []
         seq.num_registered_pages = 0
         self._holders.pop(seq, None)
+
+    def fork(self, parent: Sequence, child: Sequence) -> int:
+        """Admission of a further sample of `parent`'s prompt: `child` (holding nothing) shares
+        the parent's computed full pages before the page of its last prompt token; returns the
+        tokens they hold (their prefill skipped)."""
+        if child.page_ids or child.num_computed_tokens:
+            return 0
+        k = min((parent.num_prompt_tokens - 1) // self.page_size, len(parent.page_ids),
+                parent.num_computed_tokens // self.page_size)  # fmt: skip
+        self.share(child, parent.page_ids[:k])
+        child.num_registered_pages = k  # (the parent registered them, with prefix caching)
+        return k * self.page_size
 
     # -- prefix cache ------------------------------------------------------------------------------
     def _page_tokens(self, seq: Sequence, i: int) -> bytes:

@@ -34,6 +34,7 @@ from jaxinfer.engine.request import (
     Sequence,
     is_int,
     prompt_token_ids,
+    sample_seed,
 )
 from jaxinfer.engine.sampler import SamplingBatch
 from jaxinfer.engine.scheduler import ScheduledSeq, Scheduler
@@ -234,10 +235,18 @@ class Engine:
             seq.status, seq.error, seq.finish_reason = SeqStatus.FAILED, _message(e), "error"
             seq.finish_time = now
             return seq
-        self._seeds[seq.seq_id] = (
-            sampling.seed if sampling.seed is not None else int(self._rng.integers(2**31))
-        )
-        self.scheduler.add(seq)  # (fails it if it can never fit: length, cache size)
+        seed = sampling.seed if sampling.seed is not None else int(self._rng.integers(2**31))
+        self._seeds[seq.seq_id] = seed
+        if not self.scheduler.add(seq):  # (fails it if it can never fit: length, cache size)
+            return seq
+        for i in range(1, sampling.num_samples):  # parallel sampling: the further samples
+            sib = Sequence(next(self._ids), list(seq.prompt_token_ids), sampling, arrival_time=now,
+                           priority=priority, sample_index=i, parent=seq)  # fmt: skip
+            sib.prompt = text
+            self.sequences.append(sib)
+            self._seeds[sib.seq_id] = sample_seed(seed, i)
+            seq.siblings.append(sib)
+            self.scheduler.add(sib)
         return seq
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
@@ -283,6 +292,7 @@ class Engine:
     def release(self, seqs) -> None:
         """Forget finished (or failed) sequences whose results the caller has taken, so a long
         run's host memory stays bounded: they leave `sequences` and the engine's seed table."""
+        seqs = [x for s in seqs for x in (s, *s.siblings)]
         done = {id(s) for s in seqs if s.is_finished}
         if not done:
             return
@@ -635,6 +645,7 @@ class Engine:
         """Output token `index` (already in place) is `token`: record it; finish the sequence at
         EOS / a stop id / a stop string / max_tokens, dropping anything after it (placeholders
         of later steps included)."""
+        seq.cumulative_logprob += float(logprob)
         if seq.sampling.logprobs is not None:
             top = {int(t): float(v) for t, v in zip(top_ids, top_lp, strict=True)}
             seq.output_logprobs.append({"token": token, "logprob": logprob, "top": top})

@@ -18,7 +18,32 @@ from jaxinfer.parallel.sharding import EngineShardings
 
 
 @dataclass
+class Completion:
+    """One sample of a request (SamplingParams.n / best_of)."""
+
+    index: int  # the sample's number among the request's samples (its seed stream)
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    error: str | None
+    logprobs: list[dict]
+    cumulative_logprob: float  # sum of its sampled tokens' logprobs
+
+    @staticmethod
+    def of(seq: Sequence, tokenizer) -> Completion:
+        text = None
+        if tokenizer is not None and seq.error is None:
+            text = seq.output_text or tokenizer.decode(seq.output_token_ids)
+        return Completion(seq.sample_index, list(seq.output_token_ids), text, seq.finish_reason,
+                          seq.error, list(seq.output_logprobs), seq.cumulative_logprob)  # fmt: skip
+
+
+@dataclass
 class RequestOutput:
+    """A request's result: `outputs` holds its n samples (best_of: the n of highest cumulative
+    logprob, best first; else in sample order); the fields token_ids .. logprobs are the first
+    one's, so an n = 1 caller reads them directly."""
+
     request_id: int
     prompt: str | None
     prompt_token_ids: list[int]
@@ -29,16 +54,21 @@ class RequestOutput:
     logprobs: list[dict]
     num_preemptions: int
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (prefill skipped)
+    outputs: list[Completion] | None = None
 
     @staticmethod
     def of(seq: Sequence, tokenizer) -> RequestOutput:
-        text = None
-        if tokenizer is not None and seq.error is None:
-            text = seq.output_text or tokenizer.decode(seq.output_token_ids)
+        family = [seq, *seq.siblings]
+        outputs = [Completion.of(s, tokenizer) for s in family]
+        sampling = seq.sampling if isinstance(seq.sampling, SamplingParams) else SamplingParams()
+        if sampling.best_of is not None and seq.error is None:  # (a bad request has no samples)
+            outputs.sort(key=lambda c: (c.error is not None, -c.cumulative_logprob, c.index))
+        outputs = outputs[: sampling.n]
+        first = outputs[0]
         return RequestOutput(
-            seq.seq_id, seq.prompt, seq.prompt_token_ids, list(seq.output_token_ids), text,
-            seq.finish_reason, seq.error, list(seq.output_logprobs), seq.num_preemptions,
-            seq.num_cached_tokens,
+            seq.seq_id, seq.prompt, seq.prompt_token_ids, first.token_ids, first.text,
+            first.finish_reason, seq.error or first.error, first.logprobs,
+            sum(s.num_preemptions for s in family), seq.num_cached_tokens, outputs,
         )  # fmt: skip
 
 
@@ -46,9 +76,10 @@ class RequestOutput:
 class StreamEvent:
     request_id: int
     token_ids: list[int]  # new this step
-    finished: bool
+    finished: bool  # (this sample)
     finish_reason: str | None
     error: str | None
+    index: int = 0  # the sample (SamplingParams.n); best_of's ranking is not streamed
 
 
 def _as_prompt_list(prompts) -> list:
@@ -176,5 +207,5 @@ class LLM:
             for out in self.engine.step():
                 if out.new_token_ids or out.finished:
                     s = out.seq
-                    yield StreamEvent(s.seq_id, out.new_token_ids, out.finished,
-                                      s.finish_reason, s.error)  # fmt: skip
+                    yield StreamEvent((s.parent or s).seq_id, out.new_token_ids, out.finished,
+                                      s.finish_reason, s.error, s.sample_index)  # fmt: skip

@@ -63,6 +63,11 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] | dict[int, float] = ()
+    # Parallel sampling: n samples of the prompt (its pages shared, block_manager.fork), each
+    # with its own seed stream (`sample_seed`); best_of >= n draws that many and returns the n
+    # with the highest cumulative logprob.
+    n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         # vLLM's spellings: one stop string; lists for tuples; a dict of logit biases.
@@ -82,6 +87,11 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0 or bool(self.logit_bias))  # fmt: skip
+
+    @property
+    def num_samples(self) -> int:
+        """Samples drawn: best_of, or n."""
+        return self.n if self.best_of is None else self.best_of
 
     @property
     def top_k_or_off(self) -> int:
@@ -110,6 +120,10 @@ class SamplingParams:
             raise bad("min_p", "a number in [0, 1)")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < MAX_SEED):
             raise bad("seed", "None or an int in [0, 2**64)")
+        if not is_int(self.n) or self.n < 1:
+            raise bad("n", "an int >= 1")
+        if self.best_of is not None and (not is_int(self.best_of) or self.best_of < self.n):
+            raise bad("best_of", f"None or an int >= n ({self.n})")
         if self.eos_after is not None and (not is_int(self.eos_after) or self.eos_after < 1):
             raise bad("eos_after", "None or an int >= 1")
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
@@ -145,6 +159,12 @@ class SamplingParams:
                 raise bad("logprobs", f"<= the vocabulary size {vocab_size}")
             if any(not 0 <= t < vocab_size for t, _ in self.logit_bias):
                 raise bad("logit_bias", f"token ids in [0, {vocab_size})")
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request seeded `seed` (SamplingParams.n): sample 0 keeps
+    it (n = 1 is unchanged), the others step by an odd 64-bit constant (distinct for any n)."""
+    return (seed + index * 0x9E3779B97F4A7C15) % MAX_SEED
 
 
 def prompt_token_ids(prompt: object) -> list[int]:
@@ -203,6 +223,12 @@ class Sequence:
     pending_extra_tokens: int = 0
     # Tokens a proposer suggests after the last one, to verify in the next step (not outputs).
     draft_token_ids: list[int] = field(default_factory=list)
+    # Parallel sampling (SamplingParams.n / best_of): sample 0 is the request's own sequence,
+    # holding the others in `siblings`; each other one has `parent` and shares its prompt pages.
+    sample_index: int = 0
+    parent: Sequence | None = None
+    siblings: list[Sequence] = field(default_factory=list)
+    cumulative_logprob: float = 0.0  # sum of its sampled tokens' logprobs (best_of ranks by it)
 
     @property
     def num_prompt_tokens(self) -> int:

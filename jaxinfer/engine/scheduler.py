@@ -191,7 +191,17 @@ class Scheduler:
             for seq in self._admission_order(was_running):
                 if len(self.running) >= self.config.max_num_seqs:
                     break
-                cached = self.block_manager.match_prefix(seq)  # (prefix caching)
+                parent = seq.parent  # a further sample (SamplingParams.n) shares its prompt
+                if (
+                    parent is not None
+                    and not parent.is_finished
+                    and (parent.num_computed_tokens < parent.num_prompt_tokens)
+                ):
+                    continue  # it waits for its parent's prompt; later ones may go first
+                if parent is not None and parent.status is SeqStatus.RUNNING:
+                    cached = self.block_manager.fork(parent, seq)
+                else:
+                    cached = self.block_manager.match_prefix(seq)  # (prefix caching)
                 seq.num_computed_tokens += cached
                 n = self._num_new_tokens(seq, scheduled)
                 if not n or not self.block_manager.allocate(seq, seq.num_computed_tokens + n):
