@@ -27,6 +27,7 @@ from jaxinfer.workload import (
     gamma,
     load_jsonl_trace,
     lognormal,
+    multi_turn_requests,
     poisson,
     shared_prefix_requests,
     synthetic_requests,
@@ -133,6 +134,34 @@ def test_shared_prefix_requests():
     assert len({tuple(r.prompt_token_ids[16:]) for r in reqs}) == 6
 
 
+def test_multi_turn_requests_grow_their_conversations(fresh_seed):
+    """Turn t's prompt is turn t - 1's prompt + a reply of its output_len + a new user message,
+    turn_gap_s later; every conversation starts with the shared system prompt."""
+    reqs = multi_turn_requests(11, 3, uniform(2, 9), uniform(1, 5), turn_gap_s=1.5,
+                               system_prompt_len=7, vocab_size=1000, seed=fresh_seed,
+                               arrivals=poisson(0.2))  # fmt: skip
+    assert len(reqs) == 11 and [r.arrival_time for r in reqs] == sorted(
+        r.arrival_time for r in reqs
+    )
+    system = reqs[0].prompt_token_ids[:7]
+    turns = []
+    for r in reqs:
+        assert r.prompt_token_ids[:7] == system, fresh_seed
+        earlier = [q for q in reqs if len(q.prompt_token_ids) < len(r.prompt_token_ids)
+                   and r.prompt_token_ids[: len(q.prompt_token_ids)] == q.prompt_token_ids]  # fmt: skip
+        turns.append(len(earlier))  # a conversation's earlier turns are its prompt's prefixes
+        if earlier:
+            last = max(earlier, key=lambda q: len(q.prompt_token_ids))
+            grown = len(r.prompt_token_ids) - len(last.prompt_token_ids) - last.output_len
+            assert 2 <= grown <= 9, (fresh_seed, grown)
+            assert r.arrival_time == pytest.approx(last.arrival_time + 1.5), fresh_seed
+    assert sorted(turns) == [0] * 4 + [1] * 4 + [2] * 3, (fresh_seed, turns)
+    again = multi_turn_requests(11, 3, uniform(2, 9), uniform(1, 5), turn_gap_s=1.5,
+                                system_prompt_len=7, vocab_size=1000, seed=fresh_seed,
+                                arrivals=poisson(0.2))  # fmt: skip
+    assert again == reqs
+
+
 def test_build_workload_and_spec_validation():
     spec = WorkloadSpec(
         num_requests=12,
@@ -151,6 +180,10 @@ def test_build_workload_and_spec_validation():
     )
     assert all(r.prompt_token_ids[:5] == sp[0].prompt_token_ids[:5] for r in sp)
     assert all(len(r.prompt_token_ids) == 5 + 128 for r in sp)
+    mt = build_workload(WorkloadSpec(kind="multi_turn", num_requests=4, num_turns=2,
+                                     prompt_len=LengthSpec(value=3), output_len=LengthSpec(value=2),
+                                     system_prompt_len=4), vocab_size=50)  # fmt: skip
+    assert sorted(len(r.prompt_token_ids) for r in mt) == [7, 7, 12, 12]
     for bad, field in [
         (WorkloadSpec(kind="nope"), "kind"),
         (WorkloadSpec(num_requests=0), "num_requests"),
@@ -161,6 +194,9 @@ def test_build_workload_and_spec_validation():
         (WorkloadSpec(arrival=ArrivalSpec(process="trace")), "arrival.process"),
         (WorkloadSpec(kind="shared_prefix"), "system_prompt_len"),
         (WorkloadSpec(kind="trace"), "trace_path"),
+        (WorkloadSpec(kind="multi_turn", num_turns=0), "num_turns"),
+        (WorkloadSpec(kind="multi_turn", turn_gap_s=-1.0), "turn_gap_s"),
+        (WorkloadSpec(kind="multi_turn", system_prompt_len=-2), "system_prompt_len"),
     ]:
         with pytest.raises(ValueError, match=field.replace(".", r"\.")):
             build_workload(bad, vocab_size=50)

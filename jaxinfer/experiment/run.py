@@ -240,7 +240,7 @@ def _check_shortest_request_fits(rc: RunConfig) -> None:
     w, e = rc.workload, rc.engine
     if w.kind == "trace":
         return
-    shared = w.kind == "shared_prefix"
+    shared = w.kind in ("shared_prefix", "multi_turn")  # (a first turn has the system prompt)
     prompt = _least(w.prompt_len) + (w.system_prompt_len if shared else 0)
     prompt_keys = "workload.prompt_len" + (" + workload.system_prompt_len" if shared else "")
     if rc.sampling.max_tokens is None:

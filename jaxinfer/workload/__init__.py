@@ -10,6 +10,7 @@ from jaxinfer.workload.arrivals import (
 )
 from jaxinfer.workload.generate import (
     allowed_token_ids,
+    multi_turn_requests,
     shared_prefix_requests,
     synthetic_requests,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "gamma",
     "load_jsonl_trace",
     "lognormal",
+    "multi_turn_requests",
     "poisson",
     "shared_prefix_requests",
     "synthetic_requests",

@@ -104,3 +104,58 @@ def shared_prefix_requests(
         assert r.prompt_token_ids is not None
         r.prompt_token_ids = prefix + r.prompt_token_ids
     return reqs
+
+
+def multi_turn_requests(
+    num_requests: int,
+    num_turns: int,
+    user_len: LengthDist,
+    output_len: LengthDist,
+    *,
+    turn_gap_s: float,
+    system_prompt_len: int = 0,
+    vocab_size: int,
+    arrivals: ArrivalProcess | None = None,
+    seed: int = 0,
+    avoid_ids: Iterable[int] = (),
+) -> list[WorkloadRequest]:
+    """Chat conversations of `num_turns` turns (the last one cut at `num_requests` requests),
+    sorted by arrival. Turn t's prompt is the conversation so far (a system prompt of
+    `system_prompt_len` tokens shared by every conversation, then each earlier user message and
+    reply) plus a new user message of `user_len` tokens; it arrives `turn_gap_s` after turn t - 1,
+    the conversations' first turns at `arrivals`. A reply is `output_len` random tokens standing
+    for the model's: a static workload cannot know the model's reply, so a prefix cache can hit
+    every earlier turn's prompt but not the reply the engine generated (a live chat resends the
+    model's own reply, whose pages the cache registered as it wrote them: it would hit more)."""
+    _check_n(num_requests)
+    if isinstance(num_turns, bool) or not isinstance(num_turns, int) or num_turns < 1:
+        raise ValueError(f"num_turns={num_turns!r} is invalid: must be an int >= 1")
+    if not isinstance(turn_gap_s, int | float) or not (np.isfinite(turn_gap_s) and turn_gap_s >= 0):
+        raise ValueError(f"turn_gap_s={turn_gap_s!r} is invalid: must be a finite number >= 0")
+    if (
+        isinstance(system_prompt_len, bool)
+        or not isinstance(system_prompt_len, int)
+        or (system_prompt_len < 0)
+    ):
+        raise ValueError(f"system_prompt_len={system_prompt_len!r} is invalid: must be an int >= 0")
+    r_plen, r_olen, r_arr, r_tok = _streams(seed)
+    allowed = allowed_token_ids(vocab_size, avoid_ids)
+    conversations = -(-num_requests // num_turns)
+    starts = (arrivals or AllAtOnce()).sample(r_arr, conversations)
+    prefix_rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(5)[4])
+    system = allowed[prefix_rng.integers(0, allowed.size, size=system_prompt_len)].tolist()
+
+    def tokens(n: int) -> list[int]:
+        return allowed[r_tok.integers(0, allowed.size, size=n)].tolist()
+
+    reqs: list[WorkloadRequest] = []
+    for c in range(conversations):
+        history = list(system)
+        for t in range(min(num_turns, num_requests - len(reqs))):
+            history += tokens(int(user_len.sample(r_plen, 1)[0]))
+            out = int(output_len.sample(r_olen, 1)[0])
+            reqs.append(
+                WorkloadRequest(list(history), None, out, float(starts[c] + t * turn_gap_s))
+            )
+            history += tokens(out)  # the stand-in reply
+    return sorted(reqs, key=lambda r: r.arrival_time)

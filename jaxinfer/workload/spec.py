@@ -4,6 +4,10 @@ the one entry point `build_workload`.
     kind = "synthetic"      random token-id prompts, lengths from `prompt_len`
     kind = "shared_prefix"  one random system prefix of `system_prompt_len` tokens + a random
                             suffix of `prompt_len` tokens per request
+    kind = "multi_turn"     chat conversations of `num_turns` turns, each turn's prompt the
+                            conversation so far + a new user message of `prompt_len` tokens,
+                            `turn_gap_s` apart (`generate.multi_turn_requests`); an optional
+                            shared system prompt of `system_prompt_len` tokens
     kind = "trace"          rows of the JSONL file `trace_path` (see `traces.py`);
                             `num_requests` caps the count (None: every row); arrivals come from
                             the trace when `arrival.process == "trace"`, else are generated
@@ -18,13 +22,17 @@ import numpy as np
 
 from jaxinfer.workload import arrivals as _arrivals
 from jaxinfer.workload import lengths as _lengths
-from jaxinfer.workload.generate import shared_prefix_requests, synthetic_requests
+from jaxinfer.workload.generate import (
+    multi_turn_requests,
+    shared_prefix_requests,
+    synthetic_requests,
+)
 from jaxinfer.workload.request import WorkloadRequest
 from jaxinfer.workload.traces import load_jsonl_trace
 
 LENGTH_DISTS = ("fixed", "uniform", "lognormal")
 ARRIVAL_PROCESSES = ("all_at_once", "poisson", "gamma", "trace")
-WORKLOAD_KINDS = ("synthetic", "shared_prefix", "trace")
+WORKLOAD_KINDS = ("synthetic", "shared_prefix", "multi_turn", "trace")
 
 
 def _bad(name: str, value: object, allowed: str) -> ValueError:
@@ -99,7 +107,9 @@ class WorkloadSpec:
     output_len: LengthSpec = field(default_factory=lambda: LengthSpec(value=128))
     arrival: ArrivalSpec = field(default_factory=ArrivalSpec)
     seed: int = 0
-    system_prompt_len: int = 0  # shared_prefix only
+    system_prompt_len: int = 0  # shared_prefix (>= 1) and multi_turn (>= 0)
+    num_turns: int = 4  # multi_turn only: turns per conversation
+    turn_gap_s: float = 2.0  # multi_turn only: seconds between a conversation's turns
     trace_path: str | None = None  # trace only
     trace_skip_invalid: bool = False  # trace only: drop malformed rows instead of raising
     avoid_token_ids: tuple[int, ...] = ()  # never drawn for synthetic prompts (e.g. BOS/EOS)
@@ -129,6 +139,18 @@ class WorkloadSpec:
             s = self.system_prompt_len
             if isinstance(s, bool) or not isinstance(s, int) or s < 1:
                 raise _bad("system_prompt_len", s, "an int >= 1 for kind='shared_prefix'")
+        if self.kind == "multi_turn":
+            s, t, g = self.system_prompt_len, self.num_turns, self.turn_gap_s
+            if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+                raise _bad("system_prompt_len", s, "an int >= 0 for kind='multi_turn'")
+            if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+                raise _bad("num_turns", t, "an int >= 1")
+            if (
+                isinstance(g, bool)
+                or not isinstance(g, int | float)
+                or not (np.isfinite(g) and g >= 0)
+            ):
+                raise _bad("turn_gap_s", g, "a finite number >= 0 (seconds)")
         if self.kind == "trace" and not (isinstance(self.trace_path, str) and self.trace_path):
             raise _bad("trace_path", self.trace_path, "a path to a JSONL file for kind='trace'")
         if any(isinstance(t, bool) or not isinstance(t, int) for t in self.avoid_token_ids):
@@ -162,6 +184,16 @@ def build_workload(
         vocab_size=vocab_size, arrivals=process, seed=spec.seed, avoid_ids=spec.avoid_token_ids
     )
     out_dist = spec.output_len.build("output_len")
+    if spec.kind == "multi_turn":
+        return multi_turn_requests(
+            spec.num_requests,
+            spec.num_turns,
+            spec.prompt_len.build("prompt_len"),
+            out_dist,
+            turn_gap_s=spec.turn_gap_s,
+            system_prompt_len=spec.system_prompt_len,
+            **common,
+        )
     if spec.kind == "shared_prefix":
         return shared_prefix_requests(
             spec.num_requests,
