@@ -183,3 +183,17 @@ def test_lpm_admits_the_longest_cached_prefix_first(fresh_seed):
         assert order[1] == want_second, (policy, order)
     with pytest.raises(ValueError, match=r"scheduler=lpm .* needs engine\.prefix_caching"):
         LLM("tiny", scheduler="lpm", warmup=False, **KW)
+
+
+def test_fp8_pages_are_shared_with_their_scales(fresh_seed, monkeypatch):
+    """FP8 KV pages (per-page-and-head scales stored by page index): a hit shares a page with its
+    scales, and the outputs equal the cache-off engine's on the same fp8 pages. A page's fp8
+    rounding depends on how its tokens were chunked (its scale grows as it fills, see
+    `paged_attention/fp8.py`), so every prompt here is prefilled whole: a budget of 512 tokens."""
+    monkeypatch.setitem(KW, "max_num_batched_tokens", 512)
+    prompts, sampling = _workload(fresh_seed)
+    off, _, _ = _run(prompts, sampling, kv_dtype="float8_e4m3fn")
+    on, cached, engine = _run(prompts, sampling, kv_dtype="float8_e4m3fn", prefix_caching=True)
+    assert sum(cached) >= 64 * 3, cached
+    assert on == off, f"seed {fresh_seed}"
+    assert engine.compiles_after_warmup == 0
