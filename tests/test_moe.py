@@ -214,12 +214,13 @@ EP_SCRIPT = """
     weights, routed = route(cfg.moe, p, h)
     skewed = jnp.stack([jnp.full(37, 5), jnp.full(37, 6), jnp.full(37, 7)], 1).astype(jnp.int32)
     padded = routed.at[30:].set(16)  # padding tokens: no expert
+    # one compile per mesh size, shared by the three routings
+    ep = {n: jax.jit(lambda *a, mesh=make_mesh({"expert": n}): expert_parallel_experts(*a, mesh))
+          for n in (2, 4, 8)}
     for name, experts in (("router", routed), ("all to one device", skewed), ("padding", padded)):
         want, want_sizes = routed_experts(h, weights, experts, *w)
         for n in (2, 4, 8):
-            mesh = make_mesh({"expert": n})
-            got, sizes = jax.jit(lambda *a: expert_parallel_experts(*a, mesh))(h, weights,
-                                                                               experts, *w)
+            got, sizes = ep[n](h, weights, experts, *w)
             np.testing.assert_allclose(got, want, atol=1e-5, err_msg=f"seed {seed} {name} ep {n}")
             np.testing.assert_array_equal(sizes, want_sizes, err_msg=f"{name} ep {n}")
 
