@@ -111,6 +111,14 @@ def run_point(llm: LLM, engine: dict, warmup_s: float, method: str, batch: int, 
     return row, tokens
 
 
+def divergence(tokens: list[list[int]], base: list[list[int]]) -> dict:
+    """How far each request's output agrees with the plain run's: the requests that differ, and
+    the index of the first differing token of each (where bf16 rounding flipped a near-tie)."""
+    firsts = [next((i for i, (a, b) in enumerate(zip(t, u, strict=False)) if a != b),
+                   min(len(t), len(u))) for t, u in zip(tokens, base, strict=True) if t != u]  # fmt: skip
+    return {"diverged_requests": len(firsts), "first_divergence": firsts}
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -172,7 +180,8 @@ def main(argv=None) -> None:
                 base[wl, batch] = tokens, row["output_tok_s"]
             base_tokens, base_tok_s = base[wl, batch]
             row.update(workload=wl, speedup=round(row["output_tok_s"] / base_tok_s, 3),
-                       same_output_as_none=tokens == base_tokens)  # fmt: skip
+                       same_output_as_none=tokens == base_tokens,
+                       **divergence(tokens, base_tokens))  # fmt: skip
             result["rows"].append(row)
             args.out.write_text(json.dumps(result, indent=1) + "\n")  # (kept as it goes)
             print(f"{wl:8s} batch {batch:3d} {method:18s} {row['output_tok_s']:9.1f} tok/s "
