@@ -17,7 +17,7 @@ import pytest
 
 from jaxinfer.engine.llm import LLM
 from jaxinfer.engine.ngram import NgramProposer, ngram_drafts
-from jaxinfer.engine.request import SamplingParams
+from jaxinfer.engine.request import SamplingParams, Sequence
 
 KW = dict(max_num_seqs=4, max_num_batched_tokens=64, num_pages=64, page_size=16,
           max_model_len=256)  # fmt: skip
@@ -120,7 +120,15 @@ def test_speculative_output_equals_plain_output_token_for_token(fresh_seed, deco
     records = engine.step_records
     drafted = sum(r.draft_tokens for r in records)
     accepted = sum(r.accepted_draft_tokens for r in records)
-    assert drafted > 0 and accepted > 0, (drafted, accepted)  # the motif is drafted and kept
+    assert drafted > 0, f"seed {fresh_seed}"  # the motif is drafted
+    # Kept, if any draft could be: a position whose n-gram draft (from the same context) starts
+    # with the token that came there is a verification's start, or inside a run already kept.
+    keepable = any(
+        engine.proposer.propose(Sequence(0, p, sp, output_token_ids=out[:i]))[:1] == [out[i]]
+        for p, sp, out in zip(prompts, sampling, spec, strict=True)
+        for i in range(1, len(out) - 1)  # (token 0 is the prefill's: never a draft)
+    )  # fmt: skip
+    assert accepted > 0 or not keepable, (f"seed {fresh_seed}", drafted, accepted)
     verifications = sum(sum(r.accepted_hist or []) for r in records)
     # each verification made 1 + its kept drafts of the tokens after a sequence's first (the
     # prefill's); decodes without drafts (no n-gram recurred) are not verifications
