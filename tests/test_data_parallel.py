@@ -44,7 +44,9 @@ PROCESS_SCRIPT = textwrap.dedent("""
         from jaxinfer.engine.llm import LLM
         from jaxinfer.engine.request import SamplingParams
         rng = np.random.default_rng(int(sys.argv[1]))  # the test's fresh seed
-        prompts = [rng.integers(1, 4000, int(n)).tolist() for n in rng.integers(3, 40, N - 1)]
+        prefix = rng.integers(1, 4000, 32).tolist()  # two full pages every prompt shares
+        prompts = [prefix + rng.integers(1, 4000, int(n)).tolist()
+                   for n in rng.integers(3, 24, N - 1)]
         prompts.insert(5, [])  # a bad request fails alone
         sp = SamplingParams(max_tokens=6, ignore_eos=True)
         kw = dict(max_num_seqs=4, max_num_batched_tokens=32, num_pages=32, page_size=16,
@@ -52,13 +54,16 @@ PROCESS_SCRIPT = textwrap.dedent("""
         single = LLM("tiny", setup=trim, **kw)
         assert single.engine.__class__.__name__ == "Engine"  # "auto" with 1 replica: in process
         one = single.generate(prompts, sp)
-        llm = LLM("tiny", data_parallel=2, setup=trim, **kw)  # "auto": processes for 2 replicas
+        # "auto": processes for 2 replicas, each with its own prefix cache
+        llm = LLM("tiny", data_parallel=2, setup=trim, prefix_caching=True, **kw)
         eng = llm.engine
         two = llm.generate(prompts, sp)
         again = llm.generate(prompts[:3], sp)  # a second run on the same workers
         print(json.dumps({
             "one": [o.token_ids for o in one], "two": [o.token_ids for o in two],
             "again": [o.token_ids for o in again], "ids": [o.request_id for o in two],
+            "again_cached": [o.num_cached_tokens for o in again],
+            "again_assign": [eng.assignments[N + i] for i in range(3)],
             "errors": [o.error for o in two], "assign": [eng.assignments[i] for i in range(N)],
             "stats": eng.replica_stats, "compiles": eng.compiles_after_warmup,
             "workers": eng.worker_info, "pids": [p.pid for p in eng._procs], "me": os.getpid(),
@@ -68,8 +73,10 @@ PROCESS_SCRIPT = textwrap.dedent("""
 
 
 def test_process_replicas_serve_one_queue_with_one_engines_tokens(tmp_path: Path, fresh_seed):
-    """One worker process per replica (on the CPU here): same greedy tokens as one engine, both
-    take work, a bad request fails alone, a second run reuses the workers, 0 compiles.
+    """One worker process per replica (on the CPU here): same greedy tokens as one engine (the
+    replicas with prefix caching on, the one engine with it off), both take work, a bad request
+    fails alone, a second run reuses the workers and finds the shared prefix in the cache of
+    whichever replica takes it, 0 compiles.
 
     Three engines of 4 executables each (one token bucket, no decode scans: every replica is a
     whole Engine, whose scans are tested on their own): ~10 s on an idle 2-core machine. The
@@ -88,6 +95,8 @@ def test_process_replicas_serve_one_queue_with_one_engines_tokens(tmp_path: Path
     assert out["errors"][5] and "empty" in out["errors"][5]
     assert out["ids"] == list(range(n))
     assert out["again"] == [out["one"][i] for i in range(3)]
+    # every replica computed the shared prefix in the first run: its pages serve the second
+    assert all(c >= 32 for c in out["again_cached"]), (out["again_cached"], out["again_assign"])
     assert sorted(set(out["assign"])) == [0, 1]  # both workers took work from the one queue
     assert sum(s["requests"] for s in out["stats"]) == 3  # the last run's requests
     assert out["compiles"] == 0
