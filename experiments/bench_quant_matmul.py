@@ -10,6 +10,10 @@ reference on the same inputs. Results are written after every row.
 
     PYTHONPATH=. python3 experiments/bench_quant_matmul.py --out $OUT/quant_matmul.json
     python experiments/bench_quant_matmul.py --smoke --out /tmp/qm.json   # CPU, interpreter
+
+`--configs` times the kernel under each set of its options (`default`, or e.g.
+`num_splits=4,num_stages=3`; a `w4_pallas` row per config, its `config` field naming it);
+`--impls` picks which of the three impls run; `--shapes 14336:4096` picks (n, k).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from pallas_kernels.matmul import FORMATS, w4_matmul, w4_matmul_ref
 
 SHAPES = ((14336, 4096), (4096, 14336))  # (n, k): Llama-3-8B's up/gate and down projections
 MS = (1, 16, 64)
+IMPLS = ("w4_pallas", "xla_dequant", "xla_bf16")
 SMOKE = dict(shapes=((128, 256),), ms=(1,))
 TIMING_METHOD = (
     "one jitted lax.fori_loop of N iterations (N traced, so one compile) around the op; each "
@@ -85,6 +90,19 @@ def nbytes(arrays: dict) -> int:
     return int(sum(a.size * a.dtype.itemsize for a in arrays.values()))
 
 
+def parse_config(text: str) -> dict:
+    """`default` -> {}; `num_splits=4,num_stages=3` -> {"num_splits": 4, "num_stages": 3}."""
+    if text == "default":
+        return {}
+    out = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or key not in ("num_splits", "num_stages") or not value.isdigit():
+            raise ValueError(f"--configs: {item!r} is not num_splits=N or num_stages=N")
+        out[key] = int(value)
+    return out
+
+
 def bench_case(fmt, m, n, k, args, *, with_bf16: bool, interpret: bool) -> list[dict]:
     key = jax.random.key(zlib.crc32(f"{fmt} {m} {n} {k}".encode()))
     kx, kw = jax.random.split(key)
@@ -93,20 +111,24 @@ def bench_case(fmt, m, n, k, args, *, with_bf16: bool, interpret: bool) -> list[
     ref = np.asarray(w4_matmul_ref(x, **arrays, fmt=fmt))
     wf = WEIGHT_FORMATS[fmt]
     kernel_opts = {"interpret": True} if interpret else {}
-    impls = {
-        "w4_pallas": (
-            lambda x, w: w4_matmul(x, **w, fmt=fmt, backend="pallas", **kernel_opts),
-            arrays,
-        ),
-        "xla_dequant": (lambda x, w: wf.matmul(x, QuantizedWeight(w, wf, 1)), arrays),
-    }
-    if with_bf16:
+    impls = []  # (impl, config, op, weight arrays)
+    if "w4_pallas" in args.impls:
+        for config in args.configs:
+            opts = {**kernel_opts, **parse_config(config)}
+            impls.append(("w4_pallas", config, lambda x, w, o=opts: w4_matmul(
+                x, **w, fmt=fmt, backend="pallas", **o), arrays))  # fmt: skip
+    if "xla_dequant" in args.impls:
+        impls.append(("xla_dequant", None,
+                      lambda x, w: wf.matmul(x, QuantizedWeight(w, wf, 1)), arrays))  # fmt: skip
+    if with_bf16 and "xla_bf16" in args.impls:
         w_bf16 = {"w": wf.dequantize(QuantizedWeight(arrays, wf, 1)).astype(jnp.bfloat16)}
-        impls["xla_bf16"] = (lambda x, w: jnp.dot(x, w["w"]), w_bf16)
+        impls.append(("xla_bf16", None, lambda x, w: jnp.dot(x, w["w"]), w_bf16))
     rows = []
-    for impl, (op, w) in impls.items():
+    for impl, config, op, w in impls:
         row = dict(impl=impl, fmt=fmt if impl != "xla_bf16" else "bf16", m=m, n=n, k=k,
                    weight_bytes=nbytes(w))  # fmt: skip
+        if config is not None:
+            row["config"] = config
         try:
             err = np.asarray(jax.jit(op)(x, w), np.float32) - ref
             row["rel_err"] = float(np.linalg.norm(err) / np.linalg.norm(ref))
@@ -124,6 +146,20 @@ def parse_args(argv):
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
     p.add_argument("--m", type=int, nargs="+", default=None, help=f"tokens (default {MS})")
+    p.add_argument(
+        "--configs",
+        nargs="+",
+        default=["default"],
+        help="kernel options per w4_pallas row: default, or num_splits=N,num_stages=N",
+    )
+    p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    p.add_argument(
+        "--shapes",
+        nargs="+",
+        default=None,
+        metavar="N:K",
+        help=f"(n, k) weight shapes (default {' '.join(f'{n}:{k}' for n, k in SHAPES)})",
+    )
     p.add_argument("--min-loop-ms", type=float, default=50.0)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--smoke", action="store_true",
@@ -131,6 +167,18 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if any(not 1 <= m <= 256 for m in args.m or ()):
         p.error(f"--m: tokens must be in 1..256, got {args.m}")
+    for config in args.configs:
+        try:
+            parse_config(config)
+        except ValueError as e:
+            p.error(str(e))
+    if args.shapes is not None:
+        try:
+            args.shapes = [tuple(int(v) for v in s.split(":")) for s in args.shapes]
+        except ValueError:
+            p.error(f"--shapes: each must be N:K (integers), got {args.shapes}")
+        if any(len(s) != 2 for s in args.shapes):
+            p.error(f"--shapes: each must be N:K, got {args.shapes}")
     return args
 
 
@@ -138,7 +186,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if not args.smoke:
         require_gpu("bench_quant_matmul.py", "--smoke")
-    shapes = SMOKE["shapes"] if args.smoke else SHAPES
+    shapes = args.shapes or (SMOKE["shapes"] if args.smoke else SHAPES)
     ms = args.m or (SMOKE["ms"] if args.smoke else MS)
     if args.smoke:
         args.min_loop_ms, args.repeats = 0.0, 1

@@ -42,6 +42,29 @@ def make_weight(rng: np.random.Generator, fmt: str, k: int, n: int) -> dict:
     return arrays
 
 
+@pytest.mark.parametrize("fmt", list(PARTS))
+def test_decoders_give_every_code_the_reference_value(fresh_seed, fmt):
+    """The kernel's decode (the format's `W4Decode`: value, group rows, step and output scales)
+    of every code 0..15 under random group parts is exactly the reference's dequantized weight."""
+    rng = np.random.default_rng(fresh_seed)
+    dec = DECODERS[fmt]
+    k, n = 128, 64  # one K step: every code appears in both nibbles of some column
+    w = make_weight(rng, fmt, k, n)
+    ref = np.asarray(dequantize(**w, fmt=fmt))
+    v = w["values"].astype(jnp.int32)
+    codes = jnp.stack([v & 0xF, v >> 4], axis=1).reshape(k, n)
+    rows = {name: jnp.repeat(dec.to_f32(name, w[name]), dec.group, axis=0)
+            for name, _ in dec.grouped}  # fmt: skip
+    got = dec.value(codes, {n_: r for n_, r in rows.items() if n_ != dec.step_scale})
+    if dec.step_scale is not None:
+        got = got * rows[dec.step_scale]
+    if dec.output_scale is not None:
+        got = got * w[dec.output_scale]
+    assert set(np.unique(np.asarray(codes))) == set(range(16))
+    np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-6, atol=0,
+                               err_msg=f"{fmt}: seed {fresh_seed}")  # fmt: skip
+
+
 def check_case(seed: int, fmt: str, m: int, k: int, n: int, **kw) -> None:
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)

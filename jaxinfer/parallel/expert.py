@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxinfer.models.moe import combine, expert_ffn, sort_rows
+from jaxinfer.models.moe import combine, expert_ffn, sort_rows, unsort
 
 AXIS = "expert"
 
@@ -107,7 +107,7 @@ def _local(h, weights, experts, w_gate_up, w_down, *, n: int, num_experts: int, 
         r_order = jnp.argsort(recv_ids, stable=True)
         sizes = jnp.bincount(recv_ids, length=per_device).astype(jnp.int32)
         y = expert_ffn(recv[r_order], sizes, w_gate_up, w_down, backend)
-        y = jnp.zeros_like(y).at[r_order].set(y).reshape(n, cap, -1)
+        y = unsort(y, r_order).reshape(n, cap, -1)
         back = lax.all_to_all(y, AXIS, 0, 0)  # back[p]: my rows' outputs from peer p
         got = back.at[peer, slot].get(mode="fill", fill_value=0)
         return jnp.where((peer < n)[:, None], got, 0)

@@ -32,17 +32,24 @@ class W4Decode:
     to_f32: Callable[[str, jax.Array], jax.Array]
     value: Callable[[jax.Array, dict[str, jax.Array]], jax.Array]
     output_scale: str | None = None
+    # A grouped part whose group is the kernel's whole K step (128 inputs): it scales the step's
+    # product row by row instead of every decoded value, and `value` leaves it out.
+    step_scale: str | None = None
 
 
-def e2m1(codes: jax.Array) -> jax.Array:
-    """E2M1 codes -> fp32 arithmetically: exponent e = bits 1..2, mantissa bit 0, sign bit 3;
-    |v| = (2 * [e > 0] + mantissa) * 2^(max(e, 1) - 2)."""
-    e = (codes >> 1) & 3
-    mant = (codes & 1).astype(jnp.float32)
-    lead = jnp.where(e > 0, 2.0, 0.0)
-    pow2 = jnp.where(e == 3, 2.0, jnp.where(e == 2, 1.0, 0.5))
-    mag = (lead + mant) * pow2
-    return jnp.where(codes >= 8, -mag, mag)
+# 2 |v| of the E2M1 magnitudes 0..7 (0, 0.5, 1, 1.5, 2, 3, 4, 6), one per nibble of an int32
+# (nibble i for code i): 0xC8643210 read as a signed int32
+_E2M1_TWICE = 0xC8643210 - (1 << 32)
+
+
+def e2m1_twice(codes: jax.Array) -> jax.Array:
+    """2 x the E2M1 value of int32 codes (0..15), fp32: the magnitude's nibble of a constant
+    shifted out (4 integer ops, no selects; the arithmetic shift's sign bits are masked off),
+    converted, and the code's sign bit (3) moved to fp32's sign bit (31). The 1/2 goes into the
+    group scales (`_half_scales`), which are per group, not per value."""
+    twice = (jnp.full(codes.shape, _E2M1_TWICE, jnp.int32) >> ((codes & 7) << 2)) & 0xF
+    bits = lax.bitcast_convert_type(twice.astype(jnp.float32), jnp.int32)
+    return lax.bitcast_convert_type(bits | ((codes & 8) << 28), jnp.float32)
 
 
 def e8m0(codes: jax.Array) -> jax.Array:
@@ -59,28 +66,35 @@ def _to_f32(name: str, raw: jax.Array) -> jax.Array:
     return raw.astype(jnp.float32)
 
 
+def _half_scales(name: str, raw: jax.Array) -> jax.Array:
+    """A group scale of an E2M1 format, halved: `e2m1_twice` decodes 2 x the value (exact: a
+    power of two)."""
+    return 0.5 * _to_f32(name, raw)
+
+
 DECODERS = {
     "int4_g128_sym": W4Decode(
         "int4_g128_sym",
         GROUP_SIZES["int4_g128_sym"],
         (("scales", jnp.float32),),
         _to_f32,
-        lambda q, r: (q - 8).astype(jnp.float32) * r["scales"],
+        lambda q, r: (q - 8).astype(jnp.float32),
+        step_scale="scales",
     ),
     "nvfp4": W4Decode(
         "nvfp4",
         GROUP_SIZES["nvfp4"],
         (("block_scales", jnp.float8_e4m3fn),),
-        _to_f32,
-        lambda q, r: e2m1(q) * r["block_scales"],
+        _half_scales,
+        lambda q, r: e2m1_twice(q) * r["block_scales"],
         output_scale="tensor_scale",
     ),
     "mxfp4": W4Decode(
         "mxfp4",
         GROUP_SIZES["mxfp4"],
         (("scales", jnp.uint8),),
-        _to_f32,
-        lambda q, r: e2m1(q) * r["scales"],
+        _half_scales,
+        lambda q, r: e2m1_twice(q) * r["scales"],
     ),
     "q4_1": W4Decode(
         "q4_1",
@@ -92,3 +106,5 @@ DECODERS = {
 }
 assert all(set(PARTS[f]) == {n for n, _ in d.grouped} | {d.output_scale} - {None}
            for f, d in DECODERS.items())  # fmt: skip
+assert all(d.step_scale is None or (d.group == 128 and d.step_scale in dict(d.grouped))
+           for d in DECODERS.values())  # fmt: skip

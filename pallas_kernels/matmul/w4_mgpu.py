@@ -25,8 +25,9 @@ How the work is cut
   warpgroup, were waited for, and every warp read the slot's weight tile before them). The uint8 tile is loaded from its
   transposed view (outputs as rows) in `WGMMA_TRANSPOSED` layout, widened to int32, relaid to the
   WGMMA layout, decoded with the per-group rows broadcast along the row (a select per group
-  boundary in the tile: 0 for int4_g128, 7 for nvfp4's 16-input groups), cast to bf16 and fed to
-  wgmma with fp32 accumulation.
+  boundary in the tile: 7 for nvfp4's 16-input groups), cast to bf16 and fed to wgmma with fp32
+  accumulation. A scale whose group is the whole step (int4_g128's) multiplies the step's
+  [64, M_pad] product instead, row by row: M_pad / 2 multiplies a thread, not 32 per code.
 - Grid (N / 64, splits): the K loop is cut into `splits` parts (split-K) so that narrow weights
   still fill the SMs; each part writes fp32 [64, M_pad] partial sums and a small XLA epilogue adds
   the parts, transposes to [M, N], applies an output scale (nvfp4) and casts to x's dtype.
@@ -174,9 +175,15 @@ def _load_codes(v_ref, interpret: bool) -> jax.Array:
     return plgpu.layout_cast(raw.astype(jnp.int32), plgpu.Layout.WGMMA)
 
 
+def _row(dec: W4Decode, name: str, src, shape, interpret: bool) -> jax.Array:
+    """One group entry per output (a [64] row of a part's tile) as fp32, broadcast to `shape`."""
+    raw = src[...] if interpret else plgpu.load(src, (), layout=plgpu.Layout.WGMMA.reduce(1))
+    return lax.broadcast_in_dim(dec.to_f32(name, raw), shape, [0])
+
+
 def _group_rows(dec: W4Decode, p_refs, slot, interpret: bool) -> dict:
-    """Each grouped part of the step as fp32 [64 outputs, 64 packed rows]: packed column j (inputs
-    2j and 2j + 1 of the step) takes its group's entry, (2j) // group."""
+    """Each grouped part of the step (but the step scale) as fp32 [64 outputs, 64 packed rows]:
+    packed column j (inputs 2j and 2j + 1 of the step) takes its group's entry, (2j) // group."""
     shape = (TILE_N, PACKED_K)
     cols = dec.group // 2  # packed columns per group
     col = None
@@ -184,14 +191,11 @@ def _group_rows(dec: W4Decode, p_refs, slot, interpret: bool) -> dict:
         col = _cast(interpret, lax.broadcasted_iota(jnp.int32, shape, 1), plgpu.Layout.WGMMA)
     rows = {}
     for (name, _), ref in zip(dec.grouped, p_refs, strict=True):
+        if name == dec.step_scale:
+            continue
         full = None
         for g in range(PACKED_K // cols):
-            src = ref.at[slot, g]
-            if interpret:
-                raw = src[...]
-            else:
-                raw = plgpu.load(src, (), layout=plgpu.Layout.WGMMA.reduce(1))
-            b = lax.broadcast_in_dim(dec.to_f32(name, raw), shape, [0])
+            b = _row(dec, name, ref.at[slot, g], shape, interpret)
             full = b if full is None else jnp.where(col >= g * cols, b, full)
         rows[name] = full
     return rows
@@ -235,8 +239,13 @@ def _build_kernel(*, m_pad: int, k: int, n: int, fmt: str, num_stages: int, num_
             lo = dec.value(codes & 0xF, rows).astype(jnp.bfloat16)  # W_even^T
             hi = dec.value(codes >> 4, rows).astype(jnp.bfloat16)  # W_odd^T
             # (wgmma_dot reads its accumulator: both products are done with the slot after it)
-            acc = acc + wgmma_dot(lo, xe_s.at[slot], interpret=interpret, transpose_b=True)
-            acc = acc + wgmma_dot(hi, xo_s.at[slot], interpret=interpret, transpose_b=True)
+            prod = wgmma_dot(lo, xe_s.at[slot], interpret=interpret, transpose_b=True)
+            prod = prod + wgmma_dot(hi, xo_s.at[slot], interpret=interpret, transpose_b=True)
+            if dec.step_scale is not None:  # one scale per output for the whole step
+                ref = p_s[[n for n, _ in dec.grouped].index(dec.step_scale)]
+                prod = prod * _row(dec, dec.step_scale, ref.at[slot, 0], (TILE_N, m_pad),
+                                   interpret)  # fmt: skip
+            acc = acc + prod
 
             @pl.when(i + num_stages < per)
             def _refill():
