@@ -72,6 +72,7 @@ from jaxinfer.metrics.hf_baseline import left_padded_generate
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.presets import preset
 from jaxinfer.models.spec import param_bytes
+from jaxinfer.parallel.sharding import MESH_AXES
 from jaxinfer.provenance import provenance, require_gpu
 from jaxinfer.quant import WEIGHT_FORMATS
 from jaxinfer.workload.generate import synthetic_requests
@@ -108,8 +109,9 @@ METHODS = {
         "layer for the mean attended length of a scan's steps, context + (decode_steps + 1) / "
         "2, in the pool's dtype (plus per-page scales for FP8 pools). MoE: each MoE layer "
         "counts only its experts that got rows, experts_active_per_layer, measured on the "
-        "timed scans (the decode batch is padded to `rows`, but padding routes nowhere). ratio "
-        "= step_ms / roofline_ms."
+        "timed scans (the decode batch is padded to `rows`, but padding routes nowhere). On a "
+        "mesh with a model axis of T devices (--mesh model=T) each device reads 1/T of those "
+        "bytes at once: the roofline is divided by T. ratio = step_ms / roofline_ms."
     ),
     "throughput": (
         "offline: every request added at t=0 (LLM.generate), greedy, ignore_eos, max_tokens = "
@@ -280,6 +282,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--async-schedule", type=int, choices=[0, 1], default=1,
                     help="engine.async_schedule (1: dispatch each mixed step before reading the "
                          "previous one's tokens)")  # fmt: skip
+    ap.add_argument("--mesh", nargs="+", default=[], metavar="AXIS=SIZE",
+                    help="engine.mesh, e.g. --mesh model=4 or --mesh data=2 model=4 (tensor "
+                         "parallel over the model axis; default: one device)")  # fmt: skip
     ap.add_argument("--decode-buckets", type=int, nargs="+", default=None,
                     help="engine decode_buckets: row buckets of the decode scans (default: the "
                          "engine's)")  # fmt: skip
@@ -296,6 +301,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--compile-cache", default="/tmp/jaxinfer_jax_cache",
                     help="JAX persistent compilation cache directory ('' disables)")  # fmt: skip
     args = ap.parse_args(argv)
+    mesh = {}
+    for item in args.mesh:
+        axis, _, size = item.partition("=")
+        if axis not in MESH_AXES or not size.isdigit() or int(size) < 1 or axis in mesh:
+            ap.error(f"--mesh: {item!r}: want AXIS=SIZE, AXIS one of {', '.join(MESH_AXES)}, "
+                     "each once")  # fmt: skip
+        mesh[axis] = int(size)
+    args.mesh = mesh
     defaults = SMOKE if args.smoke else FULL
     for key, value in defaults.items():
         if key != "workloads" and getattr(args, key) is None:
@@ -462,7 +475,7 @@ def time_decode(llm: LLM, batch: int, context: int, pages: np.ndarray, args) -> 
     if cfg.moe is not None:  # experts with rows per MoE layer, over the scan's real rows' steps
         active = float(np.mean(jax.device_get(last[0][5][1])))
     weight_bytes = weight_bytes_per_step(cfg, batch, active)
-    roofline_s = (weight_bytes + kv_bytes) / HBM_BYTES_PER_S
+    roofline_s = (weight_bytes + kv_bytes) / HBM_BYTES_PER_S / args.mesh.get("model", 1)
     return {
         "batch": batch,
         "context": context,
@@ -851,6 +864,8 @@ def engine_options(args, workloads: dict[str, list[WorkloadRequest]]) -> dict:
         options["kv_dtype"] = args.kv_dtype
     if args.decode_buckets:
         options["decode_buckets"] = list(args.decode_buckets)
+    if args.mesh:
+        options["mesh"] = dict(args.mesh)
     if args.quant != "none":  # (absent for plain runs: their engine options read as before)
         options["quant"] = {"weights": args.quant}
     if args.num_draft_tokens:  # decode rows time verification rounds of 1 + G rows per sequence
@@ -1019,6 +1034,9 @@ def main(argv=None) -> dict:
         result["attention_backend"] = {"requested": args.attention_backend, "resolved": backend}
         result["moe_backend"] = {"requested": args.moe_backend,
                                  "resolved": llm.engine.runner.moe_backend}  # fmt: skip
+        runner = llm.engine.runner  # the decode scans' XLA options as compiled (graphs or not)
+        result["decode_cuda_graphs"] = runner.decode_cuda_graphs
+        result["decode_compiler_options"] = runner._compiler_options("decode")
         result["warmup_s"] = warmup.pop("warmup_s")
         result["warmup"] = warmup
         result["compiles_after_warmup"] = llm.engine.compiles_after_warmup

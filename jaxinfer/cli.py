@@ -4,6 +4,8 @@ jaxinfer quickstart [--out runs/quickstart]      greedy generation with a tiny m
 jaxinfer generate --model MODEL --prompt TEXT    continuation (or --chat MESSAGE: a reply) from a model
 jaxinfer run CONFIG [k=v ...]                    one serving experiment (experiment/run.py)
 jaxinfer sweep CONFIG [k=v ...] [--grid k=a,b]   a parameter sweep of `run` (experiment/sweep.py)
+jaxinfer serve [CONFIG] [--model M] [k=v ...]    an OpenAI-compatible server (serve/server.py)
+jaxinfer bench serve --base-url URL [k=v ...]    online benchmark of such a server (serve/bench.py)
 
 Options and positionals may come in any order. A user's error (a config value, a checkpoint, a
 missing file) is one line, `jaxinfer COMMAND: error: MESSAGE`, exit status 2; `jaxinfer --debug
@@ -203,9 +205,14 @@ def train(args: argparse.Namespace) -> int:
     """Train (or resume) a reference model, export it in HF format, report held-out perplexity."""
     from jaxinfer.checkpoint import save_hf_model
     from jaxinfer.train.config import load_train_config
+    from jaxinfer.train.eagle import is_eagle_config, load_eagle_config, train_eagle
     from jaxinfer.train.evaluate import heldout_perplexity
     from jaxinfer.train.trainer import train as run_training
 
+    if is_eagle_config(args.config, args.overrides):  # an EAGLE draft head (train/eagle.py)
+        summary = train_eagle(load_eagle_config(args.config, args.overrides))
+        print(json.dumps({k: summary[k] for k in ("name", "head_params", "heldout_agreement")}))
+        return 0
     tc = load_train_config(args.config, args.overrides)
     cfg, params, summary = run_training(tc, show_progress=not args.no_progress)
     out = Path(tc.out_dir)
@@ -291,6 +298,56 @@ def sweep(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+def _config_and_overrides(args: argparse.Namespace) -> tuple[Path | None, list[str]]:
+    """The optional CONFIG positional, and the overrides: a first `key=value` is one of them."""
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in str(config) and not config.exists():
+        config, overrides = None, [str(config), *overrides]
+    return config, overrides
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Load and warm the model, then serve the OpenAI API until interrupted."""
+    from jaxinfer.serve.server import Server, build_llm, load_serve_config
+
+    config, overrides = _config_and_overrides(args)
+    for flag, key in ((args.model, "engine.model"), (args.host, "serve.host"),
+                      (args.port, "serve.port")):  # fmt: skip
+        if flag is not None:
+            overrides.append(f"{key}={flag}")
+    sc = load_serve_config(config, overrides)
+    print(f"jaxinfer serve: loading {sc.engine.model} and compiling every batch shape...")
+    server = Server(build_llm(sc), sc.serve)
+    print(f"jaxinfer serve: {sc.engine.model} at {server.base_url} (Ctrl-C stops)", flush=True)
+    server.serve_forever()
+    return 0
+
+
+def bench_serve(args: argparse.Namespace) -> int:
+    """Benchmark an OpenAI-compatible server with a workload, measured at the client."""
+    from jaxinfer.experiment.run import fresh_results_dir
+    from jaxinfer.serve.bench import load_bench_config, run_bench
+
+    config, overrides = _config_and_overrides(args)
+    for flag, key in ((args.base_url, "base_url"), (args.model, "model"),
+                      (args.endpoint, "endpoint"), (args.max_concurrency, "max_concurrency"),
+                      (args.num_prompts, "workload.num_requests"), (args.out, "out_dir")):  # fmt: skip
+        if flag is not None:
+            overrides.append(f"{key}={flag}")
+    if args.request_rate is not None:
+        process = "poisson" if args.burstiness in (None, 1.0) else "gamma"
+        overrides += [f"workload.arrival.process={process}",
+                      f"workload.arrival.rate={args.request_rate}"]  # fmt: skip
+        if args.burstiness is not None:
+            overrides.append(f"workload.arrival.burstiness={args.burstiness}")
+    bc = load_bench_config(config, overrides)
+    out = fresh_results_dir(bc.out_dir, overwrite=args.overwrite)
+    bc = dataclasses.replace(bc, out_dir=str(out))
+    metrics = run_bench(bc, show_progress=not args.no_progress)
+    print(f"results: {out}\nreport:  jaxinfer report {shlex.quote(str(out))}")
+    return 0 if metrics["num_completed"] else 1
+
+
 def report(args: argparse.Namespace) -> int:
     """Markdown report with plots of run or sweep results folders."""
     from jaxinfer.experiment.report import default_out, write_report
@@ -346,7 +403,7 @@ class CommandParser(argparse.ArgumentParser):
         self._parsing = False
 
     def parse_known_args(self, args=None, namespace=None):
-        if self._parsing:  # (the intermixed parse's own two passes)
+        if self._parsing or self._subparsers is not None:  # (intermixed: no subcommands)
             return super().parse_known_args(args, namespace)
         self._parsing = True
         try:
@@ -439,6 +496,44 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", type=Path, default=None, help="JSON results file (default: none)")
     e.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     e.set_defaults(func=eval_ppl)
+    v = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    v.add_argument("config", type=Path, nargs="?", default=None,
+                   help="YAML with an engine: section (a run config works) and an optional "
+                        "serve: section (jaxinfer/serve/server.py: ServeOptions)")  # fmt: skip
+    v.add_argument("overrides", nargs="*", help="dotted key=value overrides, as in "
+                   "engine.max_num_seqs=64 serve.max_queue=512")  # fmt: skip
+    v.add_argument("--model", default=None, help="engine.model: tiny, smollm2, preset:NAME, a "
+                   "HF directory or a .gguf file")  # fmt: skip
+    v.add_argument("--host", default=None, help="serve.host (default 127.0.0.1)")
+    v.add_argument("--port", type=int, default=None, help="serve.port (default 8000)")
+    v.set_defaults(func=serve)
+    b = sub.add_parser("bench", help="benchmarks: `bench serve` measures a running server")
+    bsub = b.add_subparsers(dest="bench_command", required=True, parser_class=CommandParser,
+                            help="serve: an OpenAI-compatible server, from its clients' side")  # fmt: skip
+    bs = bsub.add_parser("serve", help="online benchmark of an OpenAI-compatible server",
+                         description="Client-side TTFT, TPOT, ITL, E2E, goodput and throughput "
+                         "of a workload sent to an OpenAI-compatible server, as vllm bench "
+                         "serve defines them (jaxinfer/serve/bench.py says where they differ); "
+                         "results in a run folder `jaxinfer report` reads.")  # fmt: skip
+    bs.add_argument("config", type=Path, nargs="?", default=None,
+                    help="YAML: a run config's workload / slo sections, or a bench config "
+                         "(jaxinfer/serve/bench.py: BenchConfig)")  # fmt: skip
+    bs.add_argument("overrides", nargs="*", help="dotted key=value overrides, as in "
+                    "workload.num_requests=200 slo.ttft=0.5")  # fmt: skip
+    bs.add_argument("--base-url", default=None, help="the server's API root (default "
+                    "http://127.0.0.1:8000/v1)")  # fmt: skip
+    bs.add_argument("--model", default=None, help="default: the first of GET /v1/models")
+    bs.add_argument("--endpoint", default=None, choices=["completions", "chat"])
+    bs.add_argument("--max-concurrency", type=int, default=None, help="requests in flight")
+    bs.add_argument("--request-rate", type=float, default=None,
+                    help="Poisson arrivals at this rate (req/s; inf: all at once)")  # fmt: skip
+    bs.add_argument("--burstiness", type=float, default=None,
+                    help="gamma arrivals of this shape at --request-rate (1: Poisson)")  # fmt: skip
+    bs.add_argument("--num-prompts", type=int, default=None, help="workload.num_requests")
+    bs.add_argument("--out", default=None, help="results folder (default runs/bench_serve)")
+    bs.add_argument("--overwrite", action="store_true", help="write into --out even if used")
+    bs.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bs.set_defaults(func=bench_serve)
     p = sub.add_parser("report", help="Markdown report and plots of run or sweep results")
     p.add_argument("results", nargs="+", type=Path, help="run or sweep folders (several: compared)")
     p.add_argument("--out", type=Path, default=None,

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from jaxinfer.engine.config import EngineConfig
 from jaxinfer.metrics.device_trace import hlo_category, summarize_trace
 from jaxinfer.models.presets import preset
 from jaxinfer.models.spec import is_spec, param_specs
@@ -215,11 +216,12 @@ def test_xla_options_flag_types_values_and_layers_on_engine_defaults(bench, refu
     compiler = bench.engine_options(args, {})["compiler_options"]
     assert compiler["decode"] == {"xla_gpu_enable_command_buffer": None,  # XLA's own again
                                   "xla_gpu_enable_triton_gemm": False}  # fmt: skip
+    assert compiler["decode>=64"] == {"xla_gpu_experimental_force_split_k": 1}  # the engine's
     assert compiler["all"] == {"xla_gpu_autotune_level": 2}
     assert compiler["mixed"] == {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS"}
-    # the engine's own default (decode scans without command buffers) is there to override
+    # the engine's own defaults are there to override
     assert bench.engine_options(bench.parse_args(["--smoke", "--out", "/tmp/x.json"]), {})[
-        "compiler_options"]["decode"] == {"xla_gpu_enable_command_buffer": ""}  # fmt: skip
+        "compiler_options"] == EngineConfig().compiler_options  # fmt: skip
     err = refused(bench.parse_args, ["--smoke", "--out", "/tmp/x.json", "--xla-options",
                                      "decode:oops"])  # fmt: skip
     assert "argument --xla-options: 'decode:oops': want KIND:NAME=VALUE" in err

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -275,14 +277,27 @@ def test_compiler_options_reach_each_kinds_compile(model, prompts):
     the tokens unchanged."""
     engine = Engine(EngineConfig(model="preset:tiny", **SMALL), *model)
     runner = engine.runner
-    cmdbuf = {"xla_gpu_enable_command_buffer": ""}
-    assert runner._compiler_options("decode") == cmdbuf  # the defaults
-    assert runner._compiler_options("decode", 32) == cmdbuf
+    # the defaults: tiny is small, so its decode scans keep XLA's CUDA graphs ("auto")
+    assert runner.decode_cuda_graphs and runner._compiler_options("decode") == {}
     for rows in (64, 128, 255):
         assert runner._compiler_options("decode", rows) == {
-            **cmdbuf, "xla_gpu_experimental_force_split_k": 1}  # fmt: skip
-    assert runner._compiler_options("decode", 256) == cmdbuf
+            "xla_gpu_experimental_force_split_k": 1}  # fmt: skip
+    assert runner._compiler_options("decode", 256) == {}
+    cmdbuf = {"xla_gpu_enable_command_buffer": ""}
+    runner.config.decode_cuda_graphs = False  # graphs off: command buffers off, decode only
+    assert runner._compiler_options("decode", 32) == cmdbuf
+    assert runner._compiler_options("decode", 64) == {
+        **cmdbuf,
+        "xla_gpu_experimental_force_split_k": 1,
+    }
     assert runner._compiler_options("mixed", 64) == {}
+    runner.config.compiler_options = {"decode": {"xla_gpu_enable_command_buffer": None}}
+    assert runner._compiler_options("decode") == {}  # the kind's entry overrides the choice
+    runner.config.decode_cuda_graphs = "auto"
+    runner.cfg = dataclasses.replace(runner.cfg, hidden_size=4096)  # "auto" at the 8B's size
+    runner.config.compiler_options = {}
+    assert not runner.decode_cuda_graphs and runner._compiler_options("decode") == cmdbuf
+    runner.cfg = engine.model_config
     runner.config.compiler_options = {"all": {"xla_gpu_graph_min_graph_size": 7},
                                "sample": {"xla_gpu_graph_min_graph_size": None, "xla_bogus": 1}}  # fmt: skip
     assert runner._compiler_options("mixed") == {"xla_gpu_graph_min_graph_size": 7}
@@ -309,6 +324,8 @@ def test_compiler_options_reach_each_kinds_compile(model, prompts):
                        ({"decode>=many": {}}, r"compiler_options.decode>=many")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
             EngineConfig(model="preset:tiny", compiler_options=bad)
+    with pytest.raises(ValueError, match=r"engine.decode_cuda_graphs='yes' is invalid"):
+        EngineConfig(model="preset:tiny", decode_cuda_graphs="yes")
 
 
 def test_max_model_len_past_the_models_positions_is_refused(model):

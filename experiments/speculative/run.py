@@ -12,8 +12,15 @@ run together, all to the same length), greedily (--temperature 0) or sampled, EO
 recorded: output tok/s, the speedup over "none" at the same batch and
 workload, the draft acceptance rate, tokens per verification (tau) and acceptance by draft
 position (`metrics.summary`), and whether the outputs equal "none"'s token for token (they must:
-verification is exact). Methods: none, ngram[:GAMMA], draft:MODEL[:GAMMA], self:LAYERS[:GAMMA]
-(`engine.speculative`; GAMMA defaults to --num-draft-tokens).
+verification is exact). Methods: none, ngram[:GAMMA], draft:MODEL[:GAMMA], self:LAYERS[:GAMMA],
+eagle:HEAD[:GAMMA] (HEAD: a head file from `jaxinfer train configs/train/eagle-*.yaml`, or
+"random"; `engine.speculative`; GAMMA defaults to --num-draft-tokens).
+
+    python experiments/speculative/run.py --methods none ngram self:2 eagle:eagle-tiny \
+        eagle:random --out experiments/results/cpu/speculative_eagle.json    # tiny's heads, CPU
+    python experiments/speculative/run.py --model smollm2 --methods none ngram self:10 \
+        eagle:eagle-smollm2 --batches 1 --max-tokens 64 \
+        --out experiments/results/cpu/speculative_eagle_smollm2.json        # SmolLM2, CPU
 
 Workloads: "grounded", prompts that end asking for a copy of code they contain (an
 input-grounded task where n-gram lookup pays: the output repeats the prompt; Python source of
@@ -69,8 +76,11 @@ def speculative_config(method: str, gamma: int) -> dict:
     if name == "self":
         g = int(args[1]) if len(args) > 1 else gamma
         return {"method": "self", "draft_layers": int(args[0]), "num_draft_tokens": g}
-    raise ValueError(f"--methods: {method!r} is not none, ngram[:G], draft:MODEL[:G] or "
-                     "self:LAYERS[:G]")  # fmt: skip
+    if name == "eagle" and args:
+        g = int(args[1]) if len(args) > 1 else gamma
+        return {"method": "eagle", "eagle_head": args[0], "num_draft_tokens": g}
+    raise ValueError(f"--methods: {method!r} is not none, ngram[:G], draft:MODEL[:G], "
+                     "self:LAYERS[:G] or eagle:HEAD[:G]")  # fmt: skip
 
 
 def build_engine(args, method: str) -> tuple[LLM, dict, float]:
@@ -148,7 +158,8 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--methods", nargs="+",
-                    default=["none", "ngram", "draft:tiny-draft", "self:2"])  # fmt: skip
+                    default=["none", "ngram", "draft:tiny-draft", "self:2",
+                             "eagle:eagle-tiny"])  # fmt: skip
     ap.add_argument("--num-draft-tokens", type=int, default=4)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--waves", type=int, default=2, help="requests per batch slot")

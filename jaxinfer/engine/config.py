@@ -18,6 +18,8 @@ from jaxinfer.models.attention import ATTENTION_BACKENDS, ATTENTION_OPTIONS
 from jaxinfer.models.moe import MOE_BACKENDS
 
 DATA_PARALLEL_BACKENDS = ("auto", "process")
+# Models from this hidden size decode without CUDA graphs under decode_cuda_graphs "auto".
+GRAPHS_OFF_FROM_HIDDEN = 4096
 # Which warm-up executables an entry of `compiler_options` applies to ("all": every one).
 EXECUTABLE_KINDS = ("all", "mixed", "decode", "sample")
 # Kinds whose executables are bucketed by a size (decode: rows, mixed: tokens), so that an entry
@@ -100,7 +102,7 @@ class QuantConfig:
         return self.weights != "none" or any(v is not None for v in self.recipe.values())
 
 
-SPECULATIVE_METHODS = ("none", "ngram", "draft", "self")
+SPECULATIVE_METHODS = ("none", "ngram", "draft", "self", "eagle")
 
 
 @dataclass
@@ -113,7 +115,12 @@ class SpeculativeConfig:
     name as `engine.model` takes, with the target's vocabulary, drafting greedily from its own
     KV pool in the decode scans: `engine/draft_model.py`); "self" (self-speculative, LayerSkip-
     style early exit: the target's first `draft_layers` layers with its final norm and head as
-    the draft model, sharing the target's weights; its K/V pool is its own)."""
+    the draft model, sharing the target's weights; its K/V pool is its own); "eagle" (an
+    EAGLE-style head, `engine/eagle.py`: one decoder layer over the target's last hidden state and
+    the next token's embedding, through the target's own final norm and LM head; `eagle_head`:
+    a head file `jaxinfer train configs/train/eagle-*.yaml` saved, a shipped head by name
+    (eagle-tiny, for tiny), or "random", an untrained head drawn from engine.seed: the baseline
+    that shows what training buys)."""
 
     method: str = "none"
     num_draft_tokens: int = 4
@@ -121,6 +128,7 @@ class SpeculativeConfig:
     ngram_min: int = 1
     draft_model: str | None = None
     draft_layers: int | None = None
+    eagle_head: str | None = None
     # How a draft model's drafts are drawn: "rejection" samples them from the draft's filtered
     # distribution q and keeps each with probability min(1, p/q) (Leviathan et al. 2023: the
     # output is distributed as plain decoding's); "greedy" drafts its argmax and keeps a draft
@@ -149,6 +157,13 @@ class SpeculativeConfig:
             raise ValueError("engine.speculative.draft_layers (an int >= 1) is the draft of "
                              f"method 'self' (and only of it); got method={self.method!r}, "
                              f"draft_layers={layers!r}")  # fmt: skip
+        head = self.eagle_head
+        if (self.method == "eagle") != (head is not None) or (
+            head is not None and (not isinstance(head, str) or not head)
+        ):
+            raise ValueError("engine.speculative.eagle_head (a head file, or 'random') is the "
+                             f"head of method 'eagle' (and only of it); got method="
+                             f"{self.method!r}, eagle_head={head!r}")  # fmt: skip
         if self.draft_sampling not in ("rejection", "greedy"):
             raise ValueError(f"engine.speculative.draft_sampling={self.draft_sampling!r} is "
                              "unknown: must be rejection or greedy")  # fmt: skip
@@ -216,17 +231,23 @@ class EngineConfig:
     # XLA compiler options of the warm-up executables, by kind (EXECUTABLE_KINDS) and, for the
     # bucketed kinds, by bucket size ("decode>=64": decode scans of >= 64 rows; "mixed>=N": mixed
     # steps of >= N tokens): XLA_FLAGS per executable, values as on the XLA_FLAGS command line;
-    # null drops an option (XLA's own default). Precedence: "all", then the kind's entry, then its
-    # size entries that apply, smallest bound first. The defaults are measured on the H200
-    # (docs/performance.md): decode scans without CUDA graphs (e2e_llama3_8b_command_buffers.json)
-    # and without split-K GEMMs at 64-255 rows (e2e_llama3_8b_split_k.json).
+    # null drops an option (XLA's own default). Precedence: `decode_cuda_graphs`' choice, "all",
+    # then the kind's entry, then its size entries that apply, smallest bound first. The defaults
+    # are measured on the H200 (docs/performance.md): no split-K GEMMs in decode scans of 64-255
+    # rows (e2e_llama3_8b_split_k.json).
     compiler_options: dict[str, dict[str, Any]] = field(
         default_factory=lambda: {
-            "decode": {"xla_gpu_enable_command_buffer": ""},
             "decode>=64": {"xla_gpu_experimental_force_split_k": 1},
             "decode>=256": {"xla_gpu_experimental_force_split_k": None},
         }
     )
+    # Decode scans captured as CUDA graphs (XLA command buffers): true, false, or "auto": on for
+    # models of hidden size < 4096, whose steps are many small kernels (SmolLM2-135M 2x faster
+    # at batch 1, Qwen3-30B-A3B 26%: ab_smollm2_command_buffers.json, ab_moe_command_buffers
+    # .json), off from 4096 (Llama-3-8B 0.5-2.4% slower with them:
+    # e2e_llama3_8b_command_buffers.json). Off is `xla_gpu_enable_command_buffer: ""` under the
+    # decode kind's compiler_options, which may override it.
+    decode_cuda_graphs: bool | str = "auto"
     num_logprobs: int = 0  # top-k logprobs computed on device (static; requests may ask <= this)
     # Repetition / presence / frequency penalties and logit biases (SamplingParams): the engine's
     # sampling then counts each row's context on the device (an extra [rows, vocab] pass per
@@ -278,6 +299,8 @@ class EngineConfig:
                                  f"(xla_...) to values, got {options!r}")  # fmt: skip
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise bad("dtype", "one of float32, bfloat16, float16")
+        if not isinstance(self.decode_cuda_graphs, bool) and self.decode_cuda_graphs != "auto":
+            raise bad("decode_cuda_graphs", 'true, false or "auto"')
         for key in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

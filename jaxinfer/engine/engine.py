@@ -109,7 +109,7 @@ def make_proposer(config: EngineConfig, model_config: ModelConfig, params=None,
     self-speculative draft is the first layers of `params`."""
     spec = config.speculative
     rejection = spec.draft_sampling == "rejection"
-    if spec.method in ("draft", "self") and rejection and config.penalties:
+    if spec.method in ("draft", "self", "eagle") and rejection and config.penalties:
         raise ValueError("engine.speculative.draft_sampling=rejection does not apply penalties "
                          "to the draft's distribution: with engine.penalties use "
                          "draft_sampling: greedy")  # fmt: skip
@@ -134,6 +134,14 @@ def make_proposer(config: EngineConfig, model_config: ModelConfig, params=None,
                              f"than the model's {model_config.num_layers} layers")  # fmt: skip
         cfg, params = early_exit_draft(model_config, params, spec.draft_layers)
         return DraftModelProposer(cfg, params, spec.num_draft_tokens, rejection)
+    if spec.method == "eagle":
+        from jaxinfer.engine.eagle import EagleProposer, init_head, load_head
+
+        if spec.eagle_head == "random":
+            head = init_head(model_config, jax.random.key(config.seed))
+        else:
+            head, _ = load_head(spec.eagle_head, model_config)
+        return EagleProposer(model_config, head, spec.num_draft_tokens, rejection)
     if spec.method == "ngram":
         from jaxinfer.engine.ngram import NgramProposer
 
@@ -169,6 +177,11 @@ class Engine:
             )
         self.shardings = EngineShardings.for_config(config.mesh)
         from jaxinfer.models.spec import param_shardings
+        from jaxinfer.parallel.tensor import fit_kv_heads_to_mesh
+
+        # fewer KV heads than the mesh's model axis: each replicated (parallel/tensor.py)
+        model_config, params = fit_kv_heads_to_mesh(model_config, params, self.shardings.mesh)
+        self.model_config = model_config
 
         if config.quant.active and not model_config.has_formats:
             from jaxinfer.engine.loading import quantize_for_engine
@@ -300,6 +313,20 @@ class Engine:
         for s in seqs:
             if id(s) in done:
                 self._seeds.pop(s.seq_id, None)
+
+    def abort(self, seq: Sequence) -> None:
+        """Stop a request and all its samples: FINISHED with reason "abort", pages freed now,
+        tokens kept so far (placeholders of a step in flight dropped). The step in flight, if
+        any, then finds them finished and voids their tokens, as for a stop (inflight.py, 5)."""
+        now = self.clock()
+        for s in (seq, *seq.siblings):
+            if s.is_finished:
+                continue
+            if s.num_placeholders:
+                del s.output_token_ids[len(s.output_token_ids) - s.num_placeholders :]
+                s.num_placeholders = 0
+            s.draft_token_ids = []
+            self.scheduler.abort(s, now)
 
     # -- warm-up and compile accounting ------------------------------------------------------
     def warmup(self, progress=None) -> float:

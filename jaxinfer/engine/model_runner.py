@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.engine.config import EngineConfig, compiler_options_key
+from jaxinfer.engine.config import GRAPHS_OFF_FROM_HIDDEN, EngineConfig, compiler_options_key
 from jaxinfer.engine.proposer import Proposer
 from jaxinfer.engine.sampler import (
     SamplingBatch,
@@ -49,6 +49,7 @@ from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.dense import compute_logits, forward_paged
 from jaxinfer.models.moe import resolve_moe_backend
 from jaxinfer.parallel.sharding import EngineShardings
+from jaxinfer.parallel.tensor import attention_mesh
 
 MAX_STOP_IDS = 8  # stop/eos ids checked on the device per sequence in the decode loop
 
@@ -99,18 +100,20 @@ def _forward(params, cfg, batch, kv, attention, expert_mesh, moe_backend):
 
 
 @partial(jax.jit, static_argnames=("cfg", "attention", "num_rows", "out_sharding",
-                                   "expert_mesh", "moe_backend", "draft_cfg"),
+                                   "expert_mesh", "moe_backend", "draft_cfg", "eagle"),
          donate_argnames=("kv", "draft_kv"))  # fmt: skip
 def mixed_step(params, kv: KVCache, batch: RaggedBatch, num_drafts: jax.Array,
                prev_tokens: jax.Array, prev_counts: jax.Array, draft_params=None,
                draft_kv: KVCache | None = None, *, cfg: ModelConfig, attention: AttentionConfig,
                num_rows: int = 1, out_sharding=None, expert_mesh=None,
-               moe_backend: str = "xla", draft_cfg: ModelConfig | None = None):  # fmt: skip
+               moe_backend: str = "xla", draft_cfg: ModelConfig | None = None,
+               eagle=None):  # fmt: skip
     """((logits [S, num_rows, V] fp32, drafts [S, num_rows - 1], shift [S], expert load (see
     `_forward`) or None), kv, draft_kv). `expert_mesh`: the mesh whose "expert" axis shards the
     MoE experts (None: one device holds them all); `moe_backend`: their grouped matmuls'. With a
     draft model (`draft_cfg`, `draft_model.py`) the draft runs over the same batch, filling its
-    own pool.
+    own pool. With an EAGLE head (`eagle`, static: traced only when the method is on,
+    `eagle.py`) the batch's final-normed hidden states feed the head, filling its pools.
 
     Sequence s's last 1 + num_drafts[s] tokens are its last real token and its drafts; their rows'
     logits verify the drafts. `prev_tokens` [S, num_rows] / `prev_counts` [S]: the previous step's
@@ -141,6 +144,8 @@ def mixed_step(params, kv: KVCache, batch: RaggedBatch, num_drafts: jax.Array,
     hidden, kv, load = _forward(params, cfg, batch, kv, attention, expert_mesh, moe_backend)
     if draft_cfg is not None:
         _, draft_kv = forward_paged(draft_params, draft_cfg, batch, draft_kv, attention=attention)
+    if eagle is not None:
+        draft_kv = eagle.fill(draft_params, draft_kv, batch, hidden, attention)
     rows = logit_rows(batch.query_start_loc, num_drafts, num_rows)
     logits = compute_logits(params, cfg, hidden[rows])
     return _constrain((logits, tokens[rows[:, 1:]], shift, load), out_sharding), kv, draft_kv
@@ -229,6 +234,8 @@ def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingB
             max_q_len=k,
         )
         hidden, kv, load = _forward(params, cfg, batch, kv, attention, expert_mesh, moe_backend)
+        if dkv is not None and getattr(proposer, "reads_hidden", False):  # an EAGLE head
+            dkv = proposer.record_hidden(dkv, batch, hidden)
         logits = compute_logits(params, cfg, hidden).reshape(rows, k, -1)
         tok, lp, top_lp, top_ids = sample_rows(
             logits, step_sb, jnp.zeros_like(st.positions), num_logprobs,
@@ -284,7 +291,7 @@ class ModelRunner:
         self.cfg, self.params, self.config, self.shardings = cfg, params, config, shardings
         self.attention = AttentionConfig(config.attention_backend,
                                          tuple(config.attention_options.items()),
-                                         shardings.device)  # fmt: skip
+                                         shardings.device, attention_mesh(cfg, shardings.mesh))  # fmt: skip
         # the experts' grouped matmul: "xla" or "pallas" (raises naming engine.moe_backend)
         self.moe_backend = resolve_moe_backend(config.moe_backend, cfg, shardings.device)
         self.proposer = proposer
@@ -304,6 +311,14 @@ class ModelRunner:
             self.draft_kv = init_kv_cache(self.draft_cfg, config.num_pages, config.page_size,
                                           config.kv_dtype, mesh=shardings.mesh,
                                           rules=shardings.rules)  # fmt: skip
+        # An EAGLE head (`eagle.py`): its params with the target's shared arrays in the draft
+        # params' place, its pools (K/V, hidden states) in the draft pool's.
+        self.eagle = proposer if getattr(proposer, "reads_hidden", False) else None
+        if self.eagle is not None:
+            self.draft_params = self.eagle.device_params(params, shardings.put)
+            self.draft_kv = self.eagle.init_cache(config.num_pages, config.page_size,
+                                                  config.kv_dtype, shardings.mesh,
+                                                  shardings.rules, shardings.put)  # fmt: skip
         self._executables: dict[tuple, object] = {}  # warm-up's compiled steps, by bucket
         self.warmup_stats: dict = {}
         self._no_prev: tuple | None = None
@@ -342,7 +357,7 @@ class ModelRunner:
         return dict(cfg=self.cfg, attention=self.attention, num_rows=self.num_rows,
                     out_sharding=self.shardings.replicated,
                     expert_mesh=self.expert_mesh, moe_backend=self.moe_backend,
-                    draft_cfg=self.draft_cfg)  # fmt: skip
+                    draft_cfg=self.draft_cfg, eagle=self.eagle)  # fmt: skip
 
     def _sample_static(self):
         return dict(num_logprobs=self.config.num_logprobs, out_sharding=self.shardings.replicated)
@@ -519,15 +534,27 @@ class ModelRunner:
                     "kernel's defaults fit)")  # fmt: skip
         return RuntimeError(msg)
 
+    @property
+    def decode_cuda_graphs(self) -> bool:
+        """Whether decode scans run as CUDA graphs (`EngineConfig.decode_cuda_graphs`)."""
+        choice = self.config.decode_cuda_graphs
+        if choice == "auto":
+            return self.cfg.hidden_size < GRAPHS_OFF_FROM_HIDDEN
+        return bool(choice)
+
     def _compiler_options(
         self, kind: str, size: int | None = None
     ) -> dict[str, str | bool | int | float]:
         """XLA options of one executable of `kind` (bucket `size`: rows of a decode scan, tokens
-        of a mixed step): "all"'s, overridden by the kind's own, then by each "KIND>=N" entry with
+        of a mixed step): for decode scans without CUDA graphs (`decode_cuda_graphs`) command
+        buffers off, then "all"'s, overridden by the kind's own, then by each "KIND>=N" entry with
         N <= size, smallest N first; a None value drops the option (XLA's default). Values keep
         their type: XLA rejects a bool option given as the string 'true'."""
         options = self.config.compiler_options
-        merged = {**options.get("all", {}), **options.get(kind, {})}
+        merged = {}
+        if kind == "decode" and not self.decode_cuda_graphs:
+            merged["xla_gpu_enable_command_buffer"] = ""
+        merged.update({**options.get("all", {}), **options.get(kind, {})})
         bounded = []
         for key, opts in options.items():
             k, least = compiler_options_key(key)

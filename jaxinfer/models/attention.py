@@ -8,10 +8,12 @@ GPU kernel (interpreted on CPU); `cudnn`, cuDNN's paged decode (an ablation base
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
 
 from jaxinfer.kv.cache import KVCache, write_kv
 from jaxinfer.models.batch import RaggedBatch
@@ -36,12 +38,14 @@ FUSED_KV_WRITE_MAX_TOKENS = 64
 class AttentionConfig:
     """Static: which paged-attention backend a step uses, the Pallas kernel's tuning keywords
     ((name, value) pairs of `ATTENTION_OPTIONS` and `fused_kv_write`; other backends ignore
-    them), and the device the kernels are built for (its SM count, whether to interpret; None:
-    the default device)."""
+    them), the device the kernels are built for (its SM count, whether to interpret; None:
+    the default device), and the mesh whose "model" axis splits the heads (None: attention runs
+    as one program; `parallel.tensor.attention_mesh`)."""
 
     backend: str = "xla"
     options: tuple[tuple[str, object], ...] = ()
     device: jax.Device | None = None
+    mesh: Mesh | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in ATTENTION_BACKENDS:
@@ -98,7 +102,35 @@ def write_kv_and_attend(
     (option `fused_kv_write`): each sequence's K/V rows arrive with its queries and the kernel
     stores them in place, so no XLA scatter kernel runs per layer. Other steps and backends
     scatter first (`write_kv`).
+
+    On a mesh with a "model" axis (`attention.mesh`) each device runs this on its own heads
+    (`shard_map`): its query heads, its KV heads' K/V and pages; the batch is every device's.
     """
+    if attention.mesh is not None:
+        return _per_device(q, k, v, kv, layer, batch, page, offset, sliding_window, attention)
+    return _attend(q, k, v, kv, layer, batch, page, offset, sliding_window, attention)
+
+
+def _per_device(q, k, v, kv, layer, batch, page, offset, sliding_window, attention):
+    heads = PartitionSpec(None, "model", None)  # q, k, v [T, H, D]
+    pages = PartitionSpec(None, None, None, None, "model", None)  # KV_AXES' kv_heads
+    scales = None if kv.scales is None else PartitionSpec(None, None, None, "model")
+    kv_spec = KVCache(pages, scales)
+    rep = PartitionSpec()
+    local = dataclasses.replace(attention, mesh=None)
+    static_layer = isinstance(layer, int)  # (an unrolled layer loop's index stays static)
+
+    def body(q, k, v, kv, traced_layer, batch, page, offset):
+        at = layer if static_layer else traced_layer
+        return _attend(q, k, v, kv, at, batch, page, offset, sliding_window, local)
+
+    return jax.shard_map(body, mesh=attention.mesh,
+                         in_specs=(heads, heads, heads, kv_spec, rep, rep, rep, rep),
+                         out_specs=(heads, kv_spec), check_vma=False)(
+        q, k, v, kv, jnp.asarray(layer, jnp.int32), batch, page, offset)  # fmt: skip
+
+
+def _attend(q, k, v, kv, layer, batch, page, offset, sliding_window, attention):
     opts = dict(attention.options)
     if attention.backend == "pallas" and kv.dtype == jnp.float32:
         raise ValueError("attention backend 'pallas' reads bf16 or fp8 pages; this cache is "

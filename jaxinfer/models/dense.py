@@ -129,6 +129,11 @@ def compute_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.A
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
     """Logits [B, L, V] of whole sequences tokens [B, L] (positions 0..L-1), no cache."""
+    return compute_logits(params, cfg, forward_hidden(params, cfg, tokens))
+
+
+def forward_hidden(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """Final-normed hidden states [B, L, E] (the LM head's input) of whole sequences [B, L]."""
     x = embed(params, cfg, tokens)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
 
@@ -139,8 +144,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
         return decoder_layer(cfg, p, x, positions, attend, carry, layer, kind)[:2]
 
     x, _ = apply_layers(cfg, params["layers"], x, None, layer_fn)
-    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    return compute_logits(params, cfg, x)
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
 
 
 def forward_paged(

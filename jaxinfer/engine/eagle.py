@@ -1,0 +1,310 @@
+"""EAGLE-style draft head (Li et al. 2024, "EAGLE: speculative sampling requires rethinking
+feature uncertainty"): one decoder layer drafts from the target's own features.
+
+The head at position i reads (f_{i-1}, e(t_i)): the target's hidden state one position back and
+the embedding of token i, concatenated and projected (`fc`, [2E, E]) into one decoder layer
+(attention over the head's own K/V, plus MLP), then the target's final norm and LM head (shared
+arrays, not copies). Its output g_i is in the space of f_i, so the next draft step feeds
+(g_i, e(d)) in its place.
+
+f is the target's *final-norm output* (the LM head's input): `forward_paged` already returns it,
+so the plain step changes nothing (no second output, no extra pass), and it is RMS-normalised
+(the residual stream before the norm has outlier channels of large magnitude, a worse input for
+a small fc layer). EAGLE's own code feeds Hugging Face's `last_hidden_state`, the same tensor.
+
+State (`EagleCache`, in the runner's `draft_kv` slot): the head's K/V pool (one layer, the
+target's pages and page table, as a draft model's pool) and a feature pool [num_pages,
+page_size, E] holding f at every position the target scored. Pages are the sequences', so both
+survive decode-scan row reshuffles, preemption (a recompute rewrites them) and prefix sharing (a
+cached page was filled from the same tokens).
+
+Invariant: at the start of a round with last token t at p, the head's K/V holds its true-feature
+entries (f_{i-1}, t_i) for positions < p0 + 1, where p0 is the previous round's position (or
+p - γ - 1 at a scan's entry, rebuilt from the host). A round
+1. feeds positions p0 + 1 .. p0 + γ + 1 as one chunk (features f_{p0} .. from the feature pool,
+   tokens: the previous round's drafts, with t at p): positions up to p are rewritten with true
+   features (the drafting of the previous round had written them with its own g), positions past
+   p hold garbage, dead by length (each is written again before any query reads it: a write
+   precedes the attention in the same pass);
+2. its output at p gives d_1; γ - 1 single-token passes give d_2 .. d_γ;
+3. after the target's verification pass, `record_hidden` writes f at p .. p + γ into the pool
+   (rows past the accepted ones are dead by length, like their K/V).
+Every mixed step writes its rows' f and runs the head over the whole batch (`fill`), so a prefill
+fills the head's pages as it fills the target's. Drafts come from the decode scans only
+(`propose` drafts nothing in mixed steps, as the draft-model proposer).
+
+Drafts (`engine.speculative.draft_sampling`) are drawn and verified as a draft model's
+(`draft_model.py`): "rejection" samples each from the head's filtered distribution q and keeps it
+with probability min(1, p/q); "greedy" drafts the argmax, kept while it equals the target's
+sample.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.engine.draft_model import DraftState
+from jaxinfer.engine.request import Sequence
+from jaxinfer.engine.sampler import DRAFT_STREAM, draw_from, filtered_probs
+from jaxinfer.kv.cache import KVCache, PageTable, init_kv_cache, token_slots
+from jaxinfer.models.attention import causal_attention, write_kv_and_attend
+from jaxinfer.models.batch import RaggedBatch
+from jaxinfer.models.config import ModelConfig
+from jaxinfer.models.dense import compute_logits, decoder_layer, embed
+from jaxinfer.models.layers import linear, rms_norm
+from jaxinfer.models.spec import _init_tree, layer_specs
+from pallas_kernels.paged_attention.reference import token_sequences
+
+# the target's arrays the head shares (never copies): its embedding, final norm and LM head
+SHARED_KEYS = ("embed", "final_norm", "lm_head")
+HEAD_FORMAT = "jaxinfer-eagle-head/1"
+
+
+@dataclass(frozen=True)
+class EagleCache:
+    """The head's K/V pool (one layer) and the target's final-normed hidden states by position
+    [num_pages, page_size, E], both in the target's page layout."""
+
+    kv: KVCache
+    features: jax.Array
+
+
+jax.tree_util.register_dataclass(EagleCache, data_fields=["kv", "features"], meta_fields=[])
+
+
+def head_config(target: ModelConfig, intermediate_size: int | None = None) -> ModelConfig:
+    """The head's decoder layer: one dense layer of the target's attention shape, full attention,
+    plain weights; `intermediate_size` None keeps the target's MLP width."""
+    return target.plain().replace(
+        num_layers=1, layer_types=(), ffn_kinds=(), moe=None, sliding_window=None,
+        intermediate_size=intermediate_size or target.intermediate_size,
+    )  # fmt: skip
+
+
+def init_head(target: ModelConfig, key: jax.Array, intermediate_size: int | None = None,
+              dtype: str = "float32") -> dict:  # fmt: skip
+    """Random head params {"fc": [2E, E], "layer": the decoder layer's params}."""
+    hcfg = head_config(target, intermediate_size).replace(param_dtype=dtype)
+    k_fc, k_layer = jax.random.split(key)
+    e = target.hidden_size
+    fc = jax.random.normal(k_fc, (2 * e, e), jnp.float32) / np.sqrt(2 * e)
+    return {"fc": fc.astype(dtype), "layer": _init_tree(layer_specs(hcfg, 0), k_layer)}
+
+
+def head_forward(head: dict, shared: dict, target: ModelConfig, feats: jax.Array,
+                 tokens: jax.Array, positions: jax.Array, attend, carry):  # fmt: skip
+    """(g [..., E]: final-normed head output, the LM head's input; carry) of features f [..., E]
+    one position back and tokens [...] at `positions`; `attend` as `decoder_layer` takes it."""
+    hcfg = head_config(target, head["layer"]["w_down"].shape[0]
+                       if "w_down" in head["layer"] else None)  # fmt: skip
+    x = jnp.concatenate([feats.astype(target.jnp_dtype), embed(shared, target, tokens)], -1)
+    x = linear(x, head["fc"].astype(x.dtype))
+    layer = jax.tree.map(lambda w: w.astype(x.dtype), head["layer"])
+    x, carry, _ = decoder_layer(hcfg, layer, x, positions, attend, carry, np.int32(0),
+                                hcfg.layer(0))  # fmt: skip
+    return rms_norm(x, shared["final_norm"], target.rms_norm_eps), carry
+
+
+def head_forward_dense(head: dict, shared: dict, target: ModelConfig, feats: jax.Array,
+                       tokens: jax.Array) -> jax.Array:  # fmt: skip
+    """g [B, L, E] over whole windows (training): causal attention, no cache."""
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+
+    def attend(q, k, v, carry, layer, kind):
+        return causal_attention(q, k, v), carry
+
+    return head_forward(head, shared, target, feats, tokens, positions, attend, None)[0]
+
+
+def shifted_features(hidden: jax.Array) -> jax.Array:
+    """f_{i-1} for every position i of windows [B, L, E] (zeros at position 0): the head's
+    feature input, as the engine's pool gives it."""
+    return jnp.concatenate([jnp.zeros_like(hidden[:, :1]), hidden[:, :-1]], axis=1)
+
+
+def write_features(features: jax.Array, batch: RaggedBatch, hidden: jax.Array) -> jax.Array:
+    """The pool with each token's final-normed hidden [T, E] at its position (padding tokens
+    land on the scratch page)."""
+    page, offset = token_slots(batch.page_table, batch.query_start_loc, batch.positions,
+                               features.shape[1])  # fmt: skip
+    return features.at[page, offset].set(hidden.astype(features.dtype))
+
+
+def read_features(features: jax.Array, page_ids: jax.Array, seq: jax.Array,
+                  positions: jax.Array) -> jax.Array:  # fmt: skip
+    """f at `positions` [...] of rows `seq` [...] (zeros at negative positions): [..., E]."""
+    ps = features.shape[1]
+    block = jnp.clip(positions // ps, 0, page_ids.shape[1] - 1)
+    f = features[page_ids[seq, block], jnp.maximum(positions, 0) % ps]
+    return jnp.where((positions >= 0)[..., None], f, 0)
+
+
+def save_head(path: str | Path, head: dict, target: ModelConfig, meta: dict | None = None) -> Path:
+    """The head as one safetensors file (the repo's weight format), its shape in the metadata."""
+    from safetensors.numpy import save_file
+
+    flat = {"fc": head["fc"], **{f"layer.{k}": v for k, v in head["layer"].items()}}
+    tensors = {k: np.asarray(jax.device_get(v)) for k, v in flat.items()}
+    info = {"format": HEAD_FORMAT, "hidden_size": target.hidden_size,
+            "vocab_size": target.vocab_size, **(meta or {})}  # fmt: skip
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata={"eagle": json.dumps(info)})
+    return path
+
+
+def load_head(path: str | Path, target: ModelConfig, key: str = "engine.speculative.eagle_head"):
+    """(head params, its metadata) saved by `save_head` at `path`, or a shipped head by name
+    (`jaxinfer/assets/models/NAME/head.safetensors`: eagle-tiny), checked against the target;
+    errors name `key`."""
+    from safetensors import safe_open
+
+    from jaxinfer.assets import ASSETS
+
+    shipped = ASSETS / "models" / str(path) / "head.safetensors"  # e.g. "eagle-tiny"
+    path = shipped if "/" not in str(path) and shipped.is_file() else Path(path)
+    if not path.is_file():
+        raise ValueError(f"{key}={str(path)!r} is not a file (train one with `jaxinfer train "
+                         "configs/train/eagle-tiny.yaml`, or use 'random')")  # fmt: skip
+    with safe_open(str(path), framework="numpy") as f:
+        info = json.loads((f.metadata() or {}).get("eagle", "{}"))
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is no dict)
+    if info.get("format") != HEAD_FORMAT:
+        raise ValueError(f"{key}={str(path)!r} is not an EAGLE head saved by jaxinfer")
+    for field in ("hidden_size", "vocab_size"):
+        if info[field] != getattr(target, field):
+            raise ValueError(f"{key}={str(path)!r} was trained for a target of {field}="
+                             f"{info[field]}; this model's is {getattr(target, field)}")  # fmt: skip
+    head = {"fc": tensors.pop("fc"),
+            "layer": {k.removeprefix("layer."): v for k, v in tensors.items()}}  # fmt: skip
+    return head, info
+
+
+class EagleProposer:
+    """Drafts of `num_draft_tokens` tokens by the head `head` over the target `target` (see the
+    module docstring). Its device form is `draft_device` (it needs its pools), called by the
+    decode scan as the draft-model proposer's is; `reads_hidden` asks the runner for the target's
+    hidden states (`fill` in mixed steps, `record_hidden` after each scan round's verification)."""
+
+    on_device = True
+    reads_hidden = True
+
+    def __init__(self, target: ModelConfig, head: dict, num_draft_tokens: int,
+                 rejection: bool = True) -> None:  # fmt: skip
+        self.target, self.head, self.num_draft_tokens = target, head, num_draft_tokens
+        self.rejection = rejection
+        self.head_cfg = head_config(target, head["layer"]["w_down"].shape[0])
+
+    def propose(self, seq: Sequence) -> list[int]:
+        return []
+
+    # -- device state ---------------------------------------------------------------------------
+    def device_params(self, params: dict, put) -> dict:
+        """The head's params on the device (`put`) with the target's shared arrays (the same
+        buffers: no copy)."""
+        dtype = self.target.jnp_dtype
+        head = put(jax.tree.map(lambda w: np.asarray(w).astype(dtype), self.head))
+        return {"head": head, "shared": {k: params[k] for k in SHARED_KEYS if k in params}}
+
+    def init_cache(self, num_pages: int, page_size: int, kv_dtype: str, mesh, rules, put):
+        kv = init_kv_cache(self.head_cfg, num_pages, page_size, kv_dtype, mesh=mesh, rules=rules)
+        feats = jnp.zeros((num_pages, page_size, self.target.hidden_size), self.target.jnp_dtype)
+        return EagleCache(kv, put(feats))
+
+    def device_state(self, seqs: list[Sequence], rows: int) -> DraftState:
+        """Per row: p0 = p - γ - 1 (at least -1) and the tokens at p0 .. p0 + γ (p: the last
+        token's position), so the first round rewrites the head's K/V at p - γ .. p from the
+        feature pool (the previous scan's last drafting left its own features there)."""
+        gamma = self.num_draft_tokens
+        fed = np.zeros((rows, gamma + 1), np.int32)
+        position = np.full(rows, -1, np.int32)
+        for i, seq in enumerate(seqs):
+            p = seq.num_tokens - 1
+            p0 = max(p - gamma - 1, -1)
+            toks = seq.all_token_ids[max(p0, 0) : p]
+            fed[i, (1 if p0 < 0 else 0) : (1 if p0 < 0 else 0) + len(toks)] = toks
+            position[i] = p0
+        return DraftState(fed, position)
+
+    # -- device passes --------------------------------------------------------------------------
+    def _paged(self, params, cache: EagleCache, batch: RaggedBatch, feats, attention):
+        page, offset = token_slots(batch.page_table, batch.query_start_loc, batch.positions,
+                                   cache.kv.page_size)  # fmt: skip
+
+        def attend(q, k, v, kv, layer, kind):
+            return write_kv_and_attend(q, k, v, kv, layer, batch, page, offset,
+                                       attention=attention)  # fmt: skip
+
+        g, kv = head_forward(params["head"], params["shared"], self.target, feats, batch.tokens,
+                             batch.positions, attend, cache.kv)  # fmt: skip
+        return g, dataclasses.replace(cache, kv=kv)
+
+    def fill(self, params, cache: EagleCache, batch: RaggedBatch, hidden, attention):
+        """A mixed step's part: the rows' f into the pool, then the head over the batch (each
+        row reads f one position back, from this step's rows or the pool)."""
+        features = write_features(cache.features, batch, hidden)
+        seq, _ = token_sequences(batch.query_start_loc, batch.tokens.shape[0])
+        feats = read_features(features, batch.page_table.page_ids, seq, batch.positions - 1)
+        _, cache = self._paged(params, EagleCache(cache.kv, features), batch, feats, attention)
+        return cache
+
+    def record_hidden(self, cache: EagleCache, batch: RaggedBatch, hidden) -> EagleCache:
+        """After a verification pass: its rows' f into the pool."""
+        return dataclasses.replace(cache, features=write_features(cache.features, batch, hidden))
+
+    def draft_device(self, state: DraftState, tokens, positions, active, page_ids, params,
+                     cache: EagleCache, attention, sb):  # fmt: skip
+        """(drafts [S, γ], new state, cache, q [S, γ, V] or None) after each row's last token
+        `tokens` [S] at `positions` [S], as `DraftModelProposer.draft_device`."""
+        gamma, rows = self.num_draft_tokens, tokens.shape[0]
+        w = gamma + 1
+        p0 = state.position
+        m = positions - p0  # tokens to (re)write up to p: 1 .. γ + 1 on a live row
+        live = active & (m >= 1) & (m <= w)
+        j = jnp.arange(w, dtype=jnp.int32)[None, :]
+        after = jnp.concatenate([state.fed[:, 1:], state.fed[:, :1]], axis=1)  # at p0 + 1 + j
+        chunk = jnp.where(j == (m - 1)[:, None], tokens[:, None], after)
+        chunk_pos = p0[:, None] + 1 + j
+        rows_idx = jnp.arange(rows)
+
+        def step(tok, pos, feats, q):  # q tokens per row [S, q] -> (g [S, q, E])
+            nonlocal cache
+            batch = RaggedBatch(
+                tokens=tok.reshape(-1),
+                positions=pos.reshape(-1),
+                query_start_loc=jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(live * q)]),
+                page_table=PageTable(page_ids, jnp.where(live, pos[:, -1] + 1, 0)),
+                max_q_len=q,
+            )
+            g, cache = self._paged(params, cache, batch, feats.reshape(rows * q, -1), attention)
+            return g.reshape(rows, q, -1)
+
+        def draw(g, k):  # the k-th draft (0-based) from g [S, E]
+            logits = compute_logits(params["shared"], self.target, g)
+            if not self.rejection:
+                return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+            row_sb = dataclasses.replace(sb, position=sb.position + k)
+            probs = filtered_probs(logits, row_sb)
+            return draw_from(probs, row_sb, row_sb.position, DRAFT_STREAM), probs
+
+        feats = read_features(cache.features, page_ids, rows_idx[:, None], chunk_pos - 1)
+        g = step(chunk, jnp.maximum(chunk_pos, 0), feats, w)
+        g = jnp.take_along_axis(g, jnp.clip(m - 1, 0, gamma)[:, None, None], axis=1)[:, 0]
+        d, q = draw(g, 0)
+        drafts, qs = [d], [q]
+        for k in range(1, gamma):
+            g = step(drafts[-1][:, None], (positions + k)[:, None], g[:, None], 1)[:, 0]
+            d, q = draw(g, k)
+            drafts.append(d)
+            qs.append(q)
+        drafts = jnp.stack(drafts, axis=1)
+        fed = jnp.concatenate([tokens[:, None], drafts], axis=1)
+        q = jnp.stack(qs, axis=1) if self.rejection else None
+        return drafts, DraftState(fed, positions), cache, q

@@ -1,0 +1,146 @@
+"""`jaxinfer serve`: its config (`ServeConfig`), loading and warming the model, and uvicorn.
+
+A config is YAML with an `engine:` section (EngineConfig, as in a run config: a run config's
+other sections are ignored) and an optional `serve:` section (ServeOptions); dotted overrides
+(`engine.max_num_seqs=64 serve.port=8001`) apply over it. `Server` runs the whole thing in
+background threads of this process (the tests, notebooks); `serve_forever` in the foreground.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import threading
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.llm import LLM
+from jaxinfer.serve.app import BodyLimit, ServeState, create_app
+
+
+@dataclass
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None  # default: engine.model
+    # Requests accepted beyond the engine's batch (in sequences: n samples count n) before
+    # the server answers 429 (Retry-After); the queue never grows past it.
+    max_queue: int = 256
+    max_body_bytes: int = 4 * 1024 * 1024
+    chat_template: str | None = None  # a Jinja file; default: the model's own
+    log_level: str = "info"
+
+
+@dataclass
+class ServeConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    serve: ServeOptions = field(default_factory=ServeOptions)
+
+
+def load_serve_config(path: str | Path | None, overrides: Seq[str] = ()) -> ServeConfig:
+    """Schema <- the YAML's `engine` and `serve` sections <- dotted overrides; a ValueError
+    names the key."""
+    from jaxinfer.experiment.run import check_overrides, config_error_message
+
+    check_overrides(overrides)
+    try:
+        cfg = OmegaConf.structured(ServeConfig)
+        if path is not None:
+            file_cfg = OmegaConf.load(path)
+            if not isinstance(file_cfg, DictConfig):
+                raise ValueError(f"config {path} is not a YAML mapping")
+            sections = {k: file_cfg[k] for k in ("engine", "serve") if k in file_cfg}
+            cfg = OmegaConf.merge(cfg, sections)
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+        sc = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as e:
+        where = f" {path}" if path is not None else ""
+        raise ValueError(f"invalid serve config{where}: {config_error_message(e)}") from e
+    o = sc.serve
+    for key in ("max_queue", "max_body_bytes"):
+        if getattr(o, key) < (0 if key == "max_queue" else 1024):
+            raise ValueError(f"serve.{key}={getattr(o, key)} is invalid: too small")
+    if not 0 <= o.port < 65536:
+        raise ValueError(f"serve.port={o.port} is invalid: must be in [0, 65536)")
+    return sc
+
+
+def build_llm(sc: ServeConfig) -> LLM:
+    """The model and its engine, warmed up (every batch shape compiled: none compiles later)."""
+    e = sc.engine
+    if e.data_parallel > 1 or e.data_parallel_backend == "process":
+        raise ValueError(f"engine.data_parallel={e.data_parallel}: the server drives one engine "
+                         f"in this process (run one server per replica behind a load balancer)")  # fmt: skip
+    kwargs = {f.name: getattr(e, f.name) for f in dataclasses.fields(e) if f.name != "model"}
+    llm = LLM(e.model, **kwargs)
+    if sc.serve.chat_template is not None:
+        llm.chat_template = Path(sc.serve.chat_template).read_text()
+    return llm
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket (port 0: a free one, read back from `getsockname`)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+class Server:
+    """An HTTP server over `llm` in background threads: `start()`, `base_url`, `stop()`."""
+
+    def __init__(self, llm: LLM, options: ServeOptions | None = None) -> None:
+        import uvicorn
+
+        self.options = options or ServeOptions(port=0)
+        name = self.options.served_model_name or llm.config.model
+        self.state = ServeState(llm, name, self.options.max_queue)
+        self.app = create_app(self.state)
+        self.sock = bind(self.options.host, self.options.port)
+        config = uvicorn.Config(BodyLimit(self.app, self.options.max_body_bytes),
+                                log_level=self.options.log_level, timeout_graceful_shutdown=2,
+                                lifespan="on")  # fmt: skip
+        self.uvicorn = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return self.sock.getsockname()[1]
+
+    @property
+    def base_url(self) -> str:
+        host = self.options.host
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}/v1"
+
+    @property
+    def engine_loop(self):
+        return self.state.engine_loop
+
+    def serve_forever(self) -> None:
+        self.uvicorn.run(sockets=[self.sock])
+
+    def start(self, timeout: float = 30.0) -> Server:
+        self._thread = threading.Thread(target=self.serve_forever, name="jaxinfer-http",
+                                        daemon=True)  # fmt: skip
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.uvicorn.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.uvicorn.should_exit = True
+        if self._thread is not None:
+            self._thread.join(10)
+        self.sock.close()
