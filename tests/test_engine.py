@@ -335,3 +335,15 @@ def test_max_model_len_past_the_models_positions_is_refused(model):
         ValueError, match=r"max_model_len=4096 exceeds .*max_position_embeddings=2048"
     ):
         Engine(too_long, cfg, params)
+
+
+def test_a_stop_string_at_the_start_of_the_output_leaves_no_text(fresh_seed):
+    """A stop string that the output's first characters hold cuts the text to "" (it once fell
+    back to the whole decoded output, stop string included)."""
+    llm = LLM("tiny", **SMALL)
+    prompt = np.random.default_rng(fresh_seed).integers(1, 500, 8).tolist()
+    free = llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    assert free.text, f"seed {fresh_seed}: no text to stop on"
+    cut = llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True,
+                                                stop=(free.text[:1],)))[0]  # fmt: skip
+    assert (cut.text, cut.finish_reason) == ("", "stop"), (f"seed {fresh_seed}", free.text, cut)

@@ -183,6 +183,7 @@ def main(argv=None) -> None:
     points = [(wl, batch, prompts_of(wl, tokenizer, batch * args.waves, args.snippet_chars))
               for wl in args.workloads for batch in args.batches]  # fmt: skip
     base = {}  # (workload, batch) -> (tokens, output tok/s) of "none"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     for method in methods:  # "none" first: every other row's baseline exists when it runs
         llm, engine, warmup_s = build_engine(args, method)
         for wl, batch, prompts in points:

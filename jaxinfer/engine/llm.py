@@ -17,6 +17,14 @@ from jaxinfer.engine.request import SamplingParams, Sequence, is_int
 from jaxinfer.parallel.sharding import EngineShardings
 
 
+def sequence_text(seq: Sequence, tokenizer) -> str:
+    """A sequence's output text: cut before its first stop string when one ended it (possibly
+    empty: a stop at the very start), else its tokens decoded."""
+    if seq.sampling.stop and seq.finish_reason == "stop":
+        return seq.output_text
+    return seq.output_text or tokenizer.decode(seq.output_token_ids)
+
+
 @dataclass
 class Completion:
     """One sample of a request (SamplingParams.n / best_of)."""
@@ -33,7 +41,7 @@ class Completion:
     def of(seq: Sequence, tokenizer) -> Completion:
         text = None
         if tokenizer is not None and seq.error is None:
-            text = seq.output_text or tokenizer.decode(seq.output_token_ids)
+            text = sequence_text(seq, tokenizer)
         return Completion(seq.sample_index, list(seq.output_token_ids), text, seq.finish_reason,
                           seq.error, list(seq.output_logprobs), seq.cumulative_logprob)  # fmt: skip
 

@@ -26,7 +26,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from jaxinfer.engine.engine import Engine
-from jaxinfer.engine.llm import RequestOutput
+from jaxinfer.engine.llm import RequestOutput, sequence_text
 from jaxinfer.engine.request import SamplingParams, Sequence
 from jaxinfer.serve.metrics import ServerMetrics
 
@@ -230,9 +230,7 @@ class EngineLoop:
         tokenizer = self.engine.tokenizer
         if tokenizer is None or seq.error is not None:
             return None
-        if seq.sampling.stop and seq.finish_reason != "abort":  # (cut at a stop: may be "")
-            return seq.output_text
-        return seq.output_text or tokenizer.decode(seq.output_token_ids)
+        return sequence_text(seq, tokenizer)
 
     def _finish(self, sub: Submission, items: list) -> None:
         seq = sub.seq
