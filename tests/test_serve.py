@@ -370,3 +370,30 @@ def test_bench_serve_measures_the_server_into_a_run_folder_report_reads(server, 
     reqs = point.requests
     assert len(reqs) == 24 and (reqs["output_len"] == 6).all()
     assert (reqs["ttft"] <= reqs["e2e"]).all() and point.params["workload.arrival.rate"] == 60
+
+
+def test_serve_curve_starts_a_server_and_gathers_each_rates_metrics(tmp_path):
+    """experiments/serve_curve.py: one `jaxinfer serve` child, a bench per rate, one results
+    file with a row per rate (the exact token counts of the workload), a plot, the server gone."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "curve.json"
+    script = Path(__file__).parent.parent / "experiments" / "serve_curve.py"
+    cmd = [sys.executable, str(script), "--model", "tiny", "--rates", "inf", "50",
+           "--num-prompts", "6", "--out", str(out), "--plot", str(tmp_path / "curve.png"),
+           "--serve", "engine.max_num_seqs=4", "engine.max_num_batched_tokens=64",
+           "engine.max_model_len=128", "--bench", "workload.prompt_len.value=8",
+           "workload.output_len.value=5"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert [r["rate"] for r in result["rows"]] == ["inf", "50"]
+    for row in result["rows"]:
+        assert row["num_completed"] == 6 and row["num_failed"] == 0, row
+        assert row["output_throughput"] > 0 and row["ttft_median"] > 0, row
+    assert result["commit"] and result["server_start_s"] > 0
+    assert (tmp_path / "curve.png").stat().st_size > 0
+    with pytest.raises(httpx.TransportError):  # the server was stopped
+        httpx.get(f"http://127.0.0.1:{result['port']}/health", timeout=2)
