@@ -35,8 +35,7 @@ import numpy as np
 
 from jaxinfer.engine.request import Sequence
 from jaxinfer.engine.sampler import DRAFT_STREAM, draw_from, filtered_probs
-from jaxinfer.kv.cache import PageTable
-from jaxinfer.models.batch import RaggedBatch
+from jaxinfer.models.batch import rows_batch
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.dense import compute_logits, forward_paged
 
@@ -106,13 +105,7 @@ class DraftModelProposer:
 
         def step(tok, pos, q):  # q tokens per row ([S, q]) ending at pos; -> argmax after them
             nonlocal kv
-            batch = RaggedBatch(
-                tokens=tok.reshape(-1),
-                positions=pos.reshape(-1),
-                query_start_loc=jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(active * q)]),
-                page_table=PageTable(page_ids, jnp.where(active, pos[:, -1] + 1, 0)),
-                max_q_len=q,
-            )
+            batch = rows_batch(tok, pos, active, page_ids, q)
             hidden, kv = forward_paged(params, cfg, batch, kv, attention=attention)
             logits = compute_logits(params, cfg, hidden.reshape(rows, q, -1)[:, -1])
             if not self.rejection:

@@ -53,9 +53,9 @@ import numpy as np
 from jaxinfer.engine.draft_model import DraftState
 from jaxinfer.engine.request import Sequence
 from jaxinfer.engine.sampler import DRAFT_STREAM, draw_from, filtered_probs
-from jaxinfer.kv.cache import KVCache, PageTable, init_kv_cache, token_slots
+from jaxinfer.kv.cache import KVCache, init_kv_cache, token_slots
 from jaxinfer.models.attention import causal_attention, write_kv_and_attend
-from jaxinfer.models.batch import RaggedBatch
+from jaxinfer.models.batch import RaggedBatch, rows_batch
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.dense import compute_logits, decoder_layer, embed
 from jaxinfer.models.layers import linear, rms_norm
@@ -276,13 +276,7 @@ class EagleProposer:
 
         def step(tok, pos, feats, q):  # q tokens per row [S, q] -> (g [S, q, E])
             nonlocal cache
-            batch = RaggedBatch(
-                tokens=tok.reshape(-1),
-                positions=pos.reshape(-1),
-                query_start_loc=jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(live * q)]),
-                page_table=PageTable(page_ids, jnp.where(live, pos[:, -1] + 1, 0)),
-                max_q_len=q,
-            )
+            batch = rows_batch(tok, pos, live, page_ids, q)
             g, cache = self._paged(params, cache, batch, feats.reshape(rows * q, -1), attention)
             return g.reshape(rows, q, -1)
 

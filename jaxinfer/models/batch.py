@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.kv.cache import SCRATCH_PAGE, PageTable
@@ -80,3 +81,13 @@ def build_ragged_batch(
     qsl[n + 1 :] = start
     tokens, positions, qsl, table, seq_lens = put((tokens, positions, qsl, table, seq_lens))
     return RaggedBatch(tokens, positions, qsl, PageTable(table, seq_lens), max_q_len)
+
+
+def rows_batch(tokens: jax.Array, positions: jax.Array, live: jax.Array, page_ids: jax.Array,
+               q: int) -> RaggedBatch:  # fmt: skip
+    """On device: a batch of q new tokens per row, tokens/positions [S, q] (each row's last
+    position its new length - 1), rows where `live` [S] is false carrying none (a draft pass
+    inside a decode scan: `engine/draft_model.py`, `engine/eagle.py`)."""
+    qsl = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(live * q)])
+    lens = jnp.where(live, positions[:, -1] + 1, 0)
+    return RaggedBatch(tokens.reshape(-1), positions.reshape(-1), qsl, PageTable(page_ids, lens), q)
