@@ -37,11 +37,10 @@ def model_axis_size(mesh: Mesh | None) -> int:
 
 
 def attention_mesh(cfg: ModelConfig, mesh: Mesh | None) -> Mesh | None:
-    """The mesh attention runs per device on (under shard_map over "model"), or None: no mesh,
-    no model axis, or one the KV heads do not divide (then `fit_kv_heads_to_mesh` has not run).
-    A model axis of 1 (the engine's default mesh) runs the same shard_map on its one device: one
-    code path at every size, measured free on one H200 (docs/performance.md)."""
-    if mesh is None or AXIS not in mesh.axis_names or cfg.num_kv_heads % model_axis_size(mesh):
+    """The mesh attention runs per device on (under shard_map over "model"), or None: no model
+    axis, or one the KV heads do not divide (then `fit_kv_heads_to_mesh` has not run)."""
+    t = model_axis_size(mesh)
+    if t == 1 or cfg.num_kv_heads % t:
         return None
     return mesh
 
