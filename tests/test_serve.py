@@ -374,14 +374,16 @@ def test_bench_serve_measures_the_server_into_a_run_folder_report_reads(server, 
 
 def test_serve_curve_starts_a_server_and_gathers_each_rates_metrics(tmp_path):
     """experiments/serve_curve.py: one `jaxinfer serve` child, a bench per rate, one results
-    file with a row per rate (the exact token counts of the workload), a plot, the server gone."""
+    file with a row per rate (the exact token counts of the workload), a plot, the server gone.
+    The model is a preset without a tokenizer, as on the H200 (8B shape, random weights): token
+    ids go in and come back as ids (a text-only count saw no content there)."""
     import subprocess
     import sys
     from pathlib import Path
 
     out = tmp_path / "curve.json"
     script = Path(__file__).parent.parent / "experiments" / "serve_curve.py"
-    cmd = [sys.executable, str(script), "--model", "tiny", "--rates", "inf", "50",
+    cmd = [sys.executable, str(script), "--model", "preset:tiny", "--rates", "inf", "50",
            "--num-prompts", "6", "--out", str(out), "--plot", str(tmp_path / "curve.png"),
            "--serve", "engine.max_num_seqs=4", "engine.max_num_batched_tokens=64",
            "engine.max_model_len=128", "--bench", "workload.prompt_len.value=8",

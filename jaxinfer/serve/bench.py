@@ -174,6 +174,10 @@ class _Client:
         else:
             body["prompt"] = text if self.tokenizer is not None or req.prompt_token_ids is None \
                 else req.prompt_token_ids  # fmt: skip
+        if self.tokenizer is None:
+            # token ids in, so token ids back: a model without a tokenizer (random weights, a
+            # `preset:`) streams no text, and its chunks are counted by their ids
+            body["return_token_ids"] = True
         return body
 
     async def send(self, index: int, req, t0: float) -> _Result:
