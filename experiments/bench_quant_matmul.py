@@ -38,7 +38,6 @@ from pallas_kernels.matmul import FORMATS, w4_matmul, w4_matmul_ref
 SHAPES = ((14336, 4096), (4096, 14336))  # (n, k): Llama-3-8B's up/gate and down projections
 MS = (1, 16, 64)
 IMPLS = ("w4_pallas", "xla_dequant", "xla_bf16")
-CONFIG_KEYS = ("num_splits", "num_stages", "blocks_per_stage")  # w4_matmul_mgpu's tuning
 SMOKE = dict(shapes=((128, 256),), ms=(1,))
 TIMING_METHOD = (
     "one jitted lax.fori_loop of N iterations (N traced, so one compile) around the op; each "
@@ -98,8 +97,8 @@ def parse_config(text: str) -> dict:
     out = {}
     for item in text.split(","):
         key, sep, value = item.partition("=")
-        if not sep or key not in CONFIG_KEYS or not value.isdigit():
-            raise ValueError(f"--configs: {item!r} is not KEY=N with KEY one of {CONFIG_KEYS}")
+        if not sep or key not in ("num_splits", "num_stages") or not value.isdigit():
+            raise ValueError(f"--configs: {item!r} is not num_splits=N or num_stages=N")
         out[key] = int(value)
     return out
 
@@ -151,7 +150,7 @@ def parse_args(argv):
         "--configs",
         nargs="+",
         default=["default"],
-        help="kernel options per w4_pallas row: default, or KEY=N[,KEY=N] (CONFIG_KEYS)",
+        help="kernel options per w4_pallas row: default, or num_splits=N,num_stages=N",
     )
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     p.add_argument(
@@ -191,7 +190,7 @@ def main(argv=None) -> None:
     ms = args.m or (SMOKE["ms"] if args.smoke else MS)
     if args.smoke:
         args.min_loop_ms, args.repeats = 0.0, 1
-    result = {**provenance([sys.executable, *(argv if argv is not None else sys.argv[1:])]),
+    result = {**provenance([sys.executable, *(sys.argv if argv is None else [__file__, *argv])]),
               "timing_method": TIMING_METHOD, "rows": []}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for n, k in shapes:

@@ -7,13 +7,20 @@ each request rate against it, and the points gathered into one results file and 
         engine.memory_budget_gb=120 \
         --bench workload.prompt_len.value=512 workload.output_len.value=128 slo.ttft=0.5 slo.tpot=0.05
     python experiments/serve_curve.py --model tiny --rates inf --num-prompts 8 --out /tmp/c.json
+    python experiments/serve_curve.py --model tiny --rates inf --num-prompts 3000 --offline \
+        --out experiments/results/cpu/serve_load_tiny.json --bench max_concurrency=256 \
+        workload.prompt_len.value=16 workload.output_len.value=8      # a load test, and the HTTP cost
 
 The server is one child process (its own process group, stopped at the end or on an error); each
 rate is one `bench serve` child writing its run folder under `--work` (`rate_<r>/`). The results
 file is rewritten after every rate, so an interrupted curve keeps the rates it finished, and a
 rate whose bench fails is an error row (the next rate still runs). Each row carries the client's
 metrics of that rate (the definitions of `jaxinfer/serve/bench.py`), the server's compiles after
-warm-up, and its run folder.
+warm-up, the server's resident memory after the rate (`server_rss_mb`, Linux), and its run folder.
+
+`--offline` then runs the `inf` rate's workload (the bench's resolved workload, sampling and SLOs)
+through `jaxinfer run` with the server's engine config, in-process, no HTTP: `offline` is its row
+and `http_overhead` = 1 - served output tok/s / offline output tok/s.
 """
 
 from __future__ import annotations
@@ -71,6 +78,45 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+def rss_mb(pid: int) -> float | None:
+    """Resident memory of process `pid` in MB (None where /proc is not there)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        return None
+    return None
+
+
+def run_offline(args, work: Path, cli: list[str]) -> dict:
+    """The `inf` rate's workload through `jaxinfer run` (no server): its metrics row."""
+    from omegaconf import OmegaConf
+
+    bench = OmegaConf.load(work / "rate_inf" / "config.yaml")
+    base = OmegaConf.load(args.config) if args.config else OmegaConf.create(
+        {"engine": {"model": args.model}})  # fmt: skip
+    engine = [o for o in args.serve if o.startswith("engine.")]  # (serve.* is the server's)
+    cfg = OmegaConf.merge(base, OmegaConf.from_dotlist(engine))
+    cfg = OmegaConf.merge({k: v for k, v in cfg.items() if k == "engine"}, {
+        "name": "offline", "out_dir": str(work / "offline"), "workload": bench.workload,
+        "sampling": bench.sampling, "slo": bench.slo})  # fmt: skip
+    OmegaConf.save(cfg, work / "offline.yaml")
+    cmd = [*cli, "run", str(work / "offline.yaml"), "--overwrite", "--no-progress"]
+    row = {"rate": "offline", "run_dir": str(work / "offline"), "command": cmd}
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.bench_timeout_s)
+        if proc.returncode:
+            raise RuntimeError(f"jaxinfer run exited {proc.returncode}: {proc.stderr[-800:]}")
+        metrics = json.loads((work / "offline" / "metrics.json").read_text())
+        row.update({k: metrics.get(k) for k in ROW_KEYS})
+    except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as e:
+        row["error"] = f"{type(e).__name__}: {e}"[:1000]
+    row["wall_s"] = round(time.perf_counter() - t0, 1)
+    return row
+
+
 def rate_name(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
@@ -112,11 +158,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bench", nargs="*", default=[], metavar="KEY=VALUE", help="bench overrides")
     ap.add_argument("--start-timeout-s", type=float, default=900.0)
     ap.add_argument("--bench-timeout-s", type=float, default=1800.0, help="per rate")
+    ap.add_argument(
+        "--offline",
+        action="store_true",
+        help="also run the inf rate's workload offline (jaxinfer run): the HTTP cost",
+    )
     args = ap.parse_args(argv)
     if (args.config is None) == (args.model is None):
         ap.error("give the server's config or --model (one of them)")
     if any(r <= 0 for r in args.rates):
         ap.error(f"--rates: each must be > 0 (inf: all at once), got {args.rates}")
+    if args.offline and not any(math.isinf(r) for r in args.rates):
+        ap.error("--offline compares with the inf rate: add inf to --rates")
     work = args.work or args.out.with_suffix("").with_name(args.out.stem + "_runs")
     work.mkdir(parents=True, exist_ok=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -124,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     cli = [sys.executable, "-m", "jaxinfer.cli"]
     serve_cmd = [*cli, "serve", *([args.config] if args.config else ["--model", args.model]),
                  "--port", str(port), "serve.log_level=warning", *args.serve]  # fmt: skip
-    result = {**provenance([sys.executable, *(argv if argv is not None else sys.argv[1:])]),
+    result = {**provenance([sys.executable, *(sys.argv if argv is None else [__file__, *argv])]),
               "serve_command": serve_cmd, "port": port, "rows": []}  # fmt: skip
 
     def save() -> None:
@@ -155,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as e:
                 row["error"] = f"{type(e).__name__}: {e}"[:1000]
             row["wall_s"] = round(time.perf_counter() - t0, 1)
+            row["server_rss_mb"] = rss_mb(server.pid)
             result["rows"].append(row)
             save()
             print(json.dumps({k: v for k, v in row.items() if k != "command"}), flush=True)
@@ -167,9 +221,19 @@ def main(argv: list[str] | None = None) -> int:
         stop(server)
         log.close()
         save()
+    served = [r for r in result["rows"] if r["rate"] == "inf" and "error" not in r]
+    if args.offline and served:
+        offline = result["offline"] = run_offline(args, work, cli)
+        if offline.get("output_throughput") and served[0]["output_throughput"]:
+            result["http_overhead"] = round(
+                1 - served[0]["output_throughput"] / offline["output_throughput"], 4
+            )
+        save()
+        print(json.dumps({k: v for k, v in offline.items() if k != "command"}), flush=True)
     if args.plot is not None and any("error" not in r for r in result["rows"]):
         plot(result["rows"], args.plot, f"{args.model or args.config}: served, client-side")
-    return 1 if "error" in result or any("error" in r for r in result["rows"]) else 0
+    rows = [*result["rows"], *([result["offline"]] if "offline" in result else [])]
+    return 1 if "error" in result or any("error" in r for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -374,7 +374,8 @@ def test_bench_serve_measures_the_server_into_a_run_folder_report_reads(server, 
 
 def test_serve_curve_starts_a_server_and_gathers_each_rates_metrics(tmp_path):
     """experiments/serve_curve.py: one `jaxinfer serve` child, a bench per rate, one results
-    file with a row per rate (the exact token counts of the workload), a plot, the server gone.
+    file with a row per rate (the exact token counts of the workload), a plot, the server gone;
+    --offline adds the same workload through `jaxinfer run`.
     The model is a preset without a tokenizer, as on the H200 (8B shape, random weights): token
     ids go in and come back as ids (a text-only count saw no content there)."""
     import subprocess
@@ -385,6 +386,7 @@ def test_serve_curve_starts_a_server_and_gathers_each_rates_metrics(tmp_path):
     script = Path(__file__).parent.parent / "experiments" / "serve_curve.py"
     cmd = [sys.executable, str(script), "--model", "preset:tiny", "--rates", "inf", "50",
            "--num-prompts", "6", "--out", str(out), "--plot", str(tmp_path / "curve.png"),
+           "--offline",
            "--serve", "engine.max_num_seqs=4", "engine.max_num_batched_tokens=64",
            "engine.max_model_len=128", "--bench", "workload.prompt_len.value=8",
            "workload.output_len.value=5"]  # fmt: skip
@@ -395,6 +397,12 @@ def test_serve_curve_starts_a_server_and_gathers_each_rates_metrics(tmp_path):
     for row in result["rows"]:
         assert row["num_completed"] == 6 and row["num_failed"] == 0, row
         assert row["output_throughput"] > 0 and row["ttft_median"] > 0, row
+        assert row["server_rss_mb"] > 0, row
+    offline = result["offline"]  # the inf rate's workload through `jaxinfer run`, no server
+    assert offline["num_completed"] == 6 and offline["output_throughput"] > 0, offline
+    assert result["http_overhead"] == pytest.approx(
+        1 - result["rows"][0]["output_throughput"] / offline["output_throughput"], abs=1e-4
+    )
     assert result["commit"] and result["server_start_s"] > 0
     assert (tmp_path / "curve.png").stat().st_size > 0
     with pytest.raises(httpx.TransportError):  # the server was stopped

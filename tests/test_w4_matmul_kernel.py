@@ -85,8 +85,7 @@ def check_case(seed: int, fmt: str, m: int, k: int, n: int, **kw) -> None:
     [
         (1, 256, 128, dict(num_splits=1)),
         (7, 256, 128, dict(num_splits=2)),
-        (64, 512, 64, dict(num_splits=1, num_stages=2, blocks_per_stage=1)),
-        (3, 1024, 64, dict(num_splits=2, num_stages=1, blocks_per_stage=2)),  # 2 blocks a stage
+        (64, 512, 64, dict(num_splits=1, num_stages=2)),
     ],
 )
 def test_int4_g128_matches_reference_in_interpreter(fresh_seed, m, k, n, kw):
@@ -96,14 +95,6 @@ def test_int4_g128_matches_reference_in_interpreter(fresh_seed, m, k, n, kw):
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "q4_1"])
 def test_other_formats_share_the_kernel_and_match_reference(fresh_seed, fmt):
     check_case(fresh_seed, fmt, 5, 256, 64, interpret=True, num_splits=1)
-
-
-@pytest.mark.parametrize("fmt", ["nvfp4", "q4_1"])
-def test_several_blocks_per_stage_take_their_own_group_entries(fresh_seed, fmt):
-    """Four 128-input blocks per stage, two stages through one slot: each block's group rows
-    are its own (nvfp4: 8 entries a block; q4_1: scales and mins, 4 a block)."""
-    check_case(fresh_seed, fmt, 2, 1024, 64, interpret=True, num_splits=1, num_stages=1,
-               blocks_per_stage=4)  # fmt: skip
 
 
 @pytest.mark.parametrize("fmt", list(PARTS))
@@ -142,9 +133,6 @@ def test_arguments_are_validated_by_name():
             w4_matmul(**args, backend="pallas", interpret=True)
     with pytest.raises(ValueError, match="num_splits must divide"):
         w4_matmul(x, **w, fmt="int4_g128_sym", backend="pallas", interpret=True, num_splits=3)
-    with pytest.raises(ValueError, match="blocks_per_stage must divide"):
-        w4_matmul(x, **w, fmt="int4_g128_sym", backend="pallas", interpret=True, num_splits=1,
-                  blocks_per_stage=3)  # fmt: skip
     with pytest.raises(ValueError, match="pallas backend only"):
         w4_matmul(x, **w, fmt="int4_g128_sym", backend="xla", num_stages=2)
 

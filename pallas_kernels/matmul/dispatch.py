@@ -16,7 +16,7 @@ from pallas_kernels.matmul.reference import w4_matmul_ref
 from pallas_kernels.matmul.w4_mgpu import check_inputs, w4_matmul_mgpu
 
 BACKENDS = ("auto", "xla", "pallas")
-KERNEL_OPTIONS = ("num_stages", "num_splits", "blocks_per_stage", "interpret")
+KERNEL_OPTIONS = ("num_stages", "num_splits", "interpret")
 
 
 def w4_matmul(
@@ -33,8 +33,7 @@ def w4_matmul(
     `values` uint8 [K/2, N] and the format's parts by name (`reference.PARTS`: `scales` for
     int4_g128_sym and mxfp4, `block_scales` and `tensor_scale` for nvfp4, `d` and `m` for q4_1),
     so a jaxinfer weight passes as `w4_matmul(x, **qw.arrays, fmt=qw.format.name)`. Kernel
-    options (`KERNEL_OPTIONS`: num_stages, num_splits, blocks_per_stage, interpret) go to the
-    Pallas kernel.
+    options (`KERNEL_OPTIONS`: num_stages, num_splits, interpret) go to the Pallas kernel.
     `device` (static) decides `auto` and the kernel's defaults (None: `jax.devices()[0]`).
     """
     if backend not in BACKENDS:

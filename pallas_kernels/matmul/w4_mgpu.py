@@ -18,10 +18,9 @@ How the work is cut
   splits x into x_even and x_odd ([M_pad, K/2] each; x is small), so both products are plain
   wgmmas over K/2 with x as the shared-memory B operand (loaded [M_pad, 64], K-major, and used
   transposed).
-- A block covers 128 inputs: a [64 packed rows, 64 outputs] uint8 tile of the weights, each
-  grouped part's [128 / group, 64] tile, and the x_even / x_odd tiles [M_pad, 64]. A pipeline
-  stage holds `blocks_per_stage` consecutive blocks (4 at decode sizes: one 16 KB weight copy
-  rather than four of 4 KB), all copied by TMA onto one barrier per stage, `num_stages` deep (one warpgroup issues and consumes:
+- A step covers 128 inputs: a [64 packed rows, 64 outputs] uint8 tile of the weights, each
+  grouped part's [128 / group, 64] tile, and the x_even / x_odd tiles [M_pad, 64], all copied by
+  TMA onto one barrier per stage, `num_stages` stages deep (one warpgroup issues and consumes:
   the copies of step i + num_stages start once step i is done: its wgmmas, collective over the
   warpgroup, were waited for, and every warp read the slot's weight tile before them). The uint8 tile is loaded from its
   transposed view (outputs as rows) in `WGMMA_TRANSPOSED` layout, widened to int32, relaid to the
@@ -69,30 +68,12 @@ def padded_m(m: int) -> int:
     return max(8, -(-m // 8) * 8)
 
 
-def stage_bytes(m_pad: int, decoder: W4Decode, blocks: int) -> int:
-    """Shared memory of one pipeline stage of `blocks` 128-input blocks."""
-    per_block = 2 * m_pad * PACKED_K * 2 + PACKED_K * TILE_N
-    per_block += sum(TILE_K // decoder.group * TILE_N * jnp.dtype(dt).itemsize
+def default_num_stages(m_pad: int, decoder: W4Decode, steps: int) -> int:
+    """As many stages (2..4) as fit `SMEM_BUDGET`, never more than the steps."""
+    per_stage = 2 * m_pad * PACKED_K * 2 + PACKED_K * TILE_N
+    per_stage += sum(TILE_K // decoder.group * TILE_N * jnp.dtype(dt).itemsize
                      for _, dt in decoder.grouped)  # fmt: skip
-    return blocks * per_block
-
-
-def default_blocks_per_stage(m_pad: int, decoder: W4Decode, per: int) -> int:
-    """128-input blocks one stage copies (4, 2 or 1, dividing a program's `per` blocks): the
-    most whose two stages fit `SMEM_BUDGET`. Fewer, larger copies: each TMA copy, barrier wait
-    and refill is a fixed cost per stage, and at decode sizes a block's copies are small (4 KB
-    of weights, 128 B of scales)."""
-    for b in (4, 2, 1):
-        if per % b == 0 and 2 * stage_bytes(m_pad, decoder, b) <= SMEM_BUDGET:
-            return b
-    return 1
-
-
-def default_num_stages(m_pad: int, decoder: W4Decode, stages_per_program: int,
-                       blocks: int = 1) -> int:  # fmt: skip
-    """As many stages (2..4) as fit `SMEM_BUDGET`, never more than a program's stages."""
-    per_stage = stage_bytes(m_pad, decoder, blocks)
-    return max(1, min(stages_per_program, max(2, min(4, SMEM_BUDGET // per_stage))))
+    return max(1, min(steps, max(2, min(4, SMEM_BUDGET // per_stage))))
 
 
 def default_num_splits(n_tiles: int, steps: int, sms: int) -> int:
@@ -110,16 +91,14 @@ def w4_matmul_mgpu(
     fmt: str,
     num_stages: int | None = None,
     num_splits: int | None = None,
-    blocks_per_stage: int | None = None,
     interpret: bool | None = None,
     device: jax.Device | None = None,
     **parts: jax.Array,
 ) -> jax.Array:
     """x [M, K] bf16 @ the 4-bit weight (`values` uint8 [K/2, N] and the format's `parts`, named
     as in `reference.PARTS`) -> [M, N] in x's dtype. Static tuning: `num_stages` (pipeline depth),
-    `num_splits` (split-K parts, a divisor of K / 128), `blocks_per_stage` (128-input blocks per
-    stage, a divisor of a program's blocks); defaults from `default_num_stages` /
-    `default_num_splits` / `default_blocks_per_stage`. `interpret` runs the GPU interpreter (default: when `device`, None for
+    `num_splits` (split-K parts, a divisor of K / 128); defaults from `default_num_stages` /
+    `default_num_splits`. `interpret` runs the GPU interpreter (default: when `device`, None for
     `jax.devices()[0]`, is not a GPU)."""
     check_inputs(x, values, fmt, parts)
     dec = DECODERS[fmt]
@@ -127,24 +106,17 @@ def w4_matmul_mgpu(
     n = values.shape[1]
     steps = k // TILE_K
     m_pad = padded_m(m)
+    stages = default_num_stages(m_pad, dec, steps) if num_stages is None else int(num_stages)
     if num_splits is None:
         num_splits = default_num_splits(n // TILE_N, steps, _compat.num_sms(device))
     num_splits = int(num_splits)
     if num_splits < 1 or steps % num_splits:
         raise ValueError(f"num_splits must divide K / {TILE_K} = {steps}, got {num_splits}")
-    per = steps // num_splits
-    blocks = (default_blocks_per_stage(m_pad, dec, per) if blocks_per_stage is None
-              else int(blocks_per_stage))  # fmt: skip
-    if blocks < 1 or per % blocks:
-        raise ValueError(f"blocks_per_stage must divide a program's {per} blocks of {TILE_K} "
-                         f"inputs (K / {TILE_K} / num_splits), got {blocks}")  # fmt: skip
-    stages = (default_num_stages(m_pad, dec, per // blocks, blocks) if num_stages is None
-              else int(num_stages))  # fmt: skip
     if stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {stages}")
     interpret = _compat.default_interpret(device) if interpret is None else bool(interpret)
     kernel = _build_kernel(m_pad=m_pad, k=k, n=n, fmt=fmt, num_stages=stages,
-                           num_splits=num_splits, blocks=blocks, interpret=interpret)  # fmt: skip
+                           num_splits=num_splits, interpret=interpret)  # fmt: skip
     xp = jnp.pad(x.astype(jnp.bfloat16), ((0, m_pad - m), (0, 0)))
     grouped = [parts[name] for name, _ in dec.grouped]
     (out,) = kernel(xp[:, 0::2], xp[:, 1::2], values, *grouped)  # [splits, N, M_pad] fp32
@@ -209,23 +181,21 @@ def _row(dec: W4Decode, name: str, src, shape, interpret: bool) -> jax.Array:
     return lax.broadcast_in_dim(dec.to_f32(name, raw), shape, [0])
 
 
-def _group_rows(dec: W4Decode, p_refs, slot, block: int, interpret: bool) -> dict:
-    """Each grouped part of block `block` of the stage (but the step scale) as fp32 [64 outputs,
-    64 packed rows]: packed column j (inputs 2j and 2j + 1 of the block) takes its group's entry,
-    (2j) // group."""
+def _group_rows(dec: W4Decode, p_refs, slot, interpret: bool) -> dict:
+    """Each grouped part of the step (but the step scale) as fp32 [64 outputs, 64 packed rows]:
+    packed column j (inputs 2j and 2j + 1 of the step) takes its group's entry, (2j) // group."""
     shape = (TILE_N, PACKED_K)
     cols = dec.group // 2  # packed columns per group
     col = None
     if cols < PACKED_K:
         col = _cast(interpret, lax.broadcasted_iota(jnp.int32, shape, 1), plgpu.Layout.WGMMA)
     rows = {}
-    groups = PACKED_K // cols  # group entries per block
     for (name, _), ref in zip(dec.grouped, p_refs, strict=True):
         if name == dec.step_scale:
             continue
         full = None
-        for g in range(groups):
-            b = _row(dec, name, ref.at[slot, block * groups + g], shape, interpret)
+        for g in range(PACKED_K // cols):
+            b = _row(dec, name, ref.at[slot, g], shape, interpret)
             full = b if full is None else jnp.where(col >= g * cols, b, full)
         rows[name] = full
     return rows
@@ -233,12 +203,11 @@ def _group_rows(dec: W4Decode, p_refs, slot, block: int, interpret: bool) -> dic
 
 @functools.cache
 def _build_kernel(*, m_pad: int, k: int, n: int, fmt: str, num_stages: int, num_splits: int,
-                  blocks: int, interpret: bool):  # fmt: skip
+                  interpret: bool):  # fmt: skip
     dec = DECODERS[fmt]
     n_parts = len(dec.grouped)
-    per = k // TILE_K // num_splits // blocks  # stages of one program (steps of its loop)
-    stage_k = blocks * PACKED_K  # packed rows a stage copies
-    groups = blocks * TILE_K // dec.group  # group entries per stage
+    per = k // TILE_K // num_splits  # steps of one program
+    groups = TILE_K // dec.group  # group entries per step
 
     def body(xe, xo, vals, *refs):
         p_gmem, (out,) = refs[:n_parts], refs[n_parts : n_parts + 1]
@@ -250,7 +219,7 @@ def _build_kernel(*, m_pad: int, k: int, n: int, fmt: str, num_stages: int, num_
 
         def issue(i, slot):
             kk = step0 + i
-            cols = pl.ds(pl.multiple_of(kk * stage_k, stage_k), stage_k)
+            cols = pl.ds(pl.multiple_of(kk * PACKED_K, PACKED_K), PACKED_K)
             plgpu.copy_gmem_to_smem(xe.at[:, cols], xe_s.at[slot], bar.at[slot])
             plgpu.copy_gmem_to_smem(xo.at[:, cols], xo_s.at[slot], bar.at[slot])
             plgpu.copy_gmem_to_smem(vals.at[cols, pl.ds(n0, TILE_N)], v_s.at[slot],
@@ -265,21 +234,18 @@ def _build_kernel(*, m_pad: int, k: int, n: int, fmt: str, num_stages: int, num_
         def step(i, acc):
             slot = lax.rem(i, jnp.int32(num_stages))
             plgpu.barrier_wait(bar.at[slot])
-            for b in range(blocks):  # the stage's 128-input blocks, one after the other
-                rows_b = pl.ds(b * PACKED_K, PACKED_K)
-                codes = _load_codes(v_s.at[slot, rows_b], interpret)
-                rows = _group_rows(dec, p_s, slot, b, interpret)
-                lo = dec.value(codes & 0xF, rows).astype(jnp.bfloat16)  # W_even^T
-                hi = dec.value(codes >> 4, rows).astype(jnp.bfloat16)  # W_odd^T
-                # (wgmma_dot reads its accumulator: both products are done with the slot after)
-                xe_b, xo_b = xe_s.at[slot, :, rows_b], xo_s.at[slot, :, rows_b]
-                prod = wgmma_dot(lo, xe_b, interpret=interpret, transpose_b=True)
-                prod = prod + wgmma_dot(hi, xo_b, interpret=interpret, transpose_b=True)
-                if dec.step_scale is not None:  # one scale per output for the whole block
-                    ref = p_s[[n for n, _ in dec.grouped].index(dec.step_scale)]
-                    prod = prod * _row(dec, dec.step_scale, ref.at[slot, b], (TILE_N, m_pad),
-                                       interpret)  # fmt: skip
-                acc = acc + prod
+            codes = _load_codes(v_s.at[slot], interpret)
+            rows = _group_rows(dec, p_s, slot, interpret)
+            lo = dec.value(codes & 0xF, rows).astype(jnp.bfloat16)  # W_even^T
+            hi = dec.value(codes >> 4, rows).astype(jnp.bfloat16)  # W_odd^T
+            # (wgmma_dot reads its accumulator: both products are done with the slot after it)
+            prod = wgmma_dot(lo, xe_s.at[slot], interpret=interpret, transpose_b=True)
+            prod = prod + wgmma_dot(hi, xo_s.at[slot], interpret=interpret, transpose_b=True)
+            if dec.step_scale is not None:  # one scale per output for the whole step
+                ref = p_s[[n for n, _ in dec.grouped].index(dec.step_scale)]
+                prod = prod * _row(dec, dec.step_scale, ref.at[slot, 0], (TILE_N, m_pad),
+                                   interpret)  # fmt: skip
+            acc = acc + prod
 
             @pl.when(i + num_stages < per)
             def _refill():
@@ -296,9 +262,9 @@ def _build_kernel(*, m_pad: int, k: int, n: int, fmt: str, num_stages: int, num_
 
     n_copies = 3 + n_parts
     scratch = [
-        swizzled_smem((num_stages, m_pad, stage_k), jnp.bfloat16),  # x_even tiles
-        swizzled_smem((num_stages, m_pad, stage_k), jnp.bfloat16),  # x_odd tiles
-        swizzled_smem((num_stages, stage_k, TILE_N), jnp.uint8),  # packed weight tiles
+        swizzled_smem((num_stages, m_pad, PACKED_K), jnp.bfloat16),  # x_even tiles
+        swizzled_smem((num_stages, m_pad, PACKED_K), jnp.bfloat16),  # x_odd tiles
+        swizzled_smem((num_stages, PACKED_K, TILE_N), jnp.uint8),  # packed weight tiles
         *[plgpu.SMEM((num_stages, groups, TILE_N), dt) for _, dt in dec.grouped],
         plgpu.SMEM((TILE_N, m_pad), jnp.float32),  # output stage
         plgpu.Barrier(num_arrivals=n_copies, num_barriers=num_stages),
