@@ -3,8 +3,7 @@ each request rate against it, and the points gathered into one results file and 
 
     python experiments/serve_curve.py configs/bench/engine_llama3_8b.yaml --rates 4 8 16 32 64 inf \
         --num-prompts 256 --out $OUT/serve_llama3_8b.json --plot $OUT/serve_llama3_8b.png \
-        --serve engine.max_num_seqs=128 engine.max_model_len=1024 engine.num_pages=auto \
-        engine.memory_budget_gb=120 \
+        --serve engine.max_num_seqs=128 engine.max_model_len=1024 engine.num_pages=8192 \
         --bench workload.prompt_len.value=512 workload.output_len.value=128 slo.ttft=0.5 slo.tpot=0.05
     python experiments/serve_curve.py --model tiny --rates inf --num-prompts 8 --out /tmp/c.json
     python experiments/serve_curve.py --model tiny --rates inf --num-prompts 3000 --offline \

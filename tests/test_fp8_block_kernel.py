@@ -1,0 +1,127 @@
+"""The Mosaic GPU block-scaled FP8 GEMM against its fp32 reference and jaxinfer's `fp8_block`.
+
+On CPU the kernel runs under jax's GPU interpreter (TMA copies, the stage ring, the promotion of
+each 128-input block's product by its token and weight scales) on small shapes with fresh random
+weights and activations quantized by jaxinfer's own `fp8_block` format; lowering for CUDA checks
+its register layouts and shared-memory plan without a GPU; the `-m gpu` tests run it compiled at
+DeepSeek-V3's and Llama-3-8B's shapes.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.quant import WEIGHT_FORMATS, QuantizedWeight
+from jaxinfer.quant.fp8 import quantize_activations
+from pallas_kernels.matmul.fp8_block_mgpu import (
+    E4M3,
+    fp8_block_matmul_mgpu,
+    fp8_block_matmul_ref,
+    pack_weight,
+)
+
+TOL = 1e-2  # relative Frobenius error: the kernel's output is bf16
+
+
+def case(seed: int, m: int, k: int, n: int):
+    """(xq, sx, wt, sw, x, weight) from fresh random bf16 x [m, k] and weight [k, n]."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    # per-block magnitudes that differ, so a scale applied to the wrong block shows
+    mag = rng.uniform(0.01, 1.0, (k // 128, 1, n // 128, 1))
+    w = rng.standard_normal((k // 128, 128, n // 128, 128)) * mag
+    w = jnp.asarray(w.reshape(k, n), jnp.float32)
+    arrays = WEIGHT_FORMATS["fp8_block"].quantize(w, 1)
+    xq, sx = quantize_activations(x, 128)
+    wt, sw = pack_weight(arrays["values"], arrays["scales"])
+    return xq, sx, wt, sw, x, arrays
+
+
+def rel_err(got, want) -> float:
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+# M 5 (padded to 64), 3 steps through 2 stages (a slot refilled), and 2 token tiles x 2 output
+# tiles with the stages clipped to the steps.
+@pytest.mark.parametrize("m,k,n,stages", [(5, 384, 128, 2), (70, 256, 256, 4)])
+def test_matches_reference_and_the_format_in_interpreter(fresh_seed, m, k, n, stages):
+    xq, sx, wt, sw, x, arrays = case(fresh_seed, m, k, n)
+    got = fp8_block_matmul_mgpu(xq, sx, wt, sw, num_stages=stages, interpret=True)
+    assert got.shape == (m, n) and got.dtype == jnp.bfloat16
+    ref = fp8_block_matmul_ref(xq, sx, wt, sw)
+    err = rel_err(got, ref)
+    assert err < TOL, f"m={m} k={k} n={n}: rel err {err:.2e} vs reference (seed {fresh_seed})"
+    fmt = WEIGHT_FORMATS["fp8_block"]  # jaxinfer's XLA product of the same quantized weight
+    xla = fmt.matmul(x, QuantizedWeight(arrays, fmt, 1))
+    err = rel_err(got, xla)
+    assert err < TOL, f"m={m} k={k} n={n}: rel err {err:.2e} vs fp8_block (seed {fresh_seed})"
+
+
+def test_reference_fails_a_wrong_scale_layout(fresh_seed):
+    """The check can fail: the weight scales' blocks swapped along N change the product."""
+    xq, sx, wt, sw, _, _ = case(fresh_seed, 3, 256, 256)
+    ref = fp8_block_matmul_ref(xq, sx, wt, sw)
+    assert rel_err(fp8_block_matmul_ref(xq, sx, wt, sw[::-1]), ref) > 10 * TOL, fresh_seed
+
+
+def test_arguments_are_validated_by_name():
+    xq, sx, wt, sw, _, _ = case(0, 4, 256, 128)
+    bad = [
+        (dict(xq=xq.astype(jnp.bfloat16)), "xq must be float8_e4m3fn"),
+        (dict(xq=xq[:, :200], sx=sx[:, :1]), "K must be a multiple of 128"),
+        (dict(sx=sx[:, :1]), "sx must be float32 [4, 2]"),
+        (dict(wt=wt[:, :128]), "wt must be float8_e4m3fn [N, K=256]"),
+        (dict(wt=wt[:64], sw=sw), "N (outputs) must be a multiple of 128"),
+        (dict(sw=sw[:, :, :8]), "sw must be float32 [1, 2, 64]"),
+    ]
+    for change, message in bad:
+        args = dict(xq=xq, sx=sx, wt=wt, sw=sw) | change
+        with pytest.raises(ValueError, match=re.escape(message)):
+            fp8_block_matmul_mgpu(**args, interpret=True)
+
+
+@pytest.mark.parametrize("m", [1, 128])
+def test_kernel_lowers_for_cuda(m):
+    """Mosaic accepts the kernel's layouts (the fp8 tiles, the transposed weight view, the
+    row-vector scales, the bf16 output stage) for one and several token tiles."""
+    k, n = 512, 256
+    sds = jax.ShapeDtypeStruct
+    args = (sds((m, k), E4M3), sds((m, k // 128), jnp.float32), sds((n, k), E4M3),
+            sds((n // 128, k // 128, 64), jnp.float32))  # fmt: skip
+    call = jax.jit(lambda *a: fp8_block_matmul_mgpu(*a, interpret=False))
+    assert "mosaic_gpu" in call.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [64, 128, 4096])
+@pytest.mark.parametrize("n,k", [(7168, 2048), (2048, 7168), (4096, 7168), (14336, 4096)])
+def test_compiled_kernel_on_gpu(fresh_seed, m, n, k):
+    """The same check, compiled, at DeepSeek-V3's shapes and Llama-3-8B's FFN (`pytest -m gpu`)."""
+    xq, sx, wt, sw, _, _ = case(fresh_seed, m, k, n)
+    got = fp8_block_matmul_mgpu(xq, sx, wt, sw)
+    err = rel_err(got, fp8_block_matmul_ref(xq, sx, wt, sw))
+    assert err < TOL, f"m={m} k={k} n={n}: rel err {err:.2e} (seed {fresh_seed})"
+
+
+def test_benchmark_smoke_run_writes_rows_with_provenance(tmp_path):
+    """experiments/bench_fp8_matmul.py --smoke: every impl timed, near x @ w."""
+    import json
+
+    import experiment_scripts
+
+    bench = experiment_scripts.load("bench_fp8_matmul")
+    out = tmp_path / "fp8_matmul.json"
+    bench.main(["--smoke", "--out", str(out)])
+    result = json.loads(out.read_text())
+    for key in ("device", "jax", "commit", "date", "command", "timing_method"):
+        assert key in result, key
+    assert [r["impl"] for r in result["rows"]] == list(bench.IMPLS)
+    for r in result["rows"]:
+        assert "error" not in r and r["time_us"] > 0 and r["tflops"] > 0, r
+        assert r["rel_err"] < (0.01 if r["impl"] == "xla_bf16" else 0.1), r
