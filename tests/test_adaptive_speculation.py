@@ -195,6 +195,27 @@ def test_adaptive_output_equals_plain_output_token_for_token(fresh_seed, engines
         assert True in paths and False in paths, (f"seed {fresh_seed}: {name}", paths)
 
 
+def test_a_thinning_batch_does_not_read_as_a_slower_path(fresh_seed, engines):
+    """Sequences that end inside a scan (token limits drawn at random) make fewer tokens on
+    either path: the engine reports a scan's tokens per live row-round scaled to the bucket, so
+    every plain scan reports exactly rows x rounds, and a speculative one at least that."""
+    rng = np.random.default_rng(fresh_seed)
+    reports = []
+
+    class Recording(Forced):
+        def record(self, bucket, speculative, tokens, seconds):
+            reports.append((bucket, speculative, tokens))
+
+    prompts = [rng.integers(3, 4000, 9).tolist() for _ in range(4)]
+    sampling = [SamplingParams(max_tokens=int(rng.integers(2, 40)), ignore_eos=True)
+                for _ in prompts]  # fmt: skip
+    _generate(engines["adaptive"], prompts, sampling, Recording(rng))
+    full = KW["max_num_seqs"] * KW["decode_steps"]  # (one bucket: max_num_seqs rows)
+    where = f"seed {fresh_seed}: (bucket, speculative, tokens) {reports}"
+    assert reports and all(t == full for _, s, t in reports if not s), where
+    assert all(t >= full for _, s, t in reports if s), where
+
+
 VERIFY_COST = 1.2  # a verification of 1 + gamma rows, in plain decode steps (memory-bound)
 
 

@@ -52,8 +52,9 @@ class AdaptiveSpeculation:
         self._scans[bucket] = n
         self._last[bucket, speculative] = n
 
-    def record(self, bucket: int, speculative: bool, tokens: int, seconds: float) -> None:
-        """A scan of that path made `tokens` output tokens in `seconds` of wall time. The EWMA
+    def record(self, bucket: int, speculative: bool, tokens: float, seconds: float) -> None:
+        """A scan of that path made `tokens` output tokens in `seconds` of wall time (the engine
+        scales them to every row of the bucket live in every round, `Engine._measure`). The EWMA
         runs over the bucket's scans: a measurement after `gap` scans of the other path weighs
         what `gap` consecutive ones would, 1 - (1 - alpha)^gap, so a probe's fresh rate all but
         replaces a stale one (one probe notices a shift)."""

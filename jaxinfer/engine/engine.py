@@ -675,12 +675,24 @@ class Engine:
                    for r in range(scan.rounds) for j in range(int(counts[r, i]))]  # fmt: skip
             seq.num_computed_tokens += len(new)
             results.append((seq, new))
-        if self.adaptive is not None:  # from its dispatch, or the previous scan's read if later
-            seconds = read_at - max(scan.dispatched_at, self._scan_read_at)
-            made = sum(len(new) for _, new in results)
-            self.adaptive.record(scan.rows, scan.speculative, made, seconds)
+        if self.adaptive is not None:
+            self._measure(scan, counts, results, read_at)
         self._scan_read_at = read_at
         return results, device_s
+
+    def _measure(self, scan: UnreadScan, counts, results, read_at: float) -> None:
+        """Report a read scan to adaptive speculation: its tokens per round a row was live, times
+        the bucket's rows and the rounds (a batch thinning out as sequences end makes fewer
+        tokens whichever path runs: that says nothing of the path), over its seconds from its
+        dispatch, or from the previous scan's read when that came later (a chained scan ran on
+        the device from then)."""
+        rows = [i for i, (_, new) in enumerate(results) if new]  # (not the void ones)
+        live = int((counts[:, rows] > 0).sum())
+        if live:
+            made = sum(len(new) for _, new in results)
+            seconds = read_at - max(scan.dispatched_at, self._scan_read_at)
+            self.adaptive.record(scan.rows, scan.speculative, made * scan.rows * scan.rounds / live,
+                                 seconds)  # fmt: skip
 
     def _drafts(self, scan: UnreadScan) -> bool:
         """Whether `scan`'s rounds verified drafts."""
