@@ -14,7 +14,13 @@ workload, the draft acceptance rate, tokens per verification (tau) and acceptanc
 position (`metrics.summary`), and whether the outputs equal "none"'s token for token (they must:
 verification is exact). Methods: none, ngram[:GAMMA], draft:MODEL[:GAMMA], self:LAYERS[:GAMMA],
 eagle:HEAD[:GAMMA] (HEAD: a head file from `jaxinfer train configs/train/eagle-*.yaml`, or
-"random"; `engine.speculative`; GAMMA defaults to --num-draft-tokens).
+"random"; `engine.speculative`; GAMMA defaults to --num-draft-tokens); a "+adaptive" suffix
+(ngram+adaptive) turns on `engine.speculative.adaptive`, and the row records the fraction of
+decode steps that speculated (`speculative_step_fraction`).
+
+    python experiments/speculative/run.py --methods none ngram ngram+adaptive \
+        eagle:eagle-tiny eagle:eagle-tiny+adaptive \
+        --out experiments/results/cpu/speculative_adaptive.json          # adaptive, tiny, CPU
 
     python experiments/speculative/run.py --methods none ngram self:2 eagle:eagle-tiny \
         eagle:random --out experiments/results/cpu/speculative_eagle.json    # tiny's heads, CPU
@@ -65,6 +71,8 @@ def prompts_of(workload: str, tokenizer, n: int, chars: int) -> list[list[int]]:
 
 def speculative_config(method: str, gamma: int) -> dict:
     """`engine.speculative` of a method spec (see the module docstring)."""
+    if method.endswith("+adaptive"):
+        return {**speculative_config(method.removesuffix("+adaptive"), gamma), "adaptive": True}
     name, *args = method.split(":")
     if name == "none":
         return {"method": "none"}
@@ -80,7 +88,7 @@ def speculative_config(method: str, gamma: int) -> dict:
         g = int(args[1]) if len(args) > 1 else gamma
         return {"method": "eagle", "eagle_head": args[0], "num_draft_tokens": g}
     raise ValueError(f"--methods: {method!r} is not none, ngram[:G], draft:MODEL[:G], "
-                     "self:LAYERS[:G] or eagle:HEAD[:G]")  # fmt: skip
+                     "self:LAYERS[:G] or eagle:HEAD[:G] (each with an optional +adaptive)")  # fmt: skip
 
 
 def build_engine(args, method: str) -> tuple[LLM, dict, float]:
@@ -115,7 +123,7 @@ def run_point(llm: LLM, engine: dict, warmup_s: float, method: str, batch: int, 
         "steps": len(llm.engine.step_records), "engine_warmup_s": round(warmup_s, 1),
         "compiles_after_warmup": llm.engine.compiles_after_warmup,
         **{k: summary[k] for k in ("draft_acceptance_rate", "tokens_per_verification",
-                                   "acceptance_by_position")},
+                                   "acceptance_by_position", "speculative_step_fraction")},
         "speculative": engine["speculative"],
     }  # fmt: skip
     return row, tokens

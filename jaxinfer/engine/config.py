@@ -135,6 +135,15 @@ class SpeculativeConfig:
     # while it equals the target's own sample (the output is plain decoding's, token for token).
     # Greedy rows (temperature 0) are the same either way.
     draft_sampling: str = "rejection"
+    # Per decode scan, run the speculative path or the plain one, whichever has been making more
+    # tokens per second at that batch size (`engine/adaptive.py`); mixed steps draft only while
+    # their batch size's choice is to speculate. Every method can switch: in a plain round a
+    # draft model or EAGLE head still runs its catch-up pass over the fed token, so its pool
+    # stays complete (that pass is the plain path's extra cost; n-gram's is a token write).
+    # Output: n-gram and greedy drafts give plain decoding's tokens whichever path runs;
+    # rejection-sampled drafts give plain decoding's distribution, but which tokens a seed gives
+    # a sampled request then depends on which path ran (the choice follows timings).
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -167,6 +176,12 @@ class SpeculativeConfig:
         if self.draft_sampling not in ("rejection", "greedy"):
             raise ValueError(f"engine.speculative.draft_sampling={self.draft_sampling!r} is "
                              "unknown: must be rejection or greedy")  # fmt: skip
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"engine.speculative.adaptive={self.adaptive!r} is invalid: must be "
+                             "true or false")  # fmt: skip
+        if self.adaptive and self.method == "none":
+            raise ValueError("engine.speculative.adaptive chooses between speculating and not: "
+                             "it needs a method other than none")  # fmt: skip
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"engine.speculative.ngram_min={self.ngram_min} exceeds ngram_max="
                              f"{self.ngram_max}")  # fmt: skip
@@ -315,6 +330,9 @@ class EngineConfig:
             raise bad("mesh", f"a map of mesh axes ({', '.join(MESH_AXES)}) to sizes >= 1")
         if self.decode_steps < 1:
             raise bad("decode_steps", "an int >= 1")
+        if self.speculative.adaptive and self.decode_steps < 2:
+            raise ValueError("engine.speculative.adaptive decides per decode scan: it needs "
+                             f"engine.decode_steps >= 2, got {self.decode_steps}")  # fmt: skip
         if not all(isinstance(b, int) and 1 <= b <= self.max_num_seqs for b in self.decode_buckets):
             raise bad("decode_buckets", f"a list of ints in [1, max_num_seqs={self.max_num_seqs}]")
         if self.num_pages != "auto" and (

@@ -99,9 +99,6 @@ class DraftModelProposer:
         target's page table, `sb` the rows' sampling (its positions: the token after the last).
         q: the distributions the drafts were drawn from (None: greedy drafts)."""
         cfg, gamma, rows = self.draft_cfg, self.num_draft_tokens, tokens.shape[0]
-        back = jnp.clip(positions - 1 - state.position, 0, gamma)
-        prev = jnp.take_along_axis(state.fed, back[:, None], axis=1)[:, 0]
-        two = jnp.arange(2, dtype=jnp.int32)
 
         def step(tok, pos, q):  # q tokens per row ([S, q]) ending at pos; -> argmax after them
             nonlocal kv
@@ -115,8 +112,7 @@ class DraftModelProposer:
             probs = filtered_probs(logits, row_sb)
             return draw_from(probs, row_sb, row_sb.position, DRAFT_STREAM), probs
 
-        pos = jnp.maximum(positions[:, None] - 1 + two, 0)
-        d, q = step(jnp.stack([prev, tokens], axis=1), pos, 2)
+        d, q = step(*self._catch_up(state, tokens, positions), 2)
         drafts, qs = [d], [q]
         for j in range(1, gamma):
             d, q = step(drafts[-1][:, None], (positions + j)[:, None], 1)
@@ -126,3 +122,20 @@ class DraftModelProposer:
         fed = jnp.concatenate([tokens[:, None], drafts], axis=1)
         q = jnp.stack(qs, axis=1) if self.rejection else None
         return drafts, DraftState(fed, positions), kv, q
+
+    def _catch_up(self, state: DraftState, tokens, positions):
+        """(tokens, positions) [S, 2] of a round's first draft pass: the token at p - 1 (the
+        previous round fed it, or kept it as a draft the draft never fed), then t at p."""
+        back = jnp.clip(positions - 1 - state.position, 0, self.num_draft_tokens)
+        prev = jnp.take_along_axis(state.fed, back[:, None], axis=1)[:, 0]
+        pos = jnp.maximum(positions[:, None] - 1 + jnp.arange(2, dtype=jnp.int32), 0)
+        return jnp.stack([prev, tokens], axis=1), pos
+
+    def follow_draft(self, state: DraftState, tokens, positions, active, page_ids, params, kv,
+                     attention):  # fmt: skip
+        """(state, draft kv) after a plain round (adaptive speculation) fed `tokens` at
+        `positions`: `draft_device`'s first pass alone, so the pool holds every position up
+        to p, as after a speculative round."""
+        batch = rows_batch(*self._catch_up(state, tokens, positions), active, page_ids, 2)
+        _, kv = forward_paged(params, self.draft_cfg, batch, kv, attention=attention)
+        return DraftState(state.fed.at[:, 0].set(tokens), positions), kv

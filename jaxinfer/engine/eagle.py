@@ -29,6 +29,8 @@ p - γ - 1 at a scan's entry, rebuilt from the host). A round
 2. its output at p gives d_1; γ - 1 single-token passes give d_2 .. d_γ;
 3. after the target's verification pass, `record_hidden` writes f at p .. p + γ into the pool
    (rows past the accepted ones are dead by length, like their K/V).
+A plain round (adaptive speculation: no drafts) runs step 1 alone and records f_p
+(`follow_draft`), which keeps the invariant.
 Every mixed step writes its rows' f and runs the head over the whole batch (`fill`), so a prefill
 fills the head's pages as it fills the target's. Drafts come from the decode scans only
 (`propose` drafts nothing in mixed steps, as the draft-model proposer).
@@ -264,15 +266,8 @@ class EagleProposer:
         """(drafts [S, γ], new state, cache, q [S, γ, V] or None) after each row's last token
         `tokens` [S] at `positions` [S], as `DraftModelProposer.draft_device`."""
         gamma, rows = self.num_draft_tokens, tokens.shape[0]
-        w = gamma + 1
-        p0 = state.position
-        m = positions - p0  # tokens to (re)write up to p: 1 .. γ + 1 on a live row
-        live = active & (m >= 1) & (m <= w)
-        j = jnp.arange(w, dtype=jnp.int32)[None, :]
-        after = jnp.concatenate([state.fed[:, 1:], state.fed[:, :1]], axis=1)  # at p0 + 1 + j
-        chunk = jnp.where(j == (m - 1)[:, None], tokens[:, None], after)
-        chunk_pos = p0[:, None] + 1 + j
-        rows_idx = jnp.arange(rows)
+        g, live, cache = self._rewrite(state, tokens, positions, active, page_ids, params, cache,
+                                       attention)  # fmt: skip
 
         def step(tok, pos, feats, q):  # q tokens per row [S, q] -> (g [S, q, E])
             nonlocal cache
@@ -288,9 +283,6 @@ class EagleProposer:
             probs = filtered_probs(logits, row_sb)
             return draw_from(probs, row_sb, row_sb.position, DRAFT_STREAM), probs
 
-        feats = read_features(cache.features, page_ids, rows_idx[:, None], chunk_pos - 1)
-        g = step(chunk, jnp.maximum(chunk_pos, 0), feats, w)
-        g = jnp.take_along_axis(g, jnp.clip(m - 1, 0, gamma)[:, None, None], axis=1)[:, 0]
         d, q = draw(g, 0)
         drafts, qs = [d], [q]
         for k in range(1, gamma):
@@ -302,3 +294,34 @@ class EagleProposer:
         fed = jnp.concatenate([tokens[:, None], drafts], axis=1)
         q = jnp.stack(qs, axis=1) if self.rejection else None
         return drafts, DraftState(fed, positions), cache, q
+
+    def _rewrite(self, state: DraftState, tokens, positions, active, page_ids, params,
+                 cache: EagleCache, attention):  # fmt: skip
+        """A round's first pass (step 1 of the module docstring): the head over p0 + 1 ..
+        p0 + γ + 1, its K/V up to p rewritten from the target's features. Returns (g at p
+        [S, E], the rows it ran [S], cache)."""
+        gamma, rows = self.num_draft_tokens, tokens.shape[0]
+        w = gamma + 1
+        p0 = state.position
+        m = positions - p0  # tokens to (re)write up to p: 1 .. γ + 1 on a live row
+        live = active & (m >= 1) & (m <= w)
+        j = jnp.arange(w, dtype=jnp.int32)[None, :]
+        after = jnp.concatenate([state.fed[:, 1:], state.fed[:, :1]], axis=1)  # at p0 + 1 + j
+        chunk = jnp.where(j == (m - 1)[:, None], tokens[:, None], after)
+        chunk_pos = p0[:, None] + 1 + j
+        feats = read_features(cache.features, page_ids, jnp.arange(rows)[:, None], chunk_pos - 1)
+        batch = rows_batch(chunk, jnp.maximum(chunk_pos, 0), live, page_ids, w)
+        g, cache = self._paged(params, cache, batch, feats.reshape(rows * w, -1), attention)
+        g = g.reshape(rows, w, -1)
+        g = jnp.take_along_axis(g, jnp.clip(m - 1, 0, gamma)[:, None, None], axis=1)[:, 0]
+        return g, live, cache
+
+    def follow_draft(self, state: DraftState, tokens, positions, active, page_ids, params,
+                     cache: EagleCache, attention):  # fmt: skip
+        """(state, cache) after a plain round (adaptive speculation) fed `tokens` at
+        `positions`: `draft_device`'s first pass alone, so the head's K/V holds true-feature
+        entries up to p (a speculative round leaves its drafting's own g past its p; this
+        rewrites them), and the round's `record_hidden` adds f_p."""
+        _, _, cache = self._rewrite(state, tokens, positions, active, page_ids, params, cache,
+                                    attention)  # fmt: skip
+        return DraftState(state.fed.at[:, 0].set(tokens), positions), cache

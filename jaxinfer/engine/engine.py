@@ -7,8 +7,9 @@ together, and their timestamps say so (that is what a streaming client would see
 else runs as a mixed step. Steps are dispatched before the previous one is read, so host work
 overlaps device work (`async_decode`, `async_schedule`); `inflight.py` holds that state and its
 invariants. With a proposer, decodes carry draft tokens that the step verifies
-(`proposer.py`). Bad requests fail on their own with an error naming the field; they never reach
-the device.
+(`proposer.py`); with adaptive speculation, only while that has been the faster path at the
+batch's size (`adaptive.py`). Bad requests fail on their own with an error naming the field;
+they never reach the device.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from jaxinfer.engine.adaptive import AdaptiveSpeculation
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.compile_counter import compile_count
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.inflight import UnreadMixed, UnreadScan, add_placeholder, fill_placeholder
-from jaxinfer.engine.model_runner import ModelRunner
+from jaxinfer.engine.model_runner import ModelRunner, pick_bucket
 from jaxinfer.engine.proposer import Proposer
 from jaxinfer.engine.request import (
     SamplingParams,
@@ -202,6 +204,10 @@ class Engine:
             proposer = make_proposer(config, model_config, params, self.shardings.mesh)
         self.runner = ModelRunner(model_config, params, config, self.shardings, proposer)
         self.proposer = proposer
+        # adaptive speculation: the policy, and when the host last read a scan (a chained scan's
+        # time starts there: the device ran it from then on)
+        self.adaptive = AdaptiveSpeculation() if self.runner.adaptive else None
+        self._scan_read_at = -float("inf")
         self.eos_ids = tuple(model_config.eos_token_ids)
         self.sequences: list[Sequence] = []
         self.step_records: list[StepRecord] = []
@@ -359,9 +365,13 @@ class Engine:
             # A proposer extends real tokens (inflight.py, 7): a plain step in flight is read
             # first. A verification in flight is read after the next step, which is then a
             # plain one, is dispatched: verifications alternate with overlapped plain steps.
-            if isinstance(self._unread, UnreadMixed) and not self._unread.verifies:
+            # Adaptive speculation drafts in mixed steps only while their batch size's decode
+            # scans speculate (mixed steps are not measured: prefill chunks would blur the rate).
+            n = max(len(self.scheduler.running), 1)
+            speculate = self._speculate(pick_bucket(self.runner.seq_buckets, n))
+            if speculate and isinstance(self._unread, UnreadMixed) and not self._unread.verifies:
                 early, waited = self._read_mixed(self._take_unread())
-            self._propose()
+            self._propose(speculate)
         out = self.scheduler.schedule(t_start)
         early += [StepOutput(seq, [], True) for seq in out.failed]
         if not out.scheduled:  # nothing to run: the step in flight (if any) ends this one
@@ -424,7 +434,8 @@ class Engine:
         results, device_s = self._collect(prev)
         outputs = self._append_all(results)
         fed = sum(len(new) for _, new in results)
-        self._record(t_start, len(prev.seqs), fed, True, prev.rounds, device_s)
+        self._record(t_start, len(prev.seqs), fed, True, prev.rounds, device_s,
+                     self._drafts(prev))  # fmt: skip
         return early + outputs
 
     def _append_all(self, results) -> list[StepOutput]:
@@ -450,9 +461,11 @@ class Engine:
             active = np.concatenate([self._expert_load[1], active])
         self._expert_load = (rows, active)
 
-    def _record(self, t_start, num_seqs, num_batched, decode_only, k, device_s):
+    def _record(self, t_start, num_seqs, num_batched, decode_only, k, device_s,
+                speculative=False):  # fmt: skip
         """A StepRecord; its preemptions are every one since the last record (a schedule that
-        preempts and then runs nothing writes no record of its own)."""
+        preempts and then runs nothing writes no record of its own). `speculative`: a decode
+        scan's path (a mixed step's is whether it read verifications)."""
         running = self.scheduler.running_seqs()
         for seq in running:  # prefix caching: full pages computed by now (or dispatched)
             self.block_manager.register(seq, seq.num_computed_tokens)
@@ -487,16 +500,18 @@ class Engine:
                 draft_tokens=drafted,
                 accepted_draft_tokens=sum(j * c for j, c in enumerate(hist)),
                 accepted_hist=hist or None,
+                speculative=speculative or drafted > 0,
             )
         )
 
-    def _propose(self) -> None:
+    def _propose(self, speculate: bool = True) -> None:
         """Draft tokens for the running decodes whose last token is on the host (invariant 7 of
-        inflight.py), no more than their output budget leaves room for."""
+        inflight.py), no more than their output budget leaves room for (none: `speculate`
+        False)."""
         gamma = self.proposer.num_draft_tokens
         for seq in self.scheduler.running:
             room = seq.output_budget - len(seq.output_token_ids) - 1
-            if seq.num_uncomputed_tokens != 1 or seq.num_placeholders or room < 1:
+            if not speculate or seq.num_uncomputed_tokens != 1 or seq.num_placeholders or room < 1:
                 seq.draft_token_ids = []
                 continue
             seq.draft_token_ids = list(self.proposer.propose(seq))[: min(gamma, room)]
@@ -506,6 +521,7 @@ class Engine:
         k = self.config.decode_steps
         if k <= 1 or self.scheduler.can_admit_waiting:
             return 1
+        # (a plain scan of adaptive speculation reserves as much: its path is chosen at dispatch)
         per_round = self.runner.num_rows if self.runner.scan_proposer else 1
         for seq in seqs:  # (an unread placeholder may stand for pending_extra_tokens more)
             need = seq.num_tokens + seq.pending_extra_tokens + k * per_round - 1
@@ -596,7 +612,14 @@ class Engine:
             outputs.append(StepOutput(seq, kept, seq.is_finished))
         return outputs, device_s
 
+    def _speculate(self, rows: int) -> bool:
+        """Whether a decode scan (or mixed step) of `rows` rows takes the speculative path:
+        always, unless adaptive speculation (`adaptive.py`) has found plain faster there."""
+        return self.adaptive is None or self.adaptive.speculate(rows)
+
     def _dispatch_decode(self, seqs: list[Sequence], k: int) -> UnreadScan:
+        t0 = self.clock()
+        speculate = self._speculate(pick_bucket(self.runner.seq_buckets, len(seqs)))
         table, state, rows = self.runner.build_decode(
             [s.all_token_ids[-1] for s in seqs],
             [s.num_tokens - 1 for s in seqs],
@@ -606,8 +629,10 @@ class Engine:
             seqs,
         )
         sb = self._sampling(seqs, [s.num_tokens for s in seqs], rows)  # loop re-keys per step
-        outs, final = self.runner.run_decode(table, state, sb, k)
-        return UnreadScan(seqs, outs, final, sb, rows, k)
+        if self.adaptive is not None:
+            self.adaptive.dispatched(rows, speculate)
+        outs, final = self.runner.run_decode(table, state, sb, k, speculate)
+        return UnreadScan(seqs, outs, final, sb, rows, k, speculate, t0)
 
     def _chain(self, prev: UnreadScan) -> UnreadScan | None:
         """Dispatch the next scan from `prev`'s device state, before reading `prev`'s tokens."""
@@ -615,6 +640,7 @@ class Engine:
             return None
         if any(s.status is not SeqStatus.RUNNING for s in prev.seqs):
             return None
+        t0 = self.clock()
         k = prev.rounds
         per_round = self.runner.num_rows if self.runner.scan_proposer else 1
         for seq in prev.seqs:  # prev may add up to k rounds of tokens before this scan's k
@@ -622,18 +648,22 @@ class Engine:
             if not self.block_manager.allocate(seq, need):
                 return None
         table = self.runner.decode_table([s.page_ids for s in prev.seqs], prev.rows)
-        outs, final = self.runner.run_decode(table, prev.final, prev.sb, k)
+        speculate = self._speculate(prev.rows)  # (either path starts from either's final state)
+        if self.adaptive is not None:
+            self.adaptive.dispatched(prev.rows, speculate)
+        outs, final = self.runner.run_decode(table, prev.final, prev.sb, k, speculate)
         self.chained_scans += 1
-        return UnreadScan(prev.seqs, outs, final, prev.sb, prev.rows, k)
+        return UnreadScan(prev.seqs, outs, final, prev.sb, prev.rows, k, speculate, t0)
 
     def _collect(self, scan: UnreadScan):
         """Read a scan's tokens; returns ([(seq, tokens)], seconds the host waited for them)."""
         t0 = self.clock()
         tok, counts, lp, top_lp, top_ids, load = jax.device_get(scan.outs)
-        device_s = self.clock() - t0
+        read_at = self.clock()
+        device_s = read_at - t0
         self._add_expert_load(None if load is None else (load[0].sum(0), load[1]))
         results = []
-        gamma = self.runner.num_rows - 1 if self.runner.scan_proposer is not None else 0
+        gamma = self.runner.num_rows - 1 if self._drafts(scan) else 0
         for i, seq in enumerate(scan.seqs):
             if seq.is_finished:  # finished while this scan was in flight: its tokens are void
                 results.append((seq, []))
@@ -645,7 +675,28 @@ class Engine:
                    for r in range(scan.rounds) for j in range(int(counts[r, i]))]  # fmt: skip
             seq.num_computed_tokens += len(new)
             results.append((seq, new))
+        if self.adaptive is not None:
+            self._measure(scan, counts, results, read_at)
+        self._scan_read_at = read_at
         return results, device_s
+
+    def _measure(self, scan: UnreadScan, counts, results, read_at: float) -> None:
+        """Report a read scan to adaptive speculation: its tokens per round a row was live, times
+        the bucket's rows and the rounds (a batch thinning out as sequences end makes fewer
+        tokens whichever path runs: that says nothing of the path), over its seconds from its
+        dispatch, or from the previous scan's read when that came later (a chained scan ran on
+        the device from then)."""
+        rows = [i for i, (_, new) in enumerate(results) if new]  # (not the void ones)
+        live = int((counts[:, rows] > 0).sum())
+        if live:
+            made = sum(len(new) for _, new in results)
+            seconds = read_at - max(scan.dispatched_at, self._scan_read_at)
+            self.adaptive.record(scan.rows, scan.speculative, made * scan.rows * scan.rounds / live,
+                                 seconds)  # fmt: skip
+
+    def _drafts(self, scan: UnreadScan) -> bool:
+        """Whether `scan`'s rounds verified drafts."""
+        return scan.speculative and self.runner.scan_proposer is not None
 
     def _stop_ids(self, seq: Sequence) -> list[int]:
         ids = list(seq.sampling.stop_token_ids)

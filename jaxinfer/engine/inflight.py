@@ -54,7 +54,8 @@ class UnreadMixed:
 class UnreadScan:
     """A dispatched decode scan of `rounds` rounds over `seqs` (rows in order); `outs` its device
     arrays (tokens [R, rows, K], counts [R, rows], ...), `final` its final DecodeState (device),
-    from which the next scan can start (async decode)."""
+    from which the next scan can start (async decode). `speculative` False: adaptive
+    speculation's plain path; `dispatched_at`: the engine clock when the host began it."""
 
     seqs: list[Sequence]
     outs: tuple
@@ -62,6 +63,8 @@ class UnreadScan:
     sb: SamplingBatch
     rows: int
     rounds: int
+    speculative: bool = True
+    dispatched_at: float = 0.0
 
 
 def add_placeholder(seq: Sequence, row: int, extra: int) -> None:

@@ -8,9 +8,10 @@ Three jitted functions, each compiled for a finite set of shapes at warm-up:
   acceptance of drafts: 1 to `num_rows` tokens per sequence;
 - `decode_loop`: `num_steps` decode rounds in one `lax.scan` (the decode-only fast path), bucketed
   on the sequence count; sampling and stop masks on the device, so the host is consulted once per
-  scan. A round feeds each sequence's last token (and, with an on-device proposer, its drafts). A
-  sequence that hits a stop token or its token limit stops advancing (it re-writes its last slot),
-  so it never writes past the pages the host reserved (and slots past them are the scratch page).
+  scan. A round feeds each sequence's last token (and, with an on-device proposer, its drafts;
+  adaptive speculation compiles each bucket both with and without them). A sequence that hits a
+  stop token or its token limit stops advancing (it re-writes its last slot), so it never writes
+  past the pages the host reserved (and slots past them are the scratch page).
 The cache is donated and updated in place.
 
 Warm-up lowers every bucket first, then compiles them all at once on a thread pool (XLA releases
@@ -21,6 +22,7 @@ executables; the step calls use them directly, so serving never goes back to jit
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -188,6 +190,7 @@ class DecodeState:
         "out_sharding",
         "expert_mesh",
         "moe_backend",
+        "speculate",
     ),
     donate_argnames=("kv", "draft_kv"),
 )
@@ -195,13 +198,15 @@ def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingB
                 draft_params=None, draft_kv: KVCache | None = None, *, cfg: ModelConfig,
                 attention: AttentionConfig, num_steps: int, num_logprobs: int,
                 proposer: Proposer | None = None, out_sharding=None,
-                expert_mesh=None, moe_backend: str = "xla"):  # fmt: skip
+                expert_mesh=None, moe_backend: str = "xla", speculate: bool = True):  # fmt: skip
     """((tokens [R, S, K], counts [R, S], logprobs [R, S, K], top_lp [R, S, K, k], top_ids,
     expert load per round (see `_forward`) or None), final DecodeState, kv, draft_kv) over R =
     `num_steps` rounds of K = 1 + drafts tokens per row; row s keeps tokens[r, s, :counts[r, s]]
     of round r. The final state can seed the next call directly. A draft-model proposer drafts
-    from its own pool `draft_kv` (`draft_model.py`)."""
-    gamma = proposer.num_draft_tokens if proposer is not None else 0
+    from its own pool `draft_kv` (`draft_model.py`). `speculate` False (adaptive speculation's
+    plain path): K = 1, no drafts; the proposer only follows the fed tokens (`follow_device`,
+    `follow_draft`), so its state and pools are what a speculative round expects."""
+    gamma = proposer.num_draft_tokens if proposer is not None and speculate else 0
     k = 1 + gamma
     rows = state.tokens.shape[0]
     j = jnp.arange(k, dtype=jnp.int32)
@@ -220,6 +225,11 @@ def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingB
         elif gamma:
             drafts, pstate = proposer.propose_device(pstate, st.tokens, st.positions)
             fed = jnp.concatenate([fed, drafts.astype(jnp.int32)], axis=1)
+        elif proposer is not None and dkv is not None:
+            pstate, dkv = proposer.follow_draft(pstate, st.tokens, st.positions, st.active,
+                                                page_ids, draft_params, dkv, attention)  # fmt: skip
+        elif proposer is not None:
+            pstate = proposer.follow_device(pstate, st.tokens, st.positions)
         positions = st.positions[:, None] + j
         history = st.history
         if history is not None:  # the fed tokens are the context of the rows after them
@@ -297,6 +307,8 @@ class ModelRunner:
         self.proposer = proposer
         self.num_rows = 1 + (proposer.num_draft_tokens if proposer is not None else 0)
         self.scan_proposer = proposer if proposer is not None and proposer.on_device else None
+        # adaptive speculation: decode scans on either path (engine/adaptive.py)
+        self.adaptive = config.speculative.adaptive and self.scan_proposer is not None
         self.kv = init_kv_cache(cfg, config.num_pages, config.page_size, config.kv_dtype,
                                 mesh=shardings.mesh, rules=shardings.rules)  # fmt: skip
         # A draft model (`draft_model.py`): its params and its pool of the target's pages.
@@ -362,11 +374,11 @@ class ModelRunner:
     def _sample_static(self):
         return dict(num_logprobs=self.config.num_logprobs, out_sharding=self.shardings.replicated)
 
-    def _decode_static(self, num_steps: int):
+    def _decode_static(self, num_steps: int, speculate: bool = True):
         return dict(cfg=self.cfg, attention=self.attention, num_steps=num_steps,
                     num_logprobs=self.config.num_logprobs, proposer=self.scan_proposer,
-                    out_sharding=self.shardings.replicated,
-                    expert_mesh=self.expert_mesh, moe_backend=self.moe_backend)  # fmt: skip
+                    out_sharding=self.shardings.replicated, expert_mesh=self.expert_mesh,
+                    moe_backend=self.moe_backend, speculate=speculate)  # fmt: skip
 
     def no_prev(self) -> tuple:
         """(prev_tokens, prev_counts) of a step that refers to no earlier step's tokens, and the
@@ -447,11 +459,15 @@ class ModelRunner:
         )  # fmt: skip
         return self.decode_table(pages, rows), state, rows
 
-    def run_decode(self, table, state: DecodeState, sb: SamplingBatch, num_steps: int):
-        exe = self._executables.get(("decode", table.shape[0], num_steps, sb.filtered))
+    def run_decode(self, table, state: DecodeState, sb: SamplingBatch, num_steps: int,
+                   speculate: bool = True):  # fmt: skip
+        """Dispatch one decode scan (`decode_loop`); `speculate` False: adaptive speculation's
+        plain path (the same state: either path can follow the other)."""
+        key = ("decode", table.shape[0], num_steps, sb.filtered, speculate)
+        exe = self._executables.get(key)
         args = (self.params, self.kv, table, state, sb, self.draft_params, self.draft_kv)
         if exe is None:
-            exe = partial(decode_loop, **self._decode_static(num_steps))
+            exe = partial(decode_loop, **self._decode_static(num_steps, speculate))
         outs, final, self.kv, self.draft_kv = exe(*args)
         return outs, final
 
@@ -506,7 +522,7 @@ class ModelRunner:
                 history = self.history_arrays([], [], s)
                 jax.block_until_ready(self.run_mixed(args[2], None, sb, history=history))
             elif key[0] == "decode":
-                jax.block_until_ready(self.run_decode(*args[2:5], key[2]))
+                jax.block_until_ready(self.run_decode(*args[2:5], key[2], key[4]))
             else:
                 jax.block_until_ready(self._executables[key](*args))
 
@@ -519,7 +535,7 @@ class ModelRunner:
         engine settings that shape it (a failing option is then found without a debugger)."""
         kind = key[0]
         if kind == "decode":
-            what = f"decode scan of {key[1]} rows ({key[2]} steps)"
+            what = f"{'' if key[4] else 'plain '}decode scan of {key[1]} rows ({key[2]} steps)"
         elif kind == "mixed":
             what = f"mixed step of {key[1]} tokens"
         else:
@@ -595,17 +611,19 @@ class ModelRunner:
                           (logits, zeros((s, rows_k - 1)), zeros(s), zeros(s), sb,
                            self.history_arrays([], [], s)),
                           self._sample_static()))  # fmt: skip
+        # adaptive speculation also runs plain scans (`decode_loop(speculate=False)`)
+        paths = (True, False) if self.adaptive else (True,)
         if c.decode_steps > 1:
-            for rows in self.seq_buckets:
+            for rows, speculate, filtered in itertools.product(self.seq_buckets, paths,
+                                                               (False, True)):  # fmt: skip
                 table = zeros((rows, c.pages_per_seq))
                 state = self._padding_state(rows)
-                for filtered in (False, True):
-                    sb = dataclasses.replace(SamplingBatch.build([], [], [], rows, put=self.put,
-                                                                 max_logit_bias=bias),
-                                             filtered=filtered)  # fmt: skip
-                    calls.append((("decode", rows, c.decode_steps, filtered), decode_loop,
-                                  (self.params, self.kv, table, state, sb, self.draft_params,
-                                   self.draft_kv), self._decode_static(c.decode_steps)))  # fmt: skip
+                sb = dataclasses.replace(SamplingBatch.build([], [], [], rows, put=self.put,
+                                                             max_logit_bias=bias),
+                                         filtered=filtered)  # fmt: skip
+                calls.append((("decode", rows, c.decode_steps, filtered, speculate), decode_loop,
+                              (self.params, self.kv, table, state, sb, self.draft_params,
+                               self.draft_kv), self._decode_static(c.decode_steps, speculate)))  # fmt: skip
         return calls
 
     def _padding_state(self, rows: int) -> DecodeState:

@@ -87,17 +87,27 @@ class NgramProposer:
         drafts = np.zeros((rows, self.num_draft_tokens), np.int32)
         return NgramState(history, last, drafts)
 
-    def propose_device(self, state: NgramState, tokens: jax.Array, positions: jax.Array):
-        """(drafts [S, γ], state) after each row's last token `tokens` at `positions`."""
+    def _context(self, state: NgramState, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+        """Each row's context [S, L] with what the previous round kept: its drafts before the
+        new last position, then the last token `tokens` at `positions`."""
         gamma, length = self.num_draft_tokens, state.history.shape[1]
         rows = jnp.arange(tokens.shape[0])[:, None]
-        # what the previous round accepted: its drafts before the new last position
         cols = state.last[:, None] + 1 + jnp.arange(gamma)
         accepted = cols < positions[:, None]
         hist = state.history.at[rows, jnp.where(accepted, cols, length)].set(
             state.drafts, mode="drop"
         )
-        hist = hist.at[rows[:, 0], positions].set(tokens, mode="drop")
+        return hist.at[rows[:, 0], positions].set(tokens, mode="drop")
+
+    def follow_device(self, state: NgramState, tokens: jax.Array, positions: jax.Array):
+        """The state after a plain round (adaptive speculation) fed `tokens` at `positions`:
+        the context written, no search (the next round's position is one on: no draft kept)."""
+        return NgramState(self._context(state, tokens, positions), positions, state.drafts)
+
+    def propose_device(self, state: NgramState, tokens: jax.Array, positions: jax.Array):
+        """(drafts [S, γ], state) after each row's last token `tokens` at `positions`."""
+        gamma, length = self.num_draft_tokens, state.history.shape[1]
+        hist = self._context(state, tokens, positions)
         drafts = jnp.broadcast_to(tokens[:, None], (tokens.shape[0], gamma))
         found = jnp.zeros(tokens.shape[0], bool)
         idx = jnp.arange(length)

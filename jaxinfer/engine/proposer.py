@@ -13,6 +13,10 @@ count in the step's token budget and their pages are reserved before the step.
   trip. `device_state` builds the state (a pytree, `rows` padded) from the host before a scan;
   `propose_device(state, tokens [S], positions [S])` returns (drafts [S, gamma], new state). A
   proposer without one (`on_device` False) leaves the scans at one token per round.
+- `follow_device(state, tokens, positions)`: the new state after a plain round that fed
+  `tokens` at `positions` and drafted nothing (adaptive speculation, `adaptive.py`), so the next
+  round may draft again from a state as complete as after a drafting round. Proposers with a
+  pool (draft model, EAGLE) have `draft_device` and `follow_draft` in these two's place.
 """
 
 from __future__ import annotations
@@ -35,3 +39,5 @@ class Proposer(Protocol):
     def propose_device(
         self, state: Any, tokens: jax.Array, positions: jax.Array
     ) -> tuple[jax.Array, Any]: ...
+
+    def follow_device(self, state: Any, tokens: jax.Array, positions: jax.Array) -> Any: ...

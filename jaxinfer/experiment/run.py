@@ -516,6 +516,7 @@ STEP_ROWS = (
     ("prefix cache hit rate (of prompt tokens)", "prefix_cache_hit_rate", 1),
     ("draft acceptance rate", "draft_acceptance_rate", 1),
     ("tokens per verification (tau)", "tokens_per_verification", 1),
+    ("decode steps on the speculative path (fraction)", "speculative_step_fraction", 1),
     ("warm-up (s)", "warmup_s", 1),
     ("compiles after warm-up", "compiles_after_warmup", 1),
 )
@@ -539,7 +540,8 @@ def summary_table(name: str, m: dict) -> Table:
     table.add_column("metric")
     table.add_column("value", justify="right")
     for label, key, scale in (*SUMMARY_ROWS, *_slo_rows(m), *STEP_ROWS):
-        optional = key.startswith(("expert", "draft_", "tokens_per_verification", "prefix_"))
+        optional = key.startswith(("expert", "draft_", "tokens_per_verification", "prefix_",
+                                   "speculative_"))  # fmt: skip
         if key in m and not (optional and m[key] is None):  # (MoE / speculative runs only)
             v = m[key]
             v = v * scale if isinstance(v, int | float) and scale != 1 else v

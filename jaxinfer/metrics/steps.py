@@ -26,7 +26,10 @@ class StepRecord:
     experts_active, the experts given at least one row per MoE layer and forward pass, averaged
     (what sets a decode step's expert weight traffic). Speculative decoding: draft_tokens,
     the drafts verified in the results this step read; accepted_draft_tokens, those kept;
-    accepted_hist[j], the verifications (one sequence, one target pass) that kept j drafts.
+    accepted_hist[j], the verifications (one sequence, one target pass) that kept j drafts;
+    speculative, whether the results it read came from the speculative path (a decode scan
+    that drafted, a mixed step that verified drafts): with engine.speculative.adaptive the
+    decode scans without it are those the engine chose to run plain.
     """
 
     time: float
@@ -49,6 +52,7 @@ class StepRecord:
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
     accepted_hist: list[int] | None = None
+    speculative: bool = False
 
     def to_row(self) -> dict:
         return asdict(self)

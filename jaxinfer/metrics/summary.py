@@ -15,8 +15,9 @@ Definitions (all times in seconds):
                   fraction = wasted_slots / kv_slots_allocated per step, averaged; MoE
                   expert (and expert-device) imbalance = max / mean rows per expert (device)
                   per step, averaged over the steps that routed rows (1: balanced);
-                  speculative decoding: draft acceptance rate, tokens per verification (tau)
-                  and acceptance by draft position
+                  speculative decoding: draft acceptance rate, tokens per verification (tau),
+                  acceptance by draft position, and the fraction of decode-only steps that
+                  took the speculative path (below 1 where adaptive speculation ran plain)
 
 Undefined values (no data, zero duration) are None; everything else is a plain float or int.
 """
@@ -115,7 +116,8 @@ def _step_summary(steps: list[dict], max_num_seqs: int | None) -> dict:
 def _speculation(steps: list[dict]) -> dict:
     """Speculative decoding over the run: acceptance rate (kept / verified drafts), tokens per
     verification (mean kept drafts + 1: what a target pass makes per sequence, tau), and the
-    acceptance by draft position (the fraction of verifications that kept draft j)."""
+    acceptance by draft position (the fraction of verifications that kept draft j), and the
+    fraction of decode-only steps on the speculative path (`StepRecord.speculative`)."""
     hist: list[int] = []
     for s in steps:
         for j, c in enumerate(s.get("accepted_hist") or []):
@@ -124,12 +126,14 @@ def _speculation(steps: list[dict]) -> dict:
     n = sum(hist)
     if not n:
         return {"draft_acceptance_rate": None, "tokens_per_verification": None,
-                "acceptance_by_position": None}  # fmt: skip
+                "acceptance_by_position": None, "speculative_step_fraction": None}  # fmt: skip
     accepted = sum(j * c for j, c in enumerate(hist))
+    decode = [bool(s.get("speculative")) for s in steps if s.get("is_decode_only")]
     return {
         "draft_acceptance_rate": _div(accepted, sum(s.get("draft_tokens", 0) for s in steps)),
         "tokens_per_verification": _f(1 + accepted / n),
         "acceptance_by_position": [_f(sum(hist[j + 1 :]) / n) for j in range(len(hist) - 1)],
+        "speculative_step_fraction": _div(sum(decode), len(decode)),
     }
 
 

@@ -36,7 +36,7 @@ def _request_schema():
 def _step_schema():
     import pyarrow as pa
 
-    types = {"time": pa.float64(), "is_decode_only": pa.bool_()}
+    types = {"time": pa.float64(), "is_decode_only": pa.bool_(), "speculative": pa.bool_()}
     types |= {"host_ms": pa.float64(), "device_ms": pa.float64()}
     types |= {"expert_tokens": pa.list_(pa.int64()), "expert_device_tokens": pa.list_(pa.int64())}
     types |= {"experts_active": pa.float64(), "accepted_hist": pa.list_(pa.int64())}

@@ -1,0 +1,328 @@
+"""Adaptive speculation (`engine.speculative.adaptive`, `engine/adaptive.py`): per decode scan the
+engine runs the speculative path or the plain one, whichever has been making more tokens per
+second at that batch size.
+
+Checked: the policy's choices on fake timings (no wall clock): it probes both paths, keeps the
+faster, notices a shift, keeps batch sizes apart; in the engine, with acceptance measured for
+real and step costs modelled, it speculates where drafts are kept and runs plain where they are
+rejected; switching paths in every direction leaves the output plain decoding's token for token
+(greedy and sampled), compiles nothing after warm-up, and leaves a draft model's or EAGLE head's
+pool as speculating throughout would; a bad config names its key.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.engine.adaptive import AdaptiveSpeculation
+from jaxinfer.engine.compile_counter import compile_count
+from jaxinfer.engine.llm import LLM
+from jaxinfer.engine.request import SamplingParams
+
+KW = dict(max_num_seqs=4, max_num_batched_tokens=64, num_pages=64, page_size=16,
+          max_model_len=256, decode_steps=4)  # fmt: skip
+NGRAM = {"method": "ngram", "num_draft_tokens": 3, "adaptive": True}
+
+
+def _simulate(policy, bucket, scans, spec_rate, plain_rate, rng, noise=0.1):
+    """Run `scans` scans of `bucket` under `policy`, each path's measured rate its true rate
+    (`spec_rate(i)`, `plain_rate(i)` at scan i) times noise; returns the paths taken."""
+    paths = []
+    for i in range(scans):
+        speculative = policy.speculate(bucket)
+        assert policy.speculate(bucket) == speculative, "asking twice changed the answer"
+        policy.dispatched(bucket, speculative)
+        rate = spec_rate(i) if speculative else plain_rate(i)
+        seconds = float(rng.uniform(0.5, 2.0))  # scans of any length: the rate is what counts
+        policy.record(bucket, speculative, rate * seconds * rng.uniform(1 - noise, 1 + noise),
+                      seconds)  # fmt: skip
+        paths.append(speculative)
+    return paths
+
+
+def test_policy_probes_both_paths_then_keeps_the_faster_probing_the_other(fresh_seed):
+    rng = np.random.default_rng(fresh_seed)
+    for trial in range(20):
+        slow = rng.uniform(100, 1000)
+        fast = slow * rng.uniform(1.5, 3)
+        spec_pays = bool(rng.integers(2))
+        policy = AdaptiveSpeculation(probe_every=int(rng.integers(4, 20)))
+        spec, plain = (fast, slow) if spec_pays else (slow, fast)
+        paths = _simulate(policy, 8, 200, lambda i, r=spec: r, lambda i, r=plain: r, rng)
+        where = f"seed {fresh_seed} trial {trial}: spec {spec:.0f} plain {plain:.0f} tok/s"
+        assert paths[:2] == [True, False], (where, paths[:2])  # each path probed, speculation first
+        later = paths[2:]
+        losers = [j for j, p in enumerate(later) if p != spec_pays]
+        assert len(losers) == len(later) // policy.probe_every, (where, losers)
+        gaps = np.diff(losers)
+        assert (gaps == policy.probe_every).all(), (where, gaps)  # the loser: one scan in N
+
+
+def test_policy_notices_a_shift_in_acceptance_within_a_probe_period(fresh_seed):
+    """Drafts that stop being accepted (a new workload) hand the bucket to the plain path, and
+    back when they are accepted again."""
+    rng = np.random.default_rng(fresh_seed)
+    policy = AdaptiveSpeculation()
+    n, plain = policy.probe_every, 500.0
+
+    def spec(i):  # 2x plain, then 0.5x from scan 100, then 2x again from scan 200
+        return plain * (0.5 if 100 <= i < 200 else 2.0)
+
+    paths = _simulate(policy, 8, 300, spec, lambda i: plain, rng)
+    for start, want in ((100, False), (200, True)):
+        # the winner's own EWMA crosses within ~4 scans; the loser's first probe replaces its
+        # stale rate: the new winner runs within a probe period (and a few scans of noise)
+        first = paths.index(want, start)
+        assert first <= start + n + 5, (f"seed {fresh_seed}", start, paths[start : start + 40])
+        settled = paths[start + n + 5 : start + 100]
+        assert settled.count(not want) <= len(settled) // n + 1, (
+            f"seed {fresh_seed}: after scan {start}", paths[start : start + 100])  # fmt: skip
+
+
+def test_policy_keeps_batch_sizes_apart(fresh_seed):
+    """Speculation can pay at batch 8 and cost at batch 64: one bucket's rates never decide
+    another's."""
+    rng = np.random.default_rng(fresh_seed)
+    policy = AdaptiveSpeculation()
+    small = _simulate(policy, 8, 100, lambda i: 900.0, lambda i: 300.0, rng)
+    large = _simulate(policy, 64, 100, lambda i: 800.0, lambda i: 2400.0, rng)
+    assert sum(small[2:]) > 0.9 * 98 and sum(large[2:]) < 0.1 * 98, f"seed {fresh_seed}"
+
+
+def test_ngram_state_after_plain_rounds_drafts_what_the_host_drafts(fresh_seed):
+    """Rounds on either path, in any order: after plain rounds (`follow_device`: one token fed,
+    no drafts) the device form still drafts what the host form drafts from the real context."""
+    from jaxinfer.engine.ngram import NgramProposer, ngram_drafts
+
+    rng = np.random.default_rng(fresh_seed)
+    gamma, rows = 3, 5
+    proposer = NgramProposer(gamma, max_n=3, min_n=1, max_len=128)
+
+    class Seq:
+        def __init__(self, toks):
+            self.all_token_ids = toks
+
+    contexts = [rng.integers(0, 4, int(rng.integers(2, 12))).tolist() for _ in range(rows)]
+    state = jax.tree.map(jnp.asarray, proposer.device_state([Seq(c) for c in contexts], rows))
+    propose, follow = jax.jit(proposer.propose_device), jax.jit(proposer.follow_device)
+    checked = 0
+    for rnd in range(24):
+        tokens = jnp.asarray([c[-1] for c in contexts])
+        positions = jnp.asarray([len(c) - 1 for c in contexts])
+        if rng.random() < 0.5:  # a plain round: the target samples one token
+            state = follow(state, tokens, positions)
+            for c in contexts:
+                c.append(int(rng.integers(0, 4)))
+            continue
+        drafts, state = propose(state, tokens, positions)
+        for i, c in enumerate(contexts):
+            host = ngram_drafts(np.asarray(c), gamma, 3, 1)
+            if host:
+                assert drafts[i].tolist() == host, (f"seed {fresh_seed} round {rnd} row {i}", c)
+                checked += 1
+            k = int(rng.integers(0, gamma + 1))  # the target keeps k drafts and samples one more
+            c += [*drafts[i].tolist()[:k], int(rng.integers(0, 4))]
+    assert checked, f"seed {fresh_seed}: no round drafted"
+
+
+# ---- the engine ----------------------------------------------------------------------------------
+
+
+class Forced:
+    """A policy of seeded coin flips (`p_speculate` per scan): the engine then switches paths
+    in every direction, at scan boundaries it does not choose."""
+
+    def __init__(self, rng, p_speculate: float = 0.5) -> None:
+        self.rng, self.p = rng, p_speculate
+        self.next = True
+
+    def speculate(self, bucket: int) -> bool:
+        return self.next
+
+    def dispatched(self, bucket: int, speculative: bool) -> None:
+        self.next = bool(self.rng.random() < self.p)
+
+    def record(self, *args) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def engines() -> dict[str, LLM]:
+    """Plain and adaptive n-gram engines (their warm-ups are this file's main cost)."""
+    return {"plain": LLM("tiny", **KW), "adaptive": LLM("tiny", **KW, speculative=NGRAM)}
+
+
+def _generate(llm: LLM, prompts, sampling, policy=None):
+    """(token ids per prompt, paths of the decode scans, XLA compiles while generating: the
+    counter is process-wide, so `compiles_after_warmup` would count later engines' warm-ups)."""
+    engine = llm.engine
+    if policy is not None:
+        engine.adaptive = policy
+    engine.step_records.clear()
+    before = compile_count()
+    tokens = [o.token_ids for o in llm.generate(prompts, sampling)]
+    paths = [r.speculative for r in engine.step_records if r.decode_steps > 1]
+    return tokens, paths, compile_count() - before
+
+
+def _requests(rng, n=3, max_tokens=40):
+    prompts = [rng.integers(3, 4000, int(rng.integers(5, 40))).tolist() for _ in range(n)]
+    motif = rng.integers(3, 400, 7).tolist()
+    prompts[0] = motif * 4  # (a copy prompt: its drafts get kept)
+    sampling = [SamplingParams(max_tokens=max_tokens, ignore_eos=True)]  # greedy
+    sampling += [SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.9,
+                                top_k=40, top_p=0.95, seed=int(rng.integers(2**31)))
+                 for _ in range(n - 1)]  # fmt: skip
+    return prompts, sampling
+
+
+def test_adaptive_output_equals_plain_output_token_for_token(fresh_seed, engines):
+    """Whichever path each scan takes (the engine's own choice from wall-clock timings, then
+    seeded coin flips), greedy and seeded sampled outputs are plain decoding's, and no
+    executable is compiled after warm-up."""
+    rng = np.random.default_rng(fresh_seed)
+    prompts, sampling = _requests(rng)
+    plain, _, _ = _generate(engines["plain"], prompts, sampling)
+    for name, policy in (("measured", AdaptiveSpeculation()), ("coin flips", Forced(rng))):
+        out, paths, compiles = _generate(engines["adaptive"], prompts, sampling, policy)
+        assert out == plain, f"seed {fresh_seed}: {name} paths {paths}"
+        assert compiles == 0, f"seed {fresh_seed}: {compiles} compiles after warm-up, {name}"
+        assert True in paths and False in paths, (f"seed {fresh_seed}: {name}", paths)
+
+
+def test_a_thinning_batch_does_not_read_as_a_slower_path(fresh_seed, engines):
+    """Sequences that end inside a scan (token limits drawn at random) make fewer tokens on
+    either path: the engine reports a scan's tokens per live row-round scaled to the bucket, so
+    every plain scan reports exactly rows x rounds, and a speculative one at least that."""
+    rng = np.random.default_rng(fresh_seed)
+    reports = []
+
+    class Recording(Forced):
+        def record(self, bucket, speculative, tokens, seconds):
+            reports.append((bucket, speculative, tokens))
+
+    prompts = [rng.integers(3, 4000, 9).tolist() for _ in range(4)]
+    sampling = [SamplingParams(max_tokens=int(rng.integers(2, 40)), ignore_eos=True)
+                for _ in prompts]  # fmt: skip
+    _generate(engines["adaptive"], prompts, sampling, Recording(rng))
+    full = KW["max_num_seqs"] * KW["decode_steps"]  # (one bucket: max_num_seqs rows)
+    where = f"seed {fresh_seed}: (bucket, speculative, tokens) {reports}"
+    assert reports and all(t == full for _, s, t in reports if not s), where
+    assert all(t >= full for _, s, t in reports if s), where
+
+
+VERIFY_COST = 1.2  # a verification of 1 + gamma rows, in plain decode steps (memory-bound)
+
+
+def _modelled(engine) -> AdaptiveSpeculation:
+    """The engine's policy with fake timings: tokens as the engine measured them, seconds from
+    the cost model (a plain round costs 1, a speculative round VERIFY_COST), not the clock."""
+    policy = AdaptiveSpeculation()
+    record, rounds = policy.record, engine.config.decode_steps
+
+    def modelled(bucket, speculative, tokens, seconds):
+        record(bucket, speculative, tokens, rounds * (VERIFY_COST if speculative else 1.0))
+
+    policy.record = modelled
+    return policy
+
+
+def test_the_engine_speculates_where_drafts_are_kept_and_not_where_they_are_rejected(
+    fresh_seed, engines
+):
+    """Greedy decoding of the tiny model after a copy prompt falls into loops that n-gram drafts
+    predict (tau ~2-4, above VERIFY_COST: speculation pays); sampling at temperature 1.5 draws
+    tokens no n-gram predicts (tau 1: it cannot pay). After the first two scans (one probe of
+    each path), the engine runs plain in all but its probes of the second; in the first, once a
+    probe has found the loop (the very first probe sees no context yet), it keeps speculating."""
+    rng = np.random.default_rng(fresh_seed)
+    llm = engines["adaptive"]
+    prompt = [rng.integers(3, 400, 7).tolist() * 4]
+    pays = SamplingParams(max_tokens=200, ignore_eos=True)
+    rejected = SamplingParams(max_tokens=200, ignore_eos=True, temperature=1.5,
+                              seed=int(rng.integers(2**31)))  # fmt: skip
+    paths = {}
+    for name, sampling in (("pays", pays), ("rejected", rejected)):
+        paths[name] = _generate(llm, prompt, sampling, _modelled(llm.engine))[1]
+    where = f"seed {fresh_seed}: paths {paths}"
+    pays, rejected = paths["pays"], paths["rejected"]
+    found = pays[pays.index(True, 2) + 1 :] if True in pays[2:] else []
+    assert len(found) >= 10 and sum(found) >= 0.8 * len(found), where
+    assert sum(rejected[2:]) <= len(rejected[2:]) / 16 + 2, where
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"method": "draft", "draft_model": "tiny-draft"},
+        {"method": "eagle", "eagle_head": "eagle-tiny"},
+    ],
+    ids=["draft model", "eagle"],
+)
+def test_switching_paths_leaves_the_draft_pool_as_speculating_throughout(fresh_seed, spec,
+                                                                          monkeypatch):  # fmt: skip
+    """A plain scan feeds the draft model (or EAGLE head) what a speculative round's first
+    pass would, so after any mix of paths its K/V at every position up to the last rounds'
+    equals what it is after speculating in every scan: later drafts are as good."""
+    rng = np.random.default_rng(fresh_seed)
+    llm = LLM("tiny", **KW, speculative={**spec, "num_draft_tokens": 3, "adaptive": True,
+                                         "draft_sampling": "greedy"})  # fmt: skip
+    engine, gamma = llm.engine, 3
+    pages = {}  # a finished sequence's pages, taken as the block manager frees them
+    free = engine.block_manager.free
+    monkeypatch.setattr(engine.block_manager, "free",
+                        lambda seq: (pages.__setitem__(seq.seq_id, list(seq.page_ids)),
+                                     free(seq)))  # fmt: skip
+    prompt = [rng.integers(3, 4000, int(rng.integers(10, 30))).tolist()]
+    sampling = SamplingParams(max_tokens=48, ignore_eos=True)
+    n = len(prompt[0]) + 48 - 2 * gamma - 4  # positions every last round has rewritten
+
+    def pool(kv) -> np.ndarray:  # K/V of the positions < n of the last finished sequence
+        kv = getattr(kv, "kv", kv)  # (EAGLE: its head's K/V)
+        ids = np.asarray(pages[max(pages)])
+        pos = np.arange(n)
+        return np.asarray(kv.pages[:, ids[pos // KW["page_size"]], :, pos % KW["page_size"]])
+
+    runs = {}
+    for name, policy in (("speculating", Forced(rng, 1.0)), ("switching", Forced(rng))):
+        engine.runner.draft_kv = jax.tree.map(jnp.zeros_like, engine.runner.draft_kv)
+        out, paths, compiles = _generate(llm, prompt, sampling, policy)
+        runs[name] = out, pool(engine.runner.draft_kv), paths
+        assert compiles == 0, f"seed {fresh_seed}: {compiles} compiles after warm-up, {name}"
+    assert False in runs["switching"][2], (f"seed {fresh_seed}", runs["switching"][2])
+    assert runs["switching"][0] == runs["speculating"][0], f"seed {fresh_seed}"
+    a, b = runs["speculating"][1], runs["switching"][1]
+    assert np.abs(a).sum(axis=(0, 1, 3, 4)).min() > 0, "a position the draft never wrote"
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4,
+                               err_msg=f"seed {fresh_seed}, paths {runs['switching'][2]}")  # fmt: skip
+
+
+def test_adaptive_config_names_the_key():
+    from jaxinfer.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=re.escape("engine.speculative.adaptive='yes'")):
+        EngineConfig(speculative={"method": "ngram", "adaptive": "yes"})
+    with pytest.raises(
+        ValueError, match=r"engine\.speculative\.adaptive .* method other than none"
+    ):
+        EngineConfig(speculative={"adaptive": True})
+    with pytest.raises(
+        ValueError, match=r"engine\.speculative\.adaptive .* engine\.decode_steps >= 2"
+    ):
+        EngineConfig(decode_steps=1, speculative=NGRAM)
+
+
+def test_summary_reports_the_speculative_fraction():
+    from jaxinfer.metrics.summary import summarize
+
+    step = {"time": 0.0, "num_seqs": 1, "num_batched_tokens": 4, "kv_pages_used": 1,
+            "kv_pages_total": 8, "is_decode_only": True}  # fmt: skip
+    steps = [{**step, "speculative": True, "draft_tokens": 3, "accepted_hist": [0, 1]},
+             {**step, "speculative": False}, {**step, "speculative": False},
+             {**step, "is_decode_only": False}]  # fmt: skip
+    assert summarize([], steps)["speculative_step_fraction"] == pytest.approx(1 / 3)
