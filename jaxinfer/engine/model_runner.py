@@ -50,6 +50,7 @@ from jaxinfer.models.batch import RaggedBatch, build_ragged_batch
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.dense import compute_logits, forward_paged
 from jaxinfer.models.moe import resolve_moe_backend
+from jaxinfer.parallel import vocab
 from jaxinfer.parallel.sharding import EngineShardings
 from jaxinfer.parallel.tensor import attention_mesh
 
@@ -102,16 +103,19 @@ def _forward(params, cfg, batch, kv, attention, expert_mesh, moe_backend):
 
 
 @partial(jax.jit, static_argnames=("cfg", "attention", "num_rows", "out_sharding",
-                                   "expert_mesh", "moe_backend", "draft_cfg", "eagle"),
+                                   "logits_sharding", "expert_mesh", "moe_backend", "draft_cfg",
+                                   "eagle"),
          donate_argnames=("kv", "draft_kv"))  # fmt: skip
 def mixed_step(params, kv: KVCache, batch: RaggedBatch, num_drafts: jax.Array,
                prev_tokens: jax.Array, prev_counts: jax.Array, draft_params=None,
                draft_kv: KVCache | None = None, *, cfg: ModelConfig, attention: AttentionConfig,
-               num_rows: int = 1, out_sharding=None, expert_mesh=None,
+               num_rows: int = 1, out_sharding=None, logits_sharding=None, expert_mesh=None,
                moe_backend: str = "xla", draft_cfg: ModelConfig | None = None,
                eagle=None):  # fmt: skip
     """((logits [S, num_rows, V] fp32, drafts [S, num_rows - 1], shift [S], expert load (see
-    `_forward`) or None), kv, draft_kv). `expert_mesh`: the mesh whose "expert" axis shards the
+    `_forward`) or None), kv, draft_kv); the logits are laid out as `logits_sharding` (by vocab
+    on a model axis: `sample_step` reduces them per shard), the rest as `out_sharding`.
+    `expert_mesh`: the mesh whose "expert" axis shards the
     MoE experts (None: one device holds them all); `moe_backend`: their grouped matmuls'. With a
     draft model (`draft_cfg`, `draft_model.py`) the draft runs over the same batch, filling its
     own pool. With an EAGLE head (`eagle`, static: traced only when the method is on,
@@ -149,17 +153,20 @@ def mixed_step(params, kv: KVCache, batch: RaggedBatch, num_drafts: jax.Array,
     if eagle is not None:
         draft_kv = eagle.fill(draft_params, draft_kv, batch, hidden, attention)
     rows = logit_rows(batch.query_start_loc, num_drafts, num_rows)
-    logits = compute_logits(params, cfg, hidden[rows])
-    return _constrain((logits, tokens[rows[:, 1:]], shift, load), out_sharding), kv, draft_kv
+    logits = _constrain(compute_logits(params, cfg, hidden[rows]), logits_sharding or out_sharding)
+    out = _constrain((tokens[rows[:, 1:]], shift, load), out_sharding)
+    return (logits, *out), kv, draft_kv
 
 
-@partial(jax.jit, static_argnames=("num_logprobs", "out_sharding"))
+@partial(jax.jit, static_argnames=("num_logprobs", "out_sharding", "vocab_mesh"))
 def sample_step(logits, drafts, num_drafts, shift, sb: SamplingBatch, history=None, *,
-                num_logprobs: int, out_sharding=None):  # fmt: skip
+                num_logprobs: int, out_sharding=None, vocab_mesh=None):  # fmt: skip
     """(tokens [S, K], counts [S], logprobs [S, K], top logprobs [S, K, k], top ids [S, K, k]):
     every row sampled, and how many of them each sequence keeps (`accept_drafts`). `history`:
-    (tokens [S, L], prompt lengths [S]) of the sequences, for penalties (`sampler.sample`)."""
-    tokens, lp, top_lp, top_ids = sample_rows(logits, sb, shift, num_logprobs, history)
+    (tokens [S, L], prompt lengths [S]) of the sequences, for penalties (`sampler.sample`).
+    `vocab_mesh`: logits sharded by vocab over its "model" axis, sampled per shard."""
+    tokens, lp, top_lp, top_ids = sample_rows(logits, sb, shift, num_logprobs, history,
+                                              vocab_mesh)  # fmt: skip
     out = tokens, accept_drafts(tokens, drafts, num_drafts), lp, top_lp, top_ids
     return _constrain(out, out_sharding)
 
@@ -191,6 +198,7 @@ class DecodeState:
         "expert_mesh",
         "moe_backend",
         "speculate",
+        "vocab_mesh",
     ),
     donate_argnames=("kv", "draft_kv"),
 )
@@ -198,14 +206,17 @@ def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingB
                 draft_params=None, draft_kv: KVCache | None = None, *, cfg: ModelConfig,
                 attention: AttentionConfig, num_steps: int, num_logprobs: int,
                 proposer: Proposer | None = None, out_sharding=None,
-                expert_mesh=None, moe_backend: str = "xla", speculate: bool = True):  # fmt: skip
+                expert_mesh=None, moe_backend: str = "xla", speculate: bool = True,
+                vocab_mesh=None):  # fmt: skip
     """((tokens [R, S, K], counts [R, S], logprobs [R, S, K], top_lp [R, S, K, k], top_ids,
     expert load per round (see `_forward`) or None), final DecodeState, kv, draft_kv) over R =
     `num_steps` rounds of K = 1 + drafts tokens per row; row s keeps tokens[r, s, :counts[r, s]]
     of round r. The final state can seed the next call directly. A draft-model proposer drafts
     from its own pool `draft_kv` (`draft_model.py`). `speculate` False (adaptive speculation's
     plain path): K = 1, no drafts; the proposer only follows the fed tokens (`follow_device`,
-    `follow_draft`), so its state and pools are what a speculative round expects."""
+    `follow_draft`), so its state and pools are what a speculative round expects. `vocab_mesh`:
+    the LM head's logits stay sharded by vocab over its "model" axis and are sampled per shard
+    (the rejection sampling of a draft model's sampled drafts takes whole rows)."""
     gamma = proposer.num_draft_tokens if proposer is not None and speculate else 0
     k = 1 + gamma
     rows = state.tokens.shape[0]
@@ -249,7 +260,7 @@ def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingB
         logits = compute_logits(params, cfg, hidden).reshape(rows, k, -1)
         tok, lp, top_lp, top_ids = sample_rows(
             logits, step_sb, jnp.zeros_like(st.positions), num_logprobs,
-            None if history is None else (history, st.num_prompt),
+            None if history is None else (history, st.num_prompt), vocab_mesh,
         )  # fmt: skip
         live = st.active & (st.remaining > 0)
         if q is not None:  # sampled drafts: keep each with probability min(1, p / q)
@@ -368,17 +379,28 @@ class ModelRunner:
     def _mixed_static(self):
         return dict(cfg=self.cfg, attention=self.attention, num_rows=self.num_rows,
                     out_sharding=self.shardings.replicated,
+                    logits_sharding=self.shardings.logits(self.cfg.vocab_size),
                     expert_mesh=self.expert_mesh, moe_backend=self.moe_backend,
                     draft_cfg=self.draft_cfg, eagle=self.eagle)  # fmt: skip
 
     def _sample_static(self):
-        return dict(num_logprobs=self.config.num_logprobs, out_sharding=self.shardings.replicated)
+        return dict(
+            num_logprobs=self.config.num_logprobs,
+            out_sharding=self.shardings.replicated,
+            vocab_mesh=self.vocab_mesh,
+        )
 
     def _decode_static(self, num_steps: int, speculate: bool = True):
         return dict(cfg=self.cfg, attention=self.attention, num_steps=num_steps,
                     num_logprobs=self.config.num_logprobs, proposer=self.scan_proposer,
                     out_sharding=self.shardings.replicated, expert_mesh=self.expert_mesh,
-                    moe_backend=self.moe_backend, speculate=speculate)  # fmt: skip
+                    moe_backend=self.moe_backend, speculate=speculate,
+                    vocab_mesh=self.vocab_mesh)  # fmt: skip
+
+    @property
+    def vocab_mesh(self):
+        """The mesh when its "model" axis shards the vocabulary (sampling per shard), else None."""
+        return vocab.vocab_mesh(self.shardings.mesh, self.cfg.vocab_size, self.shardings.rules)
 
     def no_prev(self) -> tuple:
         """(prev_tokens, prev_counts) of a step that refers to no earlier step's tokens, and the
@@ -601,7 +623,9 @@ class ModelRunner:
                 calls.append((("mixed", t, max_q), mixed_step,
                               (self.params, self.kv, batch, zeros(s), *prev, self.draft_params,
                                self.draft_kv), self._mixed_static()))  # fmt: skip
-        logits = zeros((s, rows_k, self.cfg.vocab_size), np.float32)
+        shape = (s, rows_k, self.cfg.vocab_size)  # laid out as mixed steps return them
+        logits = jax.device_put(np.zeros(shape, np.float32),
+                                self.shardings.logits(self.cfg.vocab_size))  # fmt: skip
         bias = self.max_logit_bias()
         for filtered in (False, True):  # all-greedy batches, and batches where some row samples
             sb = dataclasses.replace(SamplingBatch.build([], [], [], s, put=self.put,

@@ -15,6 +15,13 @@ of the prompt or the output so far (a logit l > 0 becomes l / r, else l * r; Kes
 `frequency_penalty` times the token's count in the output, and `presence_penalty` once if it occurs
 there, subtracted (OpenAI's definitions). A row's context is its `history` before the position it
 samples, so a verification's row j counts the drafts before it.
+
+Vocab-parallel sampling (`sample(..., mesh=)`: logits sharded by vocab on the mesh's "model"
+axis, `parallel/vocab.py`): greedy tokens, the token's log-prob and the top log-probs are
+reduced per shard and combined across shards, so no device holds a whole [S, V] row; penalties
+land on the shard holding their token. Only a batch where some row samples (`filtered`) gathers
+its rows: the filters sort the whole vocabulary. Without a mesh (or a model axis of 1) none of
+this runs.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.engine.request import SamplingParams
+from jaxinfer.parallel import vocab
 
 
 @jax.tree_util.register_dataclass
@@ -108,12 +116,21 @@ class Penalties:
         return jax.tree.map(lambda x: jnp.repeat(x, k, axis=0), self)
 
 
-def apply_penalties(logits, pen: Penalties, history, num_prompt, position):
+def apply_penalties(logits, pen: Penalties, history, num_prompt, position, vocab_start=None):
     """logits [R, V] after the penalties of the module docstring. `history` [R, L]: the token at
     each position of the row's sequence (-1: none); the row's context is positions < `position`
-    [R] (the one it samples), of which the first `num_prompt` [R] are the prompt."""
+    [R] (the one it samples), of which the first `num_prompt` [R] are the prompt.
+    `vocab_start` (vocab-parallel sampling): `logits` are the slice of the vocabulary from that
+    global id; a bias or count lands there only for the tokens of the slice."""
     r, v = logits.shape
-    logits = logits.at[jnp.arange(r)[:, None], pen.bias_ids].add(pen.bias_values)
+    bias_ids, bias_values = pen.bias_ids, pen.bias_values
+    if vocab_start is not None:
+        bias_ids = bias_ids - vocab_start
+        inside = (bias_ids >= 0) & (bias_ids < v)
+        bias_ids, bias_values = jnp.clip(bias_ids, 0, v - 1), jnp.where(inside, bias_values, 0.0)
+        history = jnp.where(history >= 0, history - vocab_start, -1)
+        history = jnp.where(history < v, history, -1)  # another slice's token: none here
+    logits = logits.at[jnp.arange(r)[:, None], bias_ids].add(bias_values)
     p = jnp.arange(history.shape[1], dtype=jnp.int32)[None, :]
     seen = (history >= 0) & (p < position[:, None])
     output = seen & (p >= num_prompt[:, None])
@@ -127,10 +144,14 @@ def apply_penalties(logits, pen: Penalties, history, num_prompt, position):
 
 
 def sample(
-    logits: jax.Array, sb: SamplingBatch, num_logprobs: int = 0, history=None
+    logits: jax.Array, sb: SamplingBatch, num_logprobs: int = 0, history=None, mesh=None
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """logits [S, V] fp32 -> (tokens [S], token logprob [S], top logprobs [S, k], top ids [S, k]).
-    `history` = (tokens [S, L], num_prompt [S]) when `sb.penalties` is set."""
+    `history` = (tokens [S, L], num_prompt [S]) when `sb.penalties` is set. `mesh`: logits
+    sharded by vocab on its "model" axis (`vocab.vocab_mesh`), sampled per shard (module
+    docstring); the outputs are replicated."""
+    if mesh is not None:
+        return _sample_vocab_parallel(logits, sb, num_logprobs, history, mesh)
     logits = logits.astype(jnp.float32)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     if sb.penalties is not None:
@@ -148,6 +169,35 @@ def sample(
         return tokens, token_logprob, jnp.zeros((rows, 0)), jnp.zeros((rows, 0), jnp.int32)
     top_lp, top_ids = jax.lax.top_k(logprobs, num_logprobs)
     return tokens, token_logprob, top_lp, top_ids
+
+
+def _sample_vocab_parallel(logits, sb: SamplingBatch, num_logprobs: int, history, mesh):
+    """`sample` of logits [S, V] sharded by vocab over `mesh`'s "model" axis, per shard: only
+    [S]- and [S, T * k]-sized values cross devices, except in a batch where some row samples."""
+    rows = logits.shape[0]
+
+    def body(logits, sb, history):
+        logits = logits.astype(jnp.float32)
+        start = vocab.shard_start(logits.shape[-1])
+        m, log_z = vocab.log_normalizer(logits)  # of the raw model distribution
+        chosen = logits
+        if sb.penalties is not None:
+            chosen = apply_penalties(logits, sb.penalties, *history, sb.position, start)
+        tokens = vocab.argmax(chosen, start)
+        if sb.filtered:  # the filters sort whole rows: here (only) the vocabulary is gathered
+            whole = jax.lax.all_gather(chosen, vocab.AXIS, axis=1, tiled=True)
+            tokens = jnp.where(sb.temperature > 0, _sample_filtered(whole, sb), tokens)
+        tokens = tokens.astype(jnp.int32)
+        token_logprob = (vocab.pick(logits, tokens, start) - m) - log_z
+        if num_logprobs == 0:
+            return tokens, token_logprob, jnp.zeros((rows, 0)), jnp.zeros((rows, 0), jnp.int32)
+        top, top_ids = vocab.top_k(logits, num_logprobs, start)
+        return tokens, token_logprob, (top - m[:, None]) - log_z[:, None], top_ids
+
+    spec, rep = jax.sharding.PartitionSpec(None, vocab.AXIS), jax.sharding.PartitionSpec()
+    # Every device computes the same replicated outputs (the same keys draw the same tokens).
+    return jax.shard_map(body, mesh=mesh, in_specs=(spec, rep, rep), out_specs=rep,
+                         check_vma=False)(logits, sb, history)  # fmt: skip
 
 
 def _sample_filtered(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
@@ -259,20 +309,21 @@ def rows_of(sb: SamplingBatch, k: int, shift=0) -> SamplingBatch:
     )
 
 
-def sample_rows(logits, sb: SamplingBatch, shift, num_logprobs: int = 0, history=None):
+def sample_rows(logits, sb: SamplingBatch, shift, num_logprobs: int = 0, history=None,
+                mesh=None):  # fmt: skip
     """Sample K rows per sequence: logits [S, K, V] fp32, `sb` per sequence, where row j of
     sequence s samples the token at position `sb.position[s] + shift[s] + j` (its key, so a seeded
-    request samples the same token at a position whether it is drafted or not). `history`: see
-    `sample` (per sequence). Returns tokens [S, K], their logprobs [S, K], top logprobs
+    request samples the same token at a position whether it is drafted or not). `history`, `mesh`:
+    see `sample` (per sequence). Returns tokens [S, K], their logprobs [S, K], top logprobs
     [S, K, k] and ids."""
     s, k, v = logits.shape
     if k == 1:
         sb = dataclasses.replace(sb, position=sb.position + shift)
-        return tuple(x[:, None] for x in sample(logits[:, 0], sb, num_logprobs, history))
+        return tuple(x[:, None] for x in sample(logits[:, 0], sb, num_logprobs, history, mesh))
     rows = rows_of(sb, k, shift)
     if history is not None:
         history = tuple(jnp.repeat(x, k, axis=0) for x in history)
-    out = sample(logits.reshape(s * k, v), rows, num_logprobs, history)
+    out = sample(logits.reshape(s * k, v), rows, num_logprobs, history, mesh)
     return tuple(x.reshape(s, k, *x.shape[1:]) for x in out)
 
 

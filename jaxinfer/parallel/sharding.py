@@ -80,6 +80,8 @@ class EngineShardings:
 
     - params: by their logical axes (`param_specs`, `rules`);
     - KV pages: by KV head (`jaxinfer.kv.cache.KV_AXES`), so a device holds its heads' pages;
+    - a mixed step's logits [S, K, V]: by vocab, as the LM head (`logits`), so sampling reduces
+      them per shard (`parallel/vocab.py`);
     - batches (the ragged token batch, page tables, sampling parameters) and step outputs
       (sampled tokens, log-probs): replicated. Every device sees every token: a "data" axis
       replicates the step (data-parallel serving is `engine.data_parallel`'s replicas).
@@ -108,3 +110,8 @@ class EngineShardings:
 
     def of(self, axes: Sequence[str | None], shape: Sequence[int]) -> NamedSharding:
         return named_sharding(self.mesh, axes, shape, self.rules)
+
+    def logits(self, vocab_size: int) -> NamedSharding:
+        """Logits [S, K, V]: by vocab (replicated where the LM head is: a vocabulary the model
+        axis does not divide, or no model axis)."""
+        return self.of((None, None, "vocab"), (1, 1, vocab_size))

@@ -4,7 +4,8 @@ The rules table (`sharding.DEFAULT_RULES`) places every weight Megatron-style: `
 (each KV head's query heads, key and value stay on one device), `wo` by its input heads,
 `w_gate_up` by the FFN dim, `w_down` by its input, the embedding and LM head by vocab, the KV
 pages by KV head. XLA's partitioner then inserts one all-reduce after `wo` and one after
-`w_down`. Two things need more than placement:
+`w_down`. The checkpoint loaders put each tensor straight onto its shards (`hf_loader`). Three
+things need more than placement:
 
 - **Attention runs per device** (`models.attention.write_kv_and_attend` under `shard_map`): the
   Pallas kernel cannot be partitioned by XLA, and each device holds only its KV heads' pages, so
@@ -16,6 +17,14 @@ pages by KV head. XLA's partitioner then inserts one all-reduce after `wo` and o
   order, so `wo` is unchanged. The math is the same model's (each query head still attends its
   own KV head); the cost is r copies of those K/V pages, one per device (vLLM replicates the
   same way when the tensor-parallel size exceeds the KV heads).
+- **Sampling per vocab shard** (`parallel/vocab.py`, `sampler.sample(mesh=)`): the logits stay
+  sharded by vocab as the LM head makes them; greedy tokens, the token's logprob and the top
+  logprobs are per-shard max / argmax, logsumexp and top-k combined across the axis, so a step
+  moves [S]- and [S, T * k]-sized values, never an [S, V] row. Penalties apply on each shard's
+  slice. A batch in which some row samples (temperature > 0) gathers its rows: the filters sort
+  the whole vocabulary. A vocabulary the axis does not divide is replicated (the LM head too),
+  and sampled as on one device.
+With a model axis of 1 none of this runs: no shard_map, the one-device code.
 """
 
 from __future__ import annotations
