@@ -206,29 +206,78 @@ def test_bf16_cast_and_mesh_placement(hf_models):
         )
 
 
-def test_two_way_tensor_parallel_load_of_fused_projections(hf_models, run_on_cpu_devices):
-    """On a 2-way `model` mesh the fused q/k/v (split by KV head) and gate/up (split on F) params
-    hold the same values as a single-device load."""
+def test_tensor_parallel_loads_put_each_tensor_onto_its_shards_and_equal_one_device(
+    hf_models, run_on_cpu_devices, fresh_seed
+):
+    """On `model` 2 and 4 and `data` 2 x `model` 4 meshes (8 CPU devices) every param equals a
+    single-device load, has its rules' sharding and shards of its slice's shape, so a device
+    holds its share of the bytes; every host tensor goes to the mesh with a sharding of it, never
+    whole onto one device (stacked experts too). At model 2 the fused q/k/v are split by KV head
+    and gate/up on F."""
     path, _ = hf_models["llama_bias"]
     code = f"""
+        import math
         import jax, numpy as np
-        from jax.sharding import PartitionSpec as P
+        from jax.sharding import NamedSharding, PartitionSpec as P
         from jaxinfer.checkpoint import load_hf_model
-        from jaxinfer.parallel.sharding import make_mesh
-        mesh = make_mesh({{"data": 1, "model": 2}})
+        from jaxinfer.checkpoint.hf_loader import _Loader
+        from jaxinfer.models.spec import ParamSpec, is_spec, param_specs
+        from jaxinfer.parallel.sharding import make_mesh, named_sharding
+
+        puts = []  # (host input?, where) of every device_put
+        device_put = jax.device_put
+        def recording_put(x, device=None, **kw):
+            puts.append((isinstance(x, np.ndarray), device))
+            return device_put(x, device, **kw)
+        jax.device_put = recording_put
+
         _, single = load_hf_model({str(path)!r})
-        _, sharded = load_hf_model({str(path)!r}, mesh=mesh)
-        layer = sharded["layers"][0]
-        for name, spec in (("w_qkv", (None, "model", None, None)),
-                           ("b_qkv", ("model", None, None)),
-                           ("w_gate_up", (None, None, "model")),
-                           ("b_gate_up", (None, "model"))):
-            assert layer[name].sharding.spec == P(*spec), name
-        for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(single), strict=True):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        for shape in ({{"model": 2}}, {{"model": 4}}, {{"data": 2, "model": 4}}):
+            mesh = make_mesh(shape)
+            puts.clear()
+            cfg, sharded = load_hf_model({str(path)!r}, mesh=mesh)
+            assert puts and all(isinstance(d, NamedSharding) and d.mesh == mesh
+                                for host, d in puts if host), (shape, puts)
+            specs = jax.tree.leaves(param_specs(cfg), is_leaf=is_spec)
+            on_device0, total = 0, 0
+            for spec, a, b in zip(specs, jax.tree.leaves(sharded), jax.tree.leaves(single),
+                                  strict=True):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+                sharding = named_sharding(mesh, spec.axes, spec.shape)
+                assert a.sharding == sharding, (shape, spec, a.sharding)
+                split = [1 if ax is None else mesh.shape[ax] for ax in sharding.spec]
+                split += [1] * (a.ndim - len(split))
+                want = tuple(n // k for n, k in zip(a.shape, split))
+                assert all(s.data.shape == want for s in a.addressable_shards), (spec, want)
+                on_device0 += sum(s.data.nbytes for s in a.addressable_shards
+                                  if s.device == mesh.devices.flat[0])
+                total += a.nbytes // math.prod(split)
+            assert on_device0 == total, (shape, on_device0, total)
+            layer = sharded["layers"][0]
+            assert sharded["lm_head"].sharding.spec == P(None, "model"), shape
+            assert layer["w_down"].sharding.spec == P("model", None), shape
+            if shape == {{"model": 2}}:
+                for name, spec in (("w_qkv", (None, "model", None, None)),
+                                   ("b_qkv", ("model", None, None)),
+                                   ("w_gate_up", (None, None, "model")),
+                                   ("b_gate_up", (None, "model"))):
+                    assert layer[name].sharding.spec == P(*spec), name
+
+            class Stacked:  # a stacked expert tensor [X, out, in] (transformers v5's layout)
+                host = np.random.default_rng({fresh_seed}).normal(size=(4, 8, 6))
+                host = host.astype(np.float32)
+                def read(self, name, shape, param):
+                    assert shape == self.host.shape
+                    return self.host
+            spec = ParamSpec((4, 6, 8), np.float32, ("expert", "embed", "mlp"), "normal", 1.0)
+            puts.clear()
+            got = _Loader(Stacked(), mesh).load_stacked("w", spec, "w")
+            assert all(isinstance(d, NamedSharding) for host, d in puts if host), puts
+            np.testing.assert_array_equal(np.asarray(got), Stacked.host.transpose(0, 2, 1))
+            assert got.sharding == named_sharding(mesh, spec.axes, spec.shape)
         print("ok")
         """
-    run_on_cpu_devices(code, 2)
+    run_on_cpu_devices(code, 8)
 
 
 def _copy_single(src: Path, dst: Path, mutate=None, filename: str = "model.safetensors") -> Path:

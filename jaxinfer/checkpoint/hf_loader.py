@@ -14,6 +14,18 @@ layout and dtype, and transposed/reshaped/cast there by a small jitted program, 
 at most one tensor (and no transposed copy of it) at any moment. We wait for each tensor's device
 copy before reading the next; otherwise async dispatch would let host buffers pile up.
 
+On a mesh each tensor goes straight onto its shards: `jax.device_put(host, sharding)` with the
+sharding of the param's logical axes in HF layout (`_hf_layout`) slices the host array and sends
+each device only its slice (a replicated tensor: all of it), and the conversion to our layout is
+local to each device (its compiled program holds no collective on a `model` or `data` x `model`
+mesh: the HF dim a param is split on is the leading dim of ours that shards it). Peak host memory
+is the largest tensor (e.g. the embedding, V x E); peak memory of a device is its share of the
+params loaded so far (a sharded param's bytes / T on a model axis of T, a replicated one's
+whole) plus the current tensor's slice twice (HF layout and ours). `tests/test_tensor_parallel.py`
+checks the per-device bytes of a load on 8 CPU devices. Exceptions: KV heads the model axis does
+not divide are loaded replicated (`parallel/tensor.py` then replicates them per device), and per-
+expert tensors are stacked on the mesh after each was placed by its own axes.
+
 Dtypes: F32, F16 and BF16 tensors are accepted and cast to the spec's dtype. Everything else is
 refused: integer and FP8 tensors come from quantized checkpoints whose scales we would not apply
 (casting them would load wrong weights silently), and F64 never occurs in LLM checkpoints. The
@@ -341,9 +353,13 @@ class _Loader:
         """A stacked expert tensor [X, out, in] (transformers v5's layout) as ours [X, *in, *out]."""
         x, inner = spec.shape[0], spec.shape[1:]
         rule = _Rule(name, "linear")
-        hf_shape, _ = _hf_layout(rule, inner, spec.axes[1:])
+        hf_shape, hf_axes = _hf_layout(rule, inner, spec.axes[1:])
         host = self.files.read(name, (x, *hf_shape), param)
-        raw = jax.device_put(host)
+        if self.mesh is None:
+            raw = jax.device_put(host)
+        else:  # each device gets its experts' slice in HF layout, as `_raw` places a tensor
+            raw = jax.device_put(host, named_sharding(self.mesh, (spec.axes[0], *hf_axes),
+                                                      (x, *hf_shape)))  # fmt: skip
         del host
         sharding = named_sharding(self.mesh, spec.axes, spec.shape) if self.mesh else None
         out = jax.jit(lambda r: jnp.swapaxes(r, 1, 2).reshape(spec.shape).astype(spec.dtype),
