@@ -12,6 +12,7 @@ embedding, LM head, norms and biases are always plain arrays.
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from dataclasses import dataclass
@@ -220,16 +221,22 @@ def init_params(cfg: ModelConfig, key: jax.Array, mesh=None, rules=DEFAULT_RULES
     specs = param_specs(cfg)
     top_specs = {k: v for k, v in specs.items() if k != "layers"}
     k_top, k_layers = jax.random.split(key)
-    top_shardings = None if mesh is None else spec_shardings(top_specs, mesh, rules)
-    params = jax.jit(partial(_init_tree, top_specs), out_shardings=top_shardings)(k_top)
-    inits: dict[Any, Any] = {}  # one compiled initialiser per distinct layer spec
+    rules_key = tuple(sorted(rules.items()))
+    flat, treedef = jax.tree.flatten(top_specs, is_leaf=is_spec)
+    params = _initialiser(treedef, tuple(flat), mesh, rules_key)(k_top)
     layers = []
     for i, layer in enumerate(specs["layers"]):
         flat, treedef = jax.tree.flatten(layer, is_leaf=is_spec)
-        sig = (treedef, tuple(flat))
-        if sig not in inits:
-            shardings = None if mesh is None else spec_shardings(layer, mesh, rules)
-            inits[sig] = jax.jit(partial(_init_tree, layer), out_shardings=shardings)
-        layers.append(inits[sig](jax.random.fold_in(k_layers, i)))
+        init = _initialiser(treedef, tuple(flat), mesh, rules_key)
+        layers.append(init(jax.random.fold_in(k_layers, i)))
     params["layers"] = tuple(layers)
     return params
+
+
+@functools.lru_cache(maxsize=64)
+def _initialiser(treedef, flat: tuple, mesh, rules_key: tuple):
+    """The jitted initialiser of one spec tree on `mesh`: cached, so every layer of one spec, and
+    every model of the same shapes built in this process, reuses one compiled program."""
+    tree = jax.tree.unflatten(treedef, list(flat))
+    shardings = None if mesh is None else spec_shardings(tree, mesh, dict(rules_key))
+    return jax.jit(partial(_init_tree, tree), out_shardings=shardings)

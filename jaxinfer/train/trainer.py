@@ -10,7 +10,7 @@ import json
 import math
 import time
 from collections.abc import Callable
-from functools import partial
+from functools import lru_cache, partial
 from pathlib import Path
 
 import jax
@@ -51,20 +51,29 @@ def model_config(tc: TrainConfig, vocab_size: int, eos_id: int) -> ModelConfig:
 
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+    """AdamW with warm-up and cosine decay, clipped; one object per set of hyperparameters, so a
+    second run in this process (a resume, a sweep point) reuses the compiled `train_step` (its
+    `tx` is a static argument, compared by identity)."""
+    return _optimizer(tc.lr, tc.warmup_steps, tc.steps, tc.min_lr_ratio, tc.grad_clip, tc.b1,
+                      tc.b2, tc.weight_decay)  # fmt: skip
+
+
+@lru_cache(maxsize=16)
+def _optimizer(lr, warmup_steps, steps, min_lr_ratio, grad_clip, b1, b2, weight_decay):
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
-        peak_value=tc.lr,
-        warmup_steps=tc.warmup_steps,
-        decay_steps=tc.steps,
-        end_value=tc.lr * tc.min_lr_ratio,
+        peak_value=lr,
+        warmup_steps=warmup_steps,
+        decay_steps=steps,
+        end_value=lr * min_lr_ratio,
     )
 
     def decay_mask(params):  # no weight decay on norms and biases
         return jax.tree.map(lambda p: p.ndim >= 2, params)
 
     return optax.chain(
-        optax.clip_by_global_norm(tc.grad_clip),
-        optax.adamw(schedule, b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay, mask=decay_mask),
+        optax.clip_by_global_norm(grad_clip),
+        optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay, mask=decay_mask),
     )
 
 
@@ -118,7 +127,9 @@ def load_data(
     tc: TrainConfig, status: Callable[[str], object] = lambda text: None
 ) -> tuple[Tokenizer, np.ndarray, np.ndarray]:
     """(tokenizer, train token stream, held-out windows) of `tc`; `status(text)` names each phase
-    as it starts (a fresh tokenizer is trained, and the train split is tokenized: seconds)."""
+    as it starts (a fresh tokenizer is trained, and the train split is tokenized: seconds). The
+    token streams are kept in the run's `out_dir` (`tokens.npz`), so a resumed run reads the
+    streams its first part trained on instead of tokenizing again."""
     status("reading the stdlib corpus")
     corpus = stdlib_corpus(
         heldout_fraction=tc.heldout_fraction, include_tests=tc.corpus_include_tests
@@ -126,12 +137,17 @@ def load_data(
     trains = not tc.tokenizer_path.exists()
     status(f"{'training' if trains else 'loading'} the tokenizer ({tc.tokenizer_path.name})")
     tokenizer = load_or_train_tokenizer(tc, corpus)
-    status(f"tokenizing {len(corpus.train)} train and {len(corpus.heldout)} held-out files")
-    train_stream = encode_stream(tokenizer, corpus.texts("train"))
-    heldout = eval_windows(
-        encode_stream(tokenizer, corpus.texts("heldout")), tc.seq_len, tc.eval_windows
-    )
-    return tokenizer, train_stream, heldout
+    cached = Path(tc.out_dir) / "tokens.npz"
+    if cached.exists():
+        status(f"loading the token streams ({cached.name})")
+        with np.load(cached) as f:
+            train_stream, heldout_stream = f["train"], f["heldout"]
+    else:
+        status(f"tokenizing {len(corpus.train)} train and {len(corpus.heldout)} held-out files")
+        train_stream = encode_stream(tokenizer, corpus.texts("train"))
+        heldout_stream = encode_stream(tokenizer, corpus.texts("heldout"))
+        np.savez(cached, train=train_stream, heldout=heldout_stream)
+    return tokenizer, train_stream, eval_windows(heldout_stream, tc.seq_len, tc.eval_windows)
 
 
 class _Log:
