@@ -32,6 +32,7 @@ import collections
 import functools
 import os
 import pickle
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -172,6 +173,8 @@ class Leader:
         self._next = 0  # the next output's handle
         self._dropped: collections.deque[int] = collections.deque()  # (weakref callbacks)
         self._depth = 0  # > 0 inside a mirrored call: nothing is announced
+        # one announced call at a time, from any thread (a server's engine loop, a close)
+        self._lock = threading.Lock()
         self.closed = False
         atexit.register(self.close)  # followers never wait on a process 0 that has gone
 
@@ -189,19 +192,20 @@ class Leader:
     def call(self, method, runner, args: tuple, kwargs: dict, leader_only: tuple[str, ...]):
         if self._depth:
             return method(runner, *args, **kwargs)
-        if self.closed:
-            raise RuntimeError("the multi-host engine is closed: its followers have exited")
-        sent = {k: v for k, v in kwargs.items() if k not in leader_only}
-        dropped = [self._dropped.popleft() for _ in range(len(self._dropped))]
-        self.channel.send((method.__name__, self._encode((args, sent)), dropped, self._next))
-        self._depth += 1
-        try:
-            result = method(runner, *args, **kwargs)
-        finally:
-            self._depth -= 1
-        for leaf in jax.tree.leaves(result):
-            self._keep(leaf)
-        return result
+        with self._lock:
+            if self.closed:
+                raise RuntimeError("the multi-host engine is closed: its followers have exited")
+            sent = {k: v for k, v in kwargs.items() if k not in leader_only}
+            dropped = [self._dropped.popleft() for _ in range(len(self._dropped))]
+            self.channel.send((method.__name__, self._encode((args, sent)), dropped, self._next))
+            self._depth += 1
+            try:
+                result = method(runner, *args, **kwargs)
+            finally:
+                self._depth -= 1
+            for leaf in jax.tree.leaves(result):
+                self._keep(leaf)
+            return result
 
     def _keep(self, leaf) -> None:
         key, handle = id(leaf), self._next
@@ -231,10 +235,17 @@ class Leader:
         return jax.tree.map(leaf, tree)
 
     def close(self) -> None:
-        """Tell the followers to stop (once)."""
-        if not self.closed:
-            self.closed = True
-            self.channel.send(_SHUTDOWN)
+        """Tell the followers to stop (once). A call still running in another thread (an
+        interrupted warm-up) keeps the lock: then nothing is sent, and the followers end when
+        the distributed runtime sees this process gone."""
+        if self.closed or not self._lock.acquire(timeout=10):
+            return
+        try:
+            if not self.closed:
+                self.closed = True
+                self.channel.send(_SHUTDOWN)
+        finally:
+            self._lock.release()
 
 
 def follow(runner, channel: Channel | None = None) -> int:
