@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import socket
 import subprocess
 import sys
 import textwrap
 
+import jax
 import numpy as np
+import pytest
+
+from jaxinfer.parallel.multihost import Leader, follow, mirrored
 
 WORKER = """
     import json, sys
@@ -106,3 +111,64 @@ def test_two_process_engine_matches_one_device_and_the_follower_mirrors_it(tmp_p
     assert leader["tokens"] == want, (f"seed {fresh_seed}", leader["tokens"], want)
     assert leader["compiles"] == 0
     assert follower["calls"] == leader["messages"] >= 3  # warm-up, a mixed step, a decode scan
+
+
+class _ListChannel:
+    """The channel's messages in a list (one process plays both sides in turn)."""
+
+    def __init__(self):
+        self.sent = []
+        self.messages = 0
+
+    def send(self, message):
+        self.sent.append(pickle.loads(pickle.dumps(message)))  # (what crosses must pickle)
+        self.messages += 1
+
+    def receive(self):
+        return self.sent.pop(0)
+
+
+class _Runner:
+    """A model runner's device-call surface: `put` and one mirrored step."""
+
+    def __init__(self):
+        from jaxinfer.parallel.sharding import EngineShardings
+
+        self.driver, self.shardings, self.made = None, EngineShardings.for_config({}), []
+
+    def put(self, x):
+        out = self.shardings.put(x)
+        if self.driver is not None:
+            self.driver.record_put(x, out)
+        return out
+
+    @mirrored()
+    def step(self, x, prev=None, *, scale=1):
+        out = (x * scale if prev is None else x + prev[0], x.sum())
+        self.made.append([np.array(o, copy=True) for o in out])
+        return out
+
+
+def test_a_follower_rebuilds_every_announced_call_from_puts_and_earlier_outputs(fresh_seed):
+    """Process 0's calls, replayed by `follow` from the messages alone, make the same values:
+    host inputs travel as values, earlier outputs as handles (a wrong handle changes a value);
+    dropped outputs leave with the next message; a device array of unknown origin is refused."""
+    rng = np.random.default_rng(fresh_seed)
+    channel = _ListChannel()
+    leader = _Runner()
+    leader.driver = Leader(channel)
+    x = leader.put(rng.integers(0, 100, 5).astype(np.int32))
+    prev = leader.step(x, scale=3)
+    for _ in range(4):
+        y = leader.put(rng.integers(0, 100, 5).astype(np.int32))
+        prev = leader.step(y, prev)  # (the previous outputs are dropped here)
+    with pytest.raises(RuntimeError, match="cannot rebuild"):
+        leader.step(jax.numpy.ones(5, np.int32))
+    leader.driver.close()
+    dropped = [h for m in channel.sent if m != "shutdown" for h in m[2]]
+    assert sorted(dropped) == list(range(6))  # calls 1 to 3's outputs, sent with calls 3 to 5
+    follower = _Runner()
+    assert follow(follower, channel) == 5
+    for got, want in zip(follower.made, leader.made, strict=True):
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w, err_msg=f"seed {fresh_seed}")

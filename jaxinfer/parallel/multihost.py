@@ -196,8 +196,9 @@ class Leader:
             if self.closed:
                 raise RuntimeError("the multi-host engine is closed: its followers have exited")
             sent = {k: v for k, v in kwargs.items() if k not in leader_only}
+            encoded = self._encode((args, sent))  # (first: a refused call drops nothing)
             dropped = [self._dropped.popleft() for _ in range(len(self._dropped))]
-            self.channel.send((method.__name__, self._encode((args, sent)), dropped, self._next))
+            self.channel.send((method.__name__, encoded, dropped, self._next))
             self._depth += 1
             try:
                 result = method(runner, *args, **kwargs)
