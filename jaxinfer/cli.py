@@ -254,6 +254,12 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(runs.config_yaml(rc), end="")
         return 0
+    if _join_multihost():  # another host's process of a multi-host engine: process 0 runs it
+        from jaxinfer.engine.follower import follow
+
+        runs.preflight(rc)  # (a config that fails on process 0 ends this one too)
+        follow(rc.engine)
+        return 0
     runs.preflight(rc)  # (before a folder is taken)
     out = runs.fresh_results_dir(rc.out_dir, overwrite=args.overwrite)
     if out != Path(rc.out_dir):
@@ -316,11 +322,29 @@ def serve(args: argparse.Namespace) -> int:
         if flag is not None:
             overrides.append(f"{key}={flag}")
     sc = load_serve_config(config, overrides)
+    if _join_multihost():  # another host's process of a multi-host engine: process 0 serves
+        from jaxinfer.engine.follower import follow
+
+        follow(sc.engine)
+        return 0
     print(f"jaxinfer serve: loading {sc.engine.model} and compiling every batch shape...")
-    server = Server(build_llm(sc), sc.serve)
-    print(f"jaxinfer serve: {sc.engine.model} at {server.base_url} (Ctrl-C stops)", flush=True)
-    server.serve_forever()
+    llm = build_llm(sc)
+    try:
+        server = Server(llm, sc.serve)
+        print(f"jaxinfer serve: {sc.engine.model} at {server.base_url} (Ctrl-C stops)",
+              flush=True)  # fmt: skip
+        server.serve_forever()
+    finally:
+        llm.close()  # (a multi-host engine's other processes exit)
     return 0
+
+
+def _join_multihost() -> bool:
+    """Join a multi-host launch when JAX_COORDINATOR_ADDRESS is set (before any device is
+    touched: `parallel/multihost.py`); whether this process is a follower (not process 0)."""
+    from jaxinfer.parallel import multihost
+
+    return multihost.initialize_from_env() and multihost.is_follower()
 
 
 def bench_serve(args: argparse.Namespace) -> int:

@@ -56,7 +56,7 @@ from jaxinfer.checkpoint.hf_quantized import prequantized_linears
 from jaxinfer.checkpoint.integrity import count_nonfinite
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.spec import Params, ParamSpec, param_specs
-from jaxinfer.parallel.sharding import named_sharding
+from jaxinfer.parallel.sharding import named_sharding, put_global
 from jaxinfer.quant import QuantizedWeight
 
 PathLike = str | os.PathLike[str]
@@ -320,7 +320,7 @@ class _Loader:
     def _raw(self, rule: _Rule, name: str, shape, axes, param: str, sharding) -> jax.Array:
         hf_shape, _ = _hf_layout(rule, shape, axes)
         host = self.files.read(name, hf_shape, param)
-        raw = jax.device_put(host) if sharding is None else jax.device_put(host, sharding)
+        raw = jax.device_put(host) if sharding is None else put_global(host, sharding)
         del host
         return raw
 
@@ -358,8 +358,8 @@ class _Loader:
         if self.mesh is None:
             raw = jax.device_put(host)
         else:  # each device gets its experts' slice in HF layout, as `_raw` places a tensor
-            raw = jax.device_put(host, named_sharding(self.mesh, (spec.axes[0], *hf_axes),
-                                                      (x, *hf_shape)))  # fmt: skip
+            raw = put_global(host, named_sharding(self.mesh, (spec.axes[0], *hf_axes),
+                                                  (x, *hf_shape)))  # fmt: skip
         del host
         sharding = named_sharding(self.mesh, spec.axes, spec.shape) if self.mesh else None
         out = jax.jit(lambda r: jnp.swapaxes(r, 1, 2).reshape(spec.shape).astype(spec.dtype),

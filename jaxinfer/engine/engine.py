@@ -203,6 +203,12 @@ class Engine:
         if proposer is None:
             proposer = make_proposer(config, model_config, params, self.shardings.mesh)
         self.runner = ModelRunner(model_config, params, config, self.shardings, proposer)
+        if jax.process_count() > 1 and jax.process_index() == 0:
+            # a multi-host engine: this process schedules; the others follow its device calls
+            # (parallel/multihost.py; they built this engine too, `engine/follower.py`)
+            from jaxinfer.parallel.multihost import Leader
+
+            self.runner.driver = Leader()
         self.proposer = proposer
         # adaptive speculation: the policy, and when the host last read a scan (a chained scan's
         # time starts there: the device ran it from then on)
@@ -333,6 +339,12 @@ class Engine:
                 s.num_placeholders = 0
             s.draft_token_ids = []
             self.scheduler.abort(s, now)
+
+    def close(self) -> None:
+        """End the other processes of a multi-host engine (they return from `follow`); the
+        engine makes no device call after it. Nothing to do on one process."""
+        if self.runner.driver is not None:
+            self.runner.driver.close()
 
     # -- warm-up and compile accounting ------------------------------------------------------
     def warmup(self, progress=None) -> float:

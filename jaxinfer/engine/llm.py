@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, fields
 
+import jax
 import numpy as np
 
 from jaxinfer.engine.chat import render_chat
@@ -117,6 +118,10 @@ class LLM:
         self.chat_template = model_chat_template(model)
         backend = self.config.data_parallel_backend
         if backend == "process" or (backend == "auto" and self.config.data_parallel > 1):
+            if jax.distributed.is_initialized():
+                raise ValueError(f"engine.data_parallel={self.config.data_parallel} (separate "
+                                 "replicas) is not combined with a multi-host engine: run one "
+                                 "multi-host launch per replica")  # fmt: skip
             # Workers load the model on their own GPUs; this process touches no device.
             self.tokenizer = model_tokenizer(model)
             self.engine = ProcessDataParallelEngine(self.config, setup=setup)
@@ -131,6 +136,11 @@ class LLM:
             setup(self.engine)
         if warmup:
             self.engine.warmup()
+
+    def close(self) -> None:
+        """End the other processes of a multi-host engine (`Engine.close`); nothing else."""
+        if isinstance(self.engine, Engine):
+            self.engine.close()
 
     def _submit(self, prompts, sampling) -> list[Sequence]:
         """Queue every prompt; a bad one (or its sampling) fails alone, with its error."""

@@ -51,6 +51,7 @@ from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.dense import compute_logits, forward_paged
 from jaxinfer.models.moe import resolve_moe_backend
 from jaxinfer.parallel import vocab
+from jaxinfer.parallel.multihost import mirrored
 from jaxinfer.parallel.sharding import EngineShardings
 from jaxinfer.parallel.tensor import attention_mesh
 
@@ -343,6 +344,9 @@ class ModelRunner:
                                                   config.kv_dtype, shardings.mesh,
                                                   shardings.rules, shardings.put)  # fmt: skip
         self._executables: dict[tuple, object] = {}  # warm-up's compiled steps, by bucket
+        # Process 0 of a multi-host engine: its `multihost.Leader`, which announces each
+        # `mirrored` call to the other processes first (None: make every call here alone).
+        self.driver = None
         self.warmup_stats: dict = {}
         self._no_prev: tuple | None = None
         self.token_buckets = _pow2_buckets(min(16, config.max_step_tokens), config.max_step_tokens)
@@ -359,10 +363,15 @@ class ModelRunner:
         return build_ragged_batch(tokens, contexts, pages, num_tokens=t_bucket,
                                   num_seqs=self.config.max_num_seqs,
                                   pages_per_seq=self.config.pages_per_seq, max_q_len=max_q,
-                                  put=self.shardings.put)  # fmt: skip
+                                  put=self.put)  # fmt: skip
 
     def put(self, x):
-        return self.shardings.put(x)
+        """Host array(s) -> device, replicated: a mirrored call's inputs are made here (the
+        driver keeps the host values, which the other processes put alike)."""
+        out = self.shardings.put(x)
+        if self.driver is not None:
+            self.driver.record_put(x, out)
+        return out
 
     # -- device calls --------------------------------------------------------------------------
     @property
@@ -411,6 +420,7 @@ class ModelRunner:
                                       np.ones(s, np.int32), np.zeros(s, np.int32)))  # fmt: skip
         return self._no_prev
 
+    @mirrored()
     def run_mixed(self, batch: RaggedBatch, num_drafts, sb: SamplingBatch, prev=None,
                   history=None):  # fmt: skip
         """Dispatch one mixed step; returns its device arrays (tokens [S, K], counts [S],
@@ -481,6 +491,7 @@ class ModelRunner:
         )  # fmt: skip
         return self.decode_table(pages, rows), state, rows
 
+    @mirrored()
     def run_decode(self, table, state: DecodeState, sb: SamplingBatch, num_steps: int,
                    speculate: bool = True):  # fmt: skip
         """Dispatch one decode scan (`decode_loop`); `speculate` False: adaptive speculation's
@@ -494,6 +505,7 @@ class ModelRunner:
         return outs, final
 
     # -- warm-up -------------------------------------------------------------------------------
+    @mirrored(leader_only=("progress",))
     def warmup(self, max_workers: int | None = None, progress=None) -> None:
         """Compile every bucket (in parallel), then run each once on an all-padding batch;
         `progress(done, total)` is called as executables finish compiling.

@@ -368,6 +368,9 @@ def run_experiment(rc: RunConfig, *, show_progress: bool = True, console: Consol
             f"steps.parquet ({len(steps)} steps) and metrics.json of the finished part",
             signum, compiling=False,
         ) from e  # fmt: skip
+    finally:
+        if engine is not None:
+            engine.close()  # (a multi-host engine's other processes exit)
     console.print(summary_table(rc.name, metrics))
     for line in [*summary_notes(metrics), failure_summary(rows)]:
         if line:

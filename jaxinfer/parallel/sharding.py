@@ -74,6 +74,18 @@ def named_sharding(
     return NamedSharding(mesh, PartitionSpec(*spec))
 
 
+def put_global(host: Any, sharding: NamedSharding) -> jax.Array:
+    """A host array on `sharding`. On a mesh spanning several processes each process puts the
+    slices its own devices hold (every process passes the same value): `jax.device_put` would
+    first all-gather the value to check that, a collective per array (and a deadlock if the
+    other processes are not putting it too)."""
+    if not sharding.mesh.is_multi_process:
+        return jax.device_put(host, sharding)
+    host = np.asarray(host)
+    host = host.astype(jax.dtypes.canonicalize_dtype(host.dtype), copy=False)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 @dataclass(frozen=True, eq=False)
 class EngineShardings:
     """Where one engine's arrays live on its mesh, declared once.
@@ -106,7 +118,9 @@ class EngineShardings:
 
     def put(self, x: Any) -> Any:
         """Host array(s) -> device, replicated over the mesh (batches, sampling parameters)."""
-        return jax.device_put(x, self.replicated)
+        if not self.mesh.is_multi_process:
+            return jax.device_put(x, self.replicated)
+        return jax.tree.map(lambda a: put_global(a, self.replicated), x)
 
     def of(self, axes: Sequence[str | None], shape: Sequence[int]) -> NamedSharding:
         return named_sharding(self.mesh, axes, shape, self.rules)
