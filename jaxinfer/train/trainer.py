@@ -146,7 +146,9 @@ def load_data(
         status(f"tokenizing {len(corpus.train)} train and {len(corpus.heldout)} held-out files")
         train_stream = encode_stream(tokenizer, corpus.texts("train"))
         heldout_stream = encode_stream(tokenizer, corpus.texts("heldout"))
-        np.savez(cached, train=train_stream, heldout=heldout_stream)
+        partial_file = cached.with_name("tokens.partial.npz")  # (an interrupted save is not read)
+        np.savez(partial_file, train=train_stream, heldout=heldout_stream)
+        partial_file.replace(cached)
     return tokenizer, train_stream, eval_windows(heldout_stream, tc.seq_len, tc.eval_windows)
 
 
