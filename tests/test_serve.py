@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import httpx
@@ -240,20 +241,38 @@ def test_client_leaving_mid_stream_aborts_and_frees_every_page(server, client):
     _assert_served(client)
 
 
-def test_full_queue_answers_429_with_retry_after_then_serves(server, client):
-    loop = server.engine_loop
+def test_full_queue_answers_429_with_retry_after_then_serves(server, client, monkeypatch):
+    loop, engine = server.engine_loop, server.state.llm.engine
     body = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 120, "ignore_eos": True,
             "stream": True}  # fmt: skip
+    # The engine thread waits before its third step until the 429 has been answered, so the
+    # streaming request is still outstanding however slowly this machine runs the test (it
+    # once finished its 120 tokens before the second request arrived).
+    gate, step, steps = threading.Event(), engine.step, []
+
+    def gated_step():
+        steps.append(None)
+        if len(steps) > 2:
+            gate.wait(30)
+        return step()
+
+    monkeypatch.setattr(engine, "step", gated_step)
     capacity = loop.capacity
-    with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=30) as resp:
-        next(resp.iter_lines())
-        loop.capacity = 1  # the streaming request fills it
-        try:
-            full = httpx.post(server.base_url + "/completions", json={**body, "stream": False})
-        finally:
-            loop.capacity = capacity
-        assert full.status_code == 429 and full.headers["retry-after"] == "1", full.text
-        assert "capacity" in full.json()["error"]["message"]
+    try:
+        with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=30) as resp:
+            next(resp.iter_lines())
+            loop.capacity = 1  # the streaming request fills it
+            try:
+                full = httpx.post(server.base_url + "/completions",
+                                  json={**body, "stream": False})  # fmt: skip
+            finally:
+                loop.capacity = capacity
+                gate.set()
+            assert full.status_code == 429 and full.headers["retry-after"] == "1", full.text
+            assert "capacity" in full.json()["error"]["message"]
+    finally:
+        gate.set()
+        monkeypatch.undo()
     _idle(server)
     _assert_served(client)
 
