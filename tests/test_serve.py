@@ -218,21 +218,56 @@ def test_bad_requests_through_the_openai_client_raise_its_errors(server, client)
     _assert_served(client)
 
 
-def test_client_leaving_mid_stream_aborts_and_frees_every_page(server, client):
+class _HeldUntilAbort:
+    """The engine thread runs `free` steps, then waits before each further one until the server
+    has asked to abort (`EngineLoop.abort`): a request outlives its client however fast this
+    machine decodes (200 tokens of `tiny` can take less than the client's 0.3 s)."""
+
+    def __init__(self, monkeypatch, loop, engine, free: int = 2):
+        self.free, self.steps, self.asked = free, 0, threading.Event()
+        step, abort = engine.step, loop.abort
+
+        def held_step():
+            self.steps += 1
+            if self.steps > self.free:
+                self.asked.wait(30)
+            return step()
+
+        def asked_abort(subs):
+            abort(subs)  # (queued before the held step goes on)
+            self.asked.set()
+
+        monkeypatch.setattr(engine, "step", held_step)
+        monkeypatch.setattr(loop, "abort", asked_abort)
+
+    def again(self) -> None:
+        self.steps = 0
+        self.asked.clear()
+
+
+def test_client_leaving_mid_stream_aborts_and_frees_every_page(server, client, monkeypatch):
     engine = server.state.llm.engine
     aborted = _metric(server, "jaxinfer_requests_finished_total", '{finish_reason="abort"}')
     body = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 200, "temperature": 0,
             "ignore_eos": True, "stream": True, "n": 2}  # fmt: skip
-    with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=30) as resp:
-        assert resp.status_code == 200
-        lines = resp.iter_lines()
-        while not next(lines).startswith("data: {"):
-            pass
-        assert engine.block_manager.num_used_pages > 0  # it holds pages while it streams
-    # a non-streaming request whose client gives up before the reply
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.base_url + "/completions", json={**body, "stream": False}, timeout=0.3)
-    _idle(server)
+    held = _HeldUntilAbort(monkeypatch, server.engine_loop, engine)
+    try:
+        with httpx.stream("POST", server.base_url + "/completions", json=body,
+                          timeout=30) as resp:  # fmt: skip
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            while not next(lines).startswith("data: {"):
+                pass
+            assert engine.block_manager.num_used_pages > 0  # it holds pages while it streams
+        # a non-streaming request whose client gives up before the reply
+        held.again()
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.base_url + "/completions", json={**body, "stream": False},
+                       timeout=0.3)  # fmt: skip
+        _idle(server)
+    finally:
+        held.asked.set()
+        monkeypatch.undo()
     assert (
         _metric(server, "jaxinfer_requests_finished_total", '{finish_reason="abort"}')
         == aborted + 4
