@@ -218,31 +218,33 @@ def test_bad_requests_through_the_openai_client_raise_its_errors(server, client)
     _assert_served(client)
 
 
-class _HeldUntilAbort:
-    """The engine thread runs `free` steps, then waits before each further one until the server
-    has asked to abort (`EngineLoop.abort`): a request outlives its client however fast this
-    machine decodes (200 tokens of `tiny` can take less than the client's 0.3 s)."""
+class _HeldEngine:
+    """The engine thread runs `free` steps, then waits before each further one until `go` is set
+    (by the test, or by the server asking to abort when `on_abort`): a request stays outstanding
+    however fast this machine decodes (200 tokens of `tiny` can finish in less than 0.3 s)."""
 
-    def __init__(self, monkeypatch, loop, engine, free: int = 2):
-        self.free, self.steps, self.asked = free, 0, threading.Event()
+    def __init__(self, monkeypatch, server, free: int = 2, on_abort: bool = False):
+        self.free, self.steps, self.go = free, 0, threading.Event()
+        engine, loop = server.state.llm.engine, server.engine_loop
         step, abort = engine.step, loop.abort
 
         def held_step():
             self.steps += 1
             if self.steps > self.free:
-                self.asked.wait(30)
+                self.go.wait(30)
             return step()
 
-        def asked_abort(subs):
+        def go_on_abort(subs):
             abort(subs)  # (queued before the held step goes on)
-            self.asked.set()
+            self.go.set()
 
         monkeypatch.setattr(engine, "step", held_step)
-        monkeypatch.setattr(loop, "abort", asked_abort)
+        if on_abort:
+            monkeypatch.setattr(loop, "abort", go_on_abort)
 
     def again(self) -> None:
         self.steps = 0
-        self.asked.clear()
+        self.go.clear()
 
 
 def test_client_leaving_mid_stream_aborts_and_frees_every_page(server, client, monkeypatch):
@@ -250,7 +252,7 @@ def test_client_leaving_mid_stream_aborts_and_frees_every_page(server, client, m
     aborted = _metric(server, "jaxinfer_requests_finished_total", '{finish_reason="abort"}')
     body = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 200, "temperature": 0,
             "ignore_eos": True, "stream": True, "n": 2}  # fmt: skip
-    held = _HeldUntilAbort(monkeypatch, server.engine_loop, engine)
+    held = _HeldEngine(monkeypatch, server, on_abort=True)
     try:
         with httpx.stream("POST", server.base_url + "/completions", json=body,
                           timeout=30) as resp:  # fmt: skip
@@ -266,7 +268,7 @@ def test_client_leaving_mid_stream_aborts_and_frees_every_page(server, client, m
                        timeout=0.3)  # fmt: skip
         _idle(server)
     finally:
-        held.asked.set()
+        held.go.set()
         monkeypatch.undo()
     assert (
         _metric(server, "jaxinfer_requests_finished_total", '{finish_reason="abort"}')
@@ -277,21 +279,12 @@ def test_client_leaving_mid_stream_aborts_and_frees_every_page(server, client, m
 
 
 def test_full_queue_answers_429_with_retry_after_then_serves(server, client, monkeypatch):
-    loop, engine = server.engine_loop, server.state.llm.engine
+    loop = server.engine_loop
     body = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 120, "ignore_eos": True,
             "stream": True}  # fmt: skip
-    # The engine thread waits before its third step until the 429 has been answered, so the
-    # streaming request is still outstanding however slowly this machine runs the test (it
-    # once finished its 120 tokens before the second request arrived).
-    gate, step, steps = threading.Event(), engine.step, []
-
-    def gated_step():
-        steps.append(None)
-        if len(steps) > 2:
-            gate.wait(30)
-        return step()
-
-    monkeypatch.setattr(engine, "step", gated_step)
+    # The engine waits before its third step until the 429 has been answered (the streaming
+    # request once finished its 120 tokens before the second request arrived).
+    held = _HeldEngine(monkeypatch, server)
     capacity = loop.capacity
     try:
         with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=30) as resp:
@@ -302,11 +295,10 @@ def test_full_queue_answers_429_with_retry_after_then_serves(server, client, mon
                                   json={**body, "stream": False})  # fmt: skip
             finally:
                 loop.capacity = capacity
-                gate.set()
             assert full.status_code == 429 and full.headers["retry-after"] == "1", full.text
             assert "capacity" in full.json()["error"]["message"]
     finally:
-        gate.set()
+        held.go.set()
         monkeypatch.undo()
     _idle(server)
     _assert_served(client)
