@@ -193,9 +193,10 @@ def test_fp8_pages_are_shared_with_their_scales(fresh_seed, monkeypatch):
 
     Every row is greedy. The pages a hit reads were written by another prompt's prefill, whose
     fp32 K/V can differ from this prompt's own in the last ulp (other batch shapes); fp8 turns an
-    ulp across a rounding midpoint into a step of 1/16, and a sampled row's draw flips on that
-    (seed 4223994769: one of four sampled rows, while the fp32 pages of the test above and every
-    greedy row gave identical tokens). A hit with a wrong scale changes greedy tokens as well."""
+    ulp across a rounding midpoint into one e4m3 step (1/16 to 1/8 of the value), and a sampled
+    row's draw flips on that (seed 4223994769: one of four sampled rows, while the fp32 pages of
+    the test above and every greedy row gave identical tokens). A hit with a wrong scale changes
+    greedy tokens as well."""
     monkeypatch.setitem(KW, "max_num_batched_tokens", 512)
     prompts, _ = _workload(fresh_seed)
     sampling = [SamplingParams(max_tokens=12, ignore_eos=True) for _ in prompts]
