@@ -139,7 +139,8 @@ def _build_kernel(*, m_pad: int, k: int, n: int, num_stages: int, interpret: boo
         n0 = pl.multiple_of(n_blk * TILE_N, TILE_N)
 
         def issue(i, slot):
-            cols = pl.ds(pl.multiple_of(i * BLOCK, BLOCK), BLOCK)
+            start = i * BLOCK  # (Mosaic GPU cannot lower multiple_of of the prologue's ints)
+            cols = pl.ds(start if isinstance(i, int) else pl.multiple_of(start, BLOCK), BLOCK)
             plgpu.copy_gmem_to_smem(x.at[pl.ds(m0, TILE_M), cols], x_s.at[slot], bar.at[slot])
             plgpu.copy_gmem_to_smem(wt.at[pl.ds(n0, TILE_N), cols], w_s.at[slot], bar.at[slot])
             plgpu.copy_gmem_to_smem(sxt.at[i, pl.ds(m0, TILE_M)], sx_s.at[slot], bar.at[slot])
