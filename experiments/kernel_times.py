@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         row = {"op": spec}
         try:
             kernels = parse(proc.stdout)
+            if not kernels:
+                raise RuntimeError("ncu profiled no kernel")
             row.update(kernels=kernels, total_us=sum(k["us"] for k in kernels))
         except Exception as e:  # an unreadable report is an error row with ncu's tail
             row["error"] = f"{type(e).__name__}: {e}"
