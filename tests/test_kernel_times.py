@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-import kernel_times  # noqa: E402
+import kernel_times
 
 REPORT = """==PROF== Connected to process 123 (/usr/bin/python3)
 ==PROF== Profiling "loop_slice_fusion": 0%....50%....100% - 1 pass
