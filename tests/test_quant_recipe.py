@@ -4,6 +4,7 @@ of mixed formats, and GGUF blocks loaded as stored."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -267,6 +268,27 @@ def test_auto_pages_give_a_quantized_model_more_pages_and_need_a_budget_on_cpu()
     if jax.devices()[0].platform == "cpu":
         with pytest.raises(ValueError, match=r"num_pages=auto needs engine.memory_budget_gb"):
             pages_in_budget(config, bf16)
+
+
+def test_a_budget_past_the_devices_allocator_is_refused_by_name(monkeypatch):
+    """A budget the allocator cannot hold fails at configuration, not at the first decode."""
+
+    class Gpu:
+        platform = "gpu"
+
+        def memory_stats(self):
+            return {"bytes_limit": 107 * 10**9}
+
+    monkeypatch.setattr(jax, "devices", lambda *a: [Gpu()])
+    config = EngineConfig(model="preset:llama3-8b", num_pages="auto", dtype="bfloat16",
+                          memory_budget_gb=120)  # fmt: skip
+    bf16 = preset("llama3-8b", param_dtype="bfloat16", dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"memory_budget_gb=120 is more than the gpu device's "
+                                         r"allocator holds \(107 GB.*XLA_PYTHON_CLIENT_MEM"):  # fmt: skip
+        pages_in_budget(config, bf16)
+    within = pages_in_budget(dataclasses.replace(config, memory_budget_gb=100), bf16)
+    default = pages_in_budget(dataclasses.replace(config, memory_budget_gb=None), bf16)
+    assert default < within  # (no budget: 0.9 x the limit, 96.3 GB)
 
 
 # -- checkpoints ---------------------------------------------------------------------------------

@@ -214,6 +214,7 @@ class EngineConfig:
     num_pages: int | str = 512
     # GB (1e9 bytes) of device memory per device for params, KV pages and workspace, read when
     # num_pages is "auto"; null: 0.9 x the device's memory (bytes_limit), which a CPU has none of.
+    # More than bytes_limit is refused (JAX's allocator holds 75% of a GPU by default).
     memory_budget_gb: float | None = None
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512

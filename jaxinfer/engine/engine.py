@@ -70,13 +70,22 @@ def pages_in_budget(config: EngineConfig, cfg: ModelConfig, budget_bytes: int | 
 
     if budget_bytes is None and config.memory_budget_gb is not None:
         budget_bytes = int(config.memory_budget_gb * 1e9)
+    device = jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    limit = (stats or {}).get("bytes_limit")
     if budget_bytes is None:
-        device = jax.devices()[0]
-        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-        if not stats or "bytes_limit" not in stats:
+        if limit is None:
             raise ValueError(f"engine.num_pages=auto needs engine.memory_budget_gb (GB): the "
                              f"{device.platform} device reports no memory size")  # fmt: skip
-        budget_bytes = int(0.9 * stats["bytes_limit"])
+        budget_bytes = int(0.9 * limit)
+    elif limit is not None and budget_bytes > limit:
+        # (an H200 run with 120 GB ran out of memory at its first decode: JAX's allocator
+        # holds 75% of a GPU's memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise)
+        raise ValueError(
+            f"engine.memory_budget_gb={budget_bytes / 1e9:.4g} is more than the {device.platform} "
+            f"device's allocator holds ({limit / 1e9:.4g} GB, its bytes_limit): lower it, or "
+            f"raise XLA_PYTHON_CLIENT_MEM_FRACTION before JAX starts"
+        )
     total = budget_bytes * config.mesh.get("model", 1)
     params, workspace = param_bytes(cfg), workspace_bytes(config, cfg)
     page = kv_page_bytes(cfg, config.page_size, config.kv_dtype)
