@@ -16,7 +16,6 @@ import argparse
 import csv
 import io
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -34,11 +33,12 @@ def make_op(spec: str):
     import jax
     import jax.numpy as jnp
 
+    from jaxinfer.quant import WEIGHT_FORMATS
+
     kind, *rest = spec.split(":")
     key = jax.random.key(zlib.crc32(spec.encode()))
     kx, kw = jax.random.split(key)
     if kind == "w4":
-        from jaxinfer.quant import WEIGHT_FORMATS
         from pallas_kernels.matmul import w4_matmul
 
         fmt, (m, n, k) = rest[0], map(int, rest[1:])
@@ -47,7 +47,6 @@ def make_op(spec: str):
         arrays = jax.jit(lambda w: WEIGHT_FORMATS[fmt].quantize(w, 1))(w)
         return jax.jit(lambda x, a: w4_matmul(x, **a, fmt=fmt, backend="pallas")), (x, arrays)
     if kind == "fp8_block":
-        from jaxinfer.quant import WEIGHT_FORMATS
         from jaxinfer.quant.fp8 import quantize_activations
         from pallas_kernels.matmul.fp8_block_mgpu import fp8_block_matmul_mgpu, pack_weight
 
@@ -120,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.op:
         cmd = [ncu, "--profile-from-start", "off", "--metrics", ",".join(METRICS), "--csv",
                "--page", "raw", "--print-units", "base", sys.executable, __file__, "--child", spec]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ, timeout=540)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540)
         row = {"op": spec}
         try:
             kernels = parse(proc.stdout)
