@@ -1,11 +1,12 @@
 """Block-scaled FP8 GEMM on the GPU: our Mosaic GPU kernel against XLA's products of the same
 weight, at DeepSeek-V3's shapes and 8192^3 (issue 28's targets).
 
-Rows per (m, n, k): `fp8_block_pallas` (the activations' 1 x 128 quantization in XLA, then
-`fp8_block_matmul_mgpu`: both in the time), `xla_fp8_block` (jaxinfer's `fp8_block` format
-`matmul`: XLA's per-block fp8 dots), `xla_fp8_tensor` (the `fp8_tensor` format: one fp8 dot
-with per-token and per-output scales, what cuBLASLt runs) and `xla_bf16` (a bf16 dot of the
-same weight). Each row has TFLOP/s (2mnk over the time) and `rel_err` against x @ w in fp32.
+Rows per (m, n, k): `fp8_block_pallas` (the `fp8_block` format's product on its Pallas
+backend: the activations' 1 x 128 quantization in XLA, then `fp8_block_matmul_mgpu`, all in the
+time), `xla_fp8_block` (the same format on its XLA backend: per-block fp8 dots), `xla_fp8_tensor`
+and `xla_fp8_channel` (those formats: one fp8 dot with per-token and per-output scales, what
+cuBLASLt runs) and `xla_bf16` (a bf16 dot of the same weight). Every FP8 weight is stored as
+the formats store it, K-major [N, K]. Each row has TFLOP/s (2mnk over the time) and `rel_err` against x @ w in fp32.
 Results are written after every row; a failing impl is an error row.
 
     PYTHONPATH=. python3 experiments/bench_fp8_matmul.py --out $OUT/fp8_matmul.json
@@ -29,48 +30,47 @@ from bench_quant_matmul import TIMING_METHOD, loop_timer
 
 from jaxinfer.provenance import provenance, require_gpu
 from jaxinfer.quant import WEIGHT_FORMATS, QuantizedWeight
-from jaxinfer.quant.fp8 import quantize_activations
-from pallas_kernels.matmul.fp8_block_mgpu import fp8_block_matmul_mgpu, pack_weight
+from jaxinfer.quant.fp8 import Fp8Block
 
-# (m, n, k): 8192^3, then DeepSeek-V3's m x (n, k) (DeepGEMM's published table)
-SHAPES = ((8192, 8192, 8192),
-          *((m, n, k) for m in (64, 128, 4096) for n, k in ((7168, 2048), (2048, 7168),
-                                                             (4096, 7168))))  # fmt: skip
+# (m, n, k): 8192^3, DeepSeek-V3's m x (n, k) (DeepGEMM's published table), and Llama-3-8B's
+# four linears (qkv, o, gate/up, down) at decode batch sizes
+SHAPE_SETS = {
+    "square": ((8192, 8192, 8192),),
+    "deepseek": tuple((m, n, k) for m in (64, 128, 4096)
+                      for n, k in ((7168, 2048), (2048, 7168), (4096, 7168))),
+    "llama3-8b": tuple((m, n, k) for m in (1, 8, 64, 256)
+                       for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))),
+}  # fmt: skip
+SHAPES = tuple(s for shapes in SHAPE_SETS.values() for s in shapes)
 SMOKE_SHAPES = ((64, 128, 256),)
-IMPLS = ("fp8_block_pallas", "xla_fp8_block", "xla_fp8_tensor", "xla_bf16")
+IMPLS = ("fp8_block_pallas", "xla_fp8_block", "xla_fp8_tensor", "xla_fp8_channel", "xla_bf16")
 
 
-def impls(w: jax.Array, names, interpret: bool) -> list:
+def impls(w: jax.Array, names) -> list:
     """(name, op(x, arrays), arrays) per impl, the weight quantized by each format."""
     out = []
-    block = WEIGHT_FORMATS["fp8_block"]
-    arrays = jax.jit(lambda w: block.quantize(w, 1))(w)
-    if "fp8_block_pallas" in names:
-        wt, sw = pack_weight(arrays["values"], arrays["scales"])
-
-        def pallas(x, a):
-            xq, sx = quantize_activations(x, 128)
-            return fp8_block_matmul_mgpu(xq, sx, a["wt"], a["sw"], interpret=interpret)
-
-        out.append(("fp8_block_pallas", pallas, {"wt": wt, "sw": sw}))
-    for name, fmt in (("xla_fp8_block", "fp8_block"), ("xla_fp8_tensor", "fp8_tensor")):
-        if name in names:
-            wf = WEIGHT_FORMATS[fmt]
-            q = arrays if fmt == "fp8_block" else jax.jit(lambda w, wf=wf: wf.quantize(w, 1))(w)
-            out.append((name, lambda x, a, wf=wf: wf.matmul(x, QuantizedWeight(a, wf, 1)), q))
-    if "xla_bf16" in names:
-        out.append(("xla_bf16", lambda x, a: jnp.dot(x, a["w"]), {"w": w.astype(jnp.bfloat16)}))
+    formats = {"fp8_block_pallas": Fp8Block("fp8_block", backend="pallas"),
+               "xla_fp8_block": Fp8Block("fp8_block", backend="xla"),
+               "xla_fp8_tensor": WEIGHT_FORMATS["fp8_tensor"],
+               "xla_fp8_channel": WEIGHT_FORMATS["fp8_channel"]}  # fmt: skip
+    for name in names:
+        if name == "xla_bf16":
+            out.append((name, lambda x, a: jnp.dot(x, a["w"]), {"w": w.astype(jnp.bfloat16)}))
+            continue
+        wf = formats[name]
+        arrays = jax.jit(lambda w, wf=wf: wf.quantize(w, 1))(w)
+        out.append((name, lambda x, a, wf=wf: wf.matmul(x, QuantizedWeight(a, wf, 1)), arrays))
     return out
 
 
-def bench_shape(m: int, n: int, k: int, args, interpret: bool) -> list[dict]:
+def bench_shape(m: int, n: int, k: int, args) -> list[dict]:
     key = jax.random.key(zlib.crc32(f"{m} {n} {k}".encode()))
     kx, kw = jax.random.split(key)
     x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
     w = jax.random.normal(kw, (k, n), jnp.float32) * (k**-0.5)
     ref = np.asarray(jnp.dot(x.astype(jnp.float32), w, precision="highest"))
     rows = []
-    for name, op, arrays in impls(w, args.impls, interpret):
+    for name, op, arrays in impls(w, args.impls):
         row = dict(impl=name, m=m, n=n, k=k)
         try:
             got = np.asarray(jax.jit(op)(x, arrays), np.float32)
@@ -88,8 +88,8 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
-    p.add_argument("--shapes", nargs="+", default=None, metavar="M:N:K",
-                   help="(m, n, k) shapes (default: 8192^3 and DeepSeek-V3's)")  # fmt: skip
+    p.add_argument("--shapes", nargs="+", default=None, metavar="M:N:K|SET",
+                   help=f"(m, n, k) shapes or named sets {sorted(SHAPE_SETS)} (default: all)")  # fmt: skip
     p.add_argument("--min-loop-ms", type=float, default=50.0)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--smoke", action="store_true",
@@ -97,9 +97,11 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.shapes is not None:
         try:
-            args.shapes = [tuple(int(v) for v in s.split(":")) for s in args.shapes]
+            args.shapes = [shape for s in args.shapes for shape in
+                           SHAPE_SETS.get(s, [tuple(int(v) for v in s.split(":"))])]  # fmt: skip
         except ValueError:
-            p.error(f"--shapes: each must be M:N:K (integers), got {args.shapes}")
+            p.error(f"--shapes: each must be M:N:K (integers) or one of {sorted(SHAPE_SETS)}, "
+                    f"got {args.shapes}")  # fmt: skip
         if any(len(s) != 3 for s in args.shapes):
             p.error(f"--shapes: each must be M:N:K, got {args.shapes}")
     return args
@@ -116,7 +118,7 @@ def main(argv=None) -> None:
               "timing_method": TIMING_METHOD, "rows": []}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for m, n, k in shapes:
-        result["rows"] += bench_shape(m, n, k, args, interpret=args.smoke)
+        result["rows"] += bench_shape(m, n, k, args)
         args.out.write_text(json.dumps(result, indent=1))
 
 

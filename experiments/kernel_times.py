@@ -47,20 +47,15 @@ def make_op(spec: str):
         arrays = jax.jit(lambda w: WEIGHT_FORMATS[fmt].quantize(w, 1))(w)
         return jax.jit(lambda x, a: w4_matmul(x, **a, fmt=fmt, backend="pallas")), (x, arrays)
     if kind == "fp8_block":
-        from jaxinfer.quant.fp8 import quantize_activations
-        from pallas_kernels.matmul.fp8_block_mgpu import fp8_block_matmul_mgpu, pack_weight
+        from jaxinfer.quant import QuantizedWeight
+        from jaxinfer.quant.fp8 import Fp8Block
 
         m, n, k = map(int, rest)
         x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
         w = jax.random.normal(kw, (k, n), jnp.float32) * k**-0.5
-        a = jax.jit(lambda w: WEIGHT_FORMATS["fp8_block"].quantize(w, 1))(w)
-        packed = pack_weight(a["values"], a["scales"])
-
-        def op(x, packed):
-            xq, sx = quantize_activations(x, 128)
-            return fp8_block_matmul_mgpu(xq, sx, *packed)
-
-        return jax.jit(op), (x, packed)
+        fmt = Fp8Block("fp8_block", backend="pallas")
+        a = jax.jit(lambda w: fmt.quantize(w, 1))(w)
+        return jax.jit(lambda x, a: fmt.matmul(x, QuantizedWeight(a, fmt, 1))), (x, a)
     raise ValueError(f"--op {spec!r}: expected w4:FMT:M:N:K or fp8_block:M:N:K")
 
 

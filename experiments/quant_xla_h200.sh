@@ -5,8 +5,8 @@
 #     bash experiments/quant_xla_h200.sh OUT_DIR       # then OUT_DIR/quant_xla.json (merged)
 #     SMOKE=1 PYTHON=.venv/bin/python bash experiments/quant_xla_h200.sh /tmp/qx   # CPU, tiny
 #
-# 1. decode (`bench_e2e.py --parts decode`) at batches 1 and 64, context 512, one process per
-#    format in DECODE_FORMATS -> OUT_DIR/quant_xla_<fmt>.json;
+# 1. decode (`bench_e2e.py --parts decode`) at DECODE_BATCHES (default 1 and 64), context 512,
+#    one process per format in DECODE_FORMATS -> OUT_DIR/quant_xla_<fmt>.json;
 # 2. throughput 128/128 (`--parts throughput --workloads fixed`, NUM_REQUESTS requests) for each
 #    of THROUGHPUT_FORMATS while the elapsed time is under TIME_BUDGET_S ->
 #    OUT_DIR/quant_xla_tput_<fmt>.json;
@@ -16,8 +16,8 @@
 # Each run is its own process under `timeout` (RUN_TIMEOUT_S, and none past HARD_LIMIT_S): a
 # format that fails or hangs is recorded in OUT_DIR/driver_runs.jsonl (rc, seconds) and the
 # others go on; a run the budgets leave out is recorded there as skipped. Every engine is trimmed
-# to the buckets its batches use (decode rows 1 and 64, mixed steps of 64 tokens; throughput: 256
-# rows, 256-2048 tokens), and JAX's persistent compilation cache (/tmp/jaxinfer_jax_cache) lets a
+# to the buckets its batches use (decode rows DECODE_BATCHES, mixed steps of as many tokens as
+# the largest; throughput: 256 rows, 256-2048 tokens), and JAX's persistent compilation cache (/tmp/jaxinfer_jax_cache) lets a
 # second call on the same warm machine skip the compiles, e.g. for what the first skipped:
 #     DECODE_FORMATS="int4_g128_sym nvfp4" THROUGHPUT_FORMATS=none bash ... OUT_DIR2
 set -euo pipefail
@@ -32,6 +32,9 @@ MIN_RUN_S=${MIN_RUN_S:-60}              # a run with less time than this left is
 NUM_REQUESTS=${NUM_REQUESTS:-256}
 DECODE_FORMATS=${DECODE_FORMATS:-"none fp8_tensor fp8_channel fp8_block int8 int4_g128_sym nvfp4"}
 THROUGHPUT_FORMATS=${THROUGHPUT_FORMATS:-"none fp8_tensor fp8_channel"}
+DECODE_BATCHES=${DECODE_BATCHES:-"1 64"}
+read -r -a BATCHES <<<"$DECODE_BATCHES"
+MAX_BATCH=$(printf '%s\n' "${BATCHES[@]}" 64 | sort -n | tail -n 1)
 CACHE=${COMPILE_CACHE:-/tmp/jaxinfer_jax_cache}
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -45,8 +48,9 @@ if [[ "${SMOKE:-0}" == 1 ]]; then  # the same pipeline on a CPU: tiny preset, ti
 else
     MODEL=(--preset llama3-8b --dtype bfloat16)
     # --workloads fixed: max_model_len fits context 512 (+ a scan), not ShareGPT's 2k requests
-    DECODE=(--batches 1 64 --contexts 512 --max-num-seqs 64 --decode-buckets 1 64
-            --max-num-batched-tokens 64 --workloads fixed --num-requests 8)
+    DECODE=(--batches "${BATCHES[@]}" --contexts 512 --max-num-seqs "$MAX_BATCH"
+            --decode-buckets "${BATCHES[@]}" --max-num-batched-tokens "$MAX_BATCH"
+            --workloads fixed --num-requests 8)
     THROUGHPUT=(--batches 256 --contexts 512 --max-num-seqs 256 --max-num-batched-tokens 2048
                 --workloads fixed --num-requests "$NUM_REQUESTS")
 fi

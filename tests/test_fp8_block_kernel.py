@@ -22,14 +22,15 @@ from pallas_kernels.matmul.fp8_block_mgpu import (
     E4M3,
     fp8_block_matmul_mgpu,
     fp8_block_matmul_ref,
-    pack_weight,
+    pack_scales,
 )
 
 TOL = 1e-2  # relative Frobenius error: the kernel's output is bf16
 
 
 def case(seed: int, m: int, k: int, n: int):
-    """(xq, sx, wt, sw, x, weight) from fresh random bf16 x [m, k] and weight [k, n]."""
+    """(xq, sx, wt, sw, x, arrays) from fresh random bf16 x [m, k] and weight [k, n] (stored by
+    `fp8_block`: wt is its K-major values as they are)."""
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     # per-block magnitudes that differ, so a scale applied to the wrong block shows
@@ -38,7 +39,7 @@ def case(seed: int, m: int, k: int, n: int):
     w = jnp.asarray(w.reshape(k, n), jnp.float32)
     arrays = WEIGHT_FORMATS["fp8_block"].quantize(w, 1)
     xq, sx = quantize_activations(x, 128)
-    wt, sw = pack_weight(arrays["values"], arrays["scales"])
+    wt, sw = arrays["values"], pack_scales(arrays["scales"])
     return xq, sx, wt, sw, x, arrays
 
 
@@ -125,3 +126,51 @@ def test_benchmark_smoke_run_writes_rows_with_provenance(tmp_path):
     for r in result["rows"]:
         assert "error" not in r and r["time_us"] > 0 and r["tflops"] > 0, r
         assert r["rel_err"] < (0.01 if r["impl"] == "xla_bf16" else 0.1), r
+
+
+@pytest.mark.parametrize(
+    "shape,in_dims",
+    [((256, 2, 3, 128), 1),  # w_qkv-like [E, Hkv, G + 2, D]: blocks within each head
+     ((2, 128, 384), 2)],  # wo-like [H, D, E]: two input axes
+)  # fmt: skip
+def test_the_formats_pallas_backend_equals_its_xla_backend(fresh_seed, shape, in_dims):
+    """`fp8_block` on backend "pallas" (the kernel, interpreted here) and "xla" (per-block fp8
+    dots): the same stored weight, the same product, for fused and multi-input weights."""
+    from jaxinfer.quant.fp8 import Fp8Block
+
+    rng = np.random.default_rng(fresh_seed)
+    w = jnp.asarray(rng.standard_normal(shape) * rng.uniform(0.01, 1.0, shape[-1]), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((3, *shape[:in_dims])), jnp.bfloat16)
+    kernel, xla = Fp8Block("fp8_block", backend="pallas"), Fp8Block("fp8_block", backend="xla")
+    arrays = xla.quantize(w, in_dims)
+    got = kernel.matmul(x, QuantizedWeight(arrays, kernel, in_dims))
+    want = xla.matmul(x, QuantizedWeight(arrays, xla, in_dims))
+    assert got.shape == want.shape == (3, *shape[in_dims:]) and got.dtype == x.dtype
+    err = rel_err(got, want)
+    assert err < TOL, f"shape {shape}: rel err {err:.2e} (seed {fresh_seed})"
+
+
+def test_the_pallas_backend_refuses_a_weight_it_cannot_take():
+    from jaxinfer.quant.fp8 import Fp8Block
+
+    fmt = Fp8Block("fp8_block", backend="pallas")
+    qw = QuantizedWeight(fmt.quantize(jnp.ones((256, 96)), 1), fmt, 1)
+    with pytest.raises(ValueError, match=r"last output axis multiples of 128.*\[96, 256\]"):
+        fmt.matmul(jnp.ones((2, 256), jnp.bfloat16), qw)
+
+
+@pytest.mark.gpu
+def test_the_format_runs_the_kernel_on_the_gpu(fresh_seed):
+    """On one GPU, `fp8_block`'s product ("auto") is the Mosaic kernel, and equals XLA's."""
+    from jaxinfer.quant.fp8 import Fp8Block
+
+    fmt = WEIGHT_FORMATS["fp8_block"]
+    rng = np.random.default_rng(fresh_seed)
+    w = jnp.asarray(rng.standard_normal((4096, 8, 6, 128)) * 0.02, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((8, 4096)), jnp.bfloat16)
+    qw = QuantizedWeight(fmt.quantize(w, 1), fmt, 1)
+    call = jax.jit(lambda x, qw: fmt.matmul(x, qw))
+    assert "mosaic_gpu" in call.lower(x, qw).as_text()
+    xla = Fp8Block("fp8_block", backend="xla")
+    err = rel_err(call(x, qw), xla.matmul(x, QuantizedWeight(qw.arrays, xla, 1)))
+    assert err < TOL, f"rel err {err:.2e} (seed {fresh_seed})"

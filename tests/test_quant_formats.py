@@ -140,7 +140,7 @@ def test_subnormal_scales_and_values_stay_within_their_bounds():
     w = np.full((128, 8), 2.0**-8, np.float32)  # scale 1: e4m3's subnormal 2^-8 (normals >= 2^-6)
     w[0] = 448.0
     qw = quantized("fp8_channel", w)
-    assert np.asarray(qw.arrays["values"]).astype(np.float32)[1, 0] == 2.0**-8
+    assert np.asarray(qw.arrays["values"]).astype(np.float32)[0, 1] == 2.0**-8  # K-major [N, K]
     np.testing.assert_array_equal(deq(qw), w)  # 2^-8 is exact in e4m3 (a subnormal)
     # nvfp4: a block far smaller than the tensor's amax gets an e4m3-subnormal block scale
     w = np.full((32, 4), 0.02, np.float32)  # block scale 0.02 / 6 (tensor scale 1): subnormal
@@ -186,6 +186,7 @@ def _bound(name: str, qw: QuantizedWeight, w: np.ndarray) -> np.ndarray:
 
     if name.startswith("fp8"):  # e4m3: half an ulp, 2^-4 relative (normals) or 2^-10 * s
         s = np.asarray(a["scales"], np.float64)
+        s = s.T if s.ndim == 2 else s  # fp8_block: [NB, KB] -> [KB, NB]
         s = np.repeat(np.repeat(s, 128, 0)[:k], 128, 1)[:, : w.shape[1]] if s.ndim == 2 else s
         return 2.0**-4 * np.abs(w) + 2.0**-10 * s
     if name == "int8":
@@ -340,6 +341,9 @@ def test_a_block_never_mixes_q_k_and_v(name, fresh_seed):
         # per logical output: [..., Hkv, G + 2, per-D] or, one per output, [Hkv, G + 2]
         if a.shape == (2, 3):
             a, b = a[..., None], b[..., None]
+        if name.startswith("fp8") and (part == "values" or name == "fp8_block"):
+            # K-major: the output axes lead ([Hkv, G + 2, D, E]; fp8_block's scales too)
+            a, b = np.moveaxis(a, (0, 1), (-3, -2)), np.moveaxis(b, (0, 1), (-3, -2))
         assert a.shape[-3:-1] == (2, 3), (name, part, a.shape)
         same = np.ones(a.shape[-3:-1], bool)
         same[1, 2] = False

@@ -12,8 +12,9 @@ Two layouts are read, each linear as HF stores it ([out, in], `in` flattened row
                 `weight_scale` e4m3 [out, in/16], `weight_scale_2` fp32 []:
                 w = e2m1(weight) * weight_scale * weight_scale_2
 
-Our formats (`jaxinfer.quant.fp8`, `jaxinfer.quant.fp4`) store [*in, *out] with scales per
-logical output, so the stored codes and scales move over unchanged (transposed, split, joined):
+Our formats keep scales per logical output, so the stored codes and scales move over unchanged
+(split, joined; nvfp4's transposed: it stores [*in, *out]; our FP8 formats store K-major
+[*out, *in] as HF does, so an FP8 weight's bytes are used as they are read):
 
 - nvfp4: blocks lie along the input, which HF and we flatten alike; each HF tensor's
   `weight_scale_2` becomes the tensor_scale of its logical outputs (w_qkv: q, k, v of each KV
@@ -242,35 +243,36 @@ def _refuse_nonfinite(x: np.ndarray, name: str, param: str) -> None:
 
 def _fp8_block_piece(q: np.ndarray, s: np.ndarray, in_shape, out_shape, name: str, param: str):
     """HF `weight` e4m3 [out, in] and `weight_scale_inv` [ceil(out/B), ceil(in/B)] -> our values
-    [*in, *out] and scales [ceil(K/B), *out[:-1], ceil(N/B)] (B = 128, K = in, N = out[-1])."""
+    [*out, *in] (HF's own bytes: both are K-major) and scales [*out[:-1], ceil(N/B), ceil(K/B)]
+    (B = 128, K = in, N = out[-1])."""
     n = out_shape[-1]
     nb = -(-n // BLOCK)
     rows = np.arange(q.shape[0]).reshape(out_shape)  # the HF row of each of our outputs
     first = rows[..., ::BLOCK]  # [*out[:-1], NB]: each of our blocks' first and last HF row
     last = rows[..., np.minimum(np.arange(nb) * BLOCK + BLOCK - 1, n - 1)]
     # our block's rows are consecutive HF rows, so at most two HF blocks: first's and last's
-    scales = np.moveaxis(s[first // BLOCK], -1, 0)  # [KB, *out[:-1], NB]
-    other = np.moveaxis(s[last // BLOCK], -1, 0)
-    values = np.ascontiguousarray(q.T).reshape(-1, *out_shape)  # [K, *out]
-    for kb, *lead, b in np.argwhere(scales != other):
-        block = (slice(kb * BLOCK, (kb + 1) * BLOCK), *lead, slice(b * BLOCK, (b + 1) * BLOCK))
-        hf_rows = rows[(*lead, block[-1])]
-        exact = values[block].astype(np.float64) * s[hf_rows // BLOCK, kb]  # exact: 4 x 24 bits
-        for scale in (scales[kb, *lead, b], other[kb, *lead, b]):
+    scales = s[first // BLOCK]  # [*out[:-1], NB, KB]
+    other = s[last // BLOCK]
+    values = q.reshape(*out_shape, -1)  # [*out, K]: HF's array, rewritten where a block moves
+    for *lead, b, kb in np.argwhere(scales != other):
+        block = (*lead, slice(b * BLOCK, (b + 1) * BLOCK), slice(kb * BLOCK, (kb + 1) * BLOCK))
+        hf_rows = rows[(*lead, block[-2])]
+        exact = values[block].astype(np.float64) * s[hf_rows // BLOCK, kb][:, None]  # 4 x 24 bits
+        for scale in (scales[*lead, b, kb], other[*lead, b, kb]):
             v = (exact / scale).astype(E4M3)  # NaN past 448: then not exact
             if np.array_equal(v.astype(np.float64) * scale, exact):
-                values[block], scales[kb, *lead, b] = v, scale
+                values[block], scales[*lead, b, kb] = v, scale
                 break
         else:
             raise UnsupportedModelError(
-                f"tensor {name!r} (for param {param}): our {BLOCK}x{BLOCK} block (input block "
-                f"{kb}, output {tuple(int(i) for i in lead)}, block {b}) holds HF rows "
+                f"tensor {name!r} (for param {param}): our {BLOCK}x{BLOCK} block (output "
+                f"{tuple(int(i) for i in lead)}, block {b}, input block {kb}) holds HF rows "
                 f"{hf_rows[0]}..{hf_rows[-1]}, which straddle two HF blocks with scales "
-                f"{scales[kb, *lead, b]} and {other[kb, *lead, b]}, and its values cannot share "
+                f"{scales[*lead, b, kb]} and {other[*lead, b, kb]}, and its values cannot share "
                 f"one scale without rounding (our blocks lie within outputs of {n}, HF's along "
                 f"its {q.shape[0]} rows): not loadable as fp8_block exactly"
             )
-    return {"values": values.reshape(*in_shape, *out_shape), "scales": scales}
+    return {"values": values.reshape(*out_shape, *in_shape), "scales": scales}
 
 
 def _nvfp4_piece(packed: np.ndarray, ws: np.ndarray, ws2: np.ndarray, in_shape, out_shape):
@@ -284,8 +286,12 @@ def _nvfp4_piece(packed: np.ndarray, ws: np.ndarray, ws2: np.ndarray, in_shape, 
     return {"values": values, "block_scales": block_scales, "tensor_scale": tensor_scale}
 
 
-# Output axes an array drops at its end (the fused axis counts from the end of the rest).
-_DROPPED_OUT_AXES = {"tensor_scale": 1}
+# Where each array keeps our logical output axes (a fused weight's parts join along one): the
+# axes that follow them (K-major values: the inputs; fp8_block's scales: the input blocks), and
+# the output axes it drops at their end (nvfp4's tensor_scale: one per logical output).
+_AFTER_OUT_AXES = {("fp8_block", "scales"): lambda n_in: 1,
+                   ("fp8_block", "values"): lambda n_in: n_in}  # fmt: skip
+_DROPPED_OUT_AXES = {("nvfp4", "tensor_scale"): 1}
 
 
 class PrequantizedLinears:
@@ -311,7 +317,9 @@ class PrequantizedLinears:
             if axis is None:
                 a = pieces[0][key]
             else:
-                at = axis - n_in - n_out + _DROPPED_OUT_AXES.get(key, 0)  # from the end
+                after = _AFTER_OUT_AXES.get((self.fmt, key), lambda n_in: 0)(n_in)
+                dropped = _DROPPED_OUT_AXES.get((self.fmt, key), 0)
+                at = axis - n_in - n_out + dropped - after  # counted from the end
                 a = np.concatenate([p[key] for p in pieces], axis=at)
             if a.shape != part_spec.shape or a.dtype != np.dtype(part_spec.dtype):
                 raise AssertionError(f"{param}.{key}: built {a.shape} {a.dtype}, spec says "

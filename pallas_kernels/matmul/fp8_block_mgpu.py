@@ -3,7 +3,7 @@
     y [M, N] = sum over 128-input blocks b of (xq[:, b] @ w[b, :]) * sx[:, b] * sw[b, n // 128]
 
 xq e4m3 [M, K] with sx fp32 [M, K/128] (one scale per token per 128 inputs, "1 x 128"); the
-weight e4m3 with sw fp32 [K/128, N/128] (one per 128 x 128 block); y in bf16. This is the product
+weight e4m3 K-major wt [N, K] with sw fp32 [N/128, K/128] (one per 128 x 128 block); y in bf16. This is the product
 of `jaxinfer.quant`'s `fp8_block` format (DeepSeek-V3 technical report, sec. 3.3; DeepGEMM does the
 same in CUDA); XLA has no block-scaled dot, and its per-block `dot_general` materialises every
 block's fp32 partial product.
@@ -11,8 +11,8 @@ block's fp32 partial product.
 How the work is cut
 -------------------
 - fp8 wgmma reads both operands from shared memory K-minor (only 16-bit wgmma can transpose), so
-  the weight is stored transposed, wt e4m3 [N, K] (`pack_weight`, once at load), and each
-  [128, 128] tile of it goes to wgmma as a transposed view.
+  the weight is K-major, wt e4m3 [N, K] (as `fp8_block` stores it), and each [128, 128] tile of
+  it goes to wgmma as a transposed view.
 - A program owns a [64, 128] output tile (one warpgroup; wgmma's M is 64) and walks K in
   128-input steps. Each step's product goes into a fresh fp32 accumulator. It is then promoted
   into the running sum, scaled by the step's token scales (a [64] row vector) times the block's
@@ -22,7 +22,8 @@ How the work is cut
   step, and the weight scale repeated 64 times — arrive by TMA on one barrier per stage,
   `num_stages` deep. The scales are stored so that each tile's are contiguous: sx transposed
   [K/128, M] (TMA needs a contiguous inner box of at least 16 bytes; one scale per row is 4), and
-  the weight scale as [N/128, K/128, 64] so that it loads in the same row-vector layout as sx.
+  the weight scale as [N/128, K/128, 64] (`pack_scales`, per call: 1/16384 of the weight's
+  elements, x 64) so that it loads in the same row-vector layout as sx.
 - Grid (M / 64, N / 128); M is padded to a multiple of 64 by the dispatcher.
 
 Not yet done (first version; the H200 correctness run comes first): asynchronous wgmma with the
@@ -52,12 +53,10 @@ TILE_N = BLOCK  # outputs per program: one weight-scale block
 E4M3 = jnp.float8_e4m3fn
 
 
-def pack_weight(values: jax.Array, scales: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`fp8_block`'s stored weight (values e4m3 [K, N], scales fp32 [K/128, N/128]) in the
-    kernel's layout: (wt e4m3 [N, K], sw fp32 [N/128, K/128, 64])."""
-    kb, nb = scales.shape
-    sw = jnp.broadcast_to(scales.T.astype(jnp.float32)[:, :, None], (nb, kb, TILE_M))
-    return values.T, sw
+def pack_scales(scales: jax.Array) -> jax.Array:
+    """`fp8_block`'s weight scales fp32 [N/128, K/128] in the kernel's layout [N/128, K/128, 64]
+    (each repeated once per row of a token tile)."""
+    return jnp.broadcast_to(scales.astype(jnp.float32)[:, :, None], (*scales.shape, TILE_M))
 
 
 def fp8_block_matmul_mgpu(
@@ -70,8 +69,8 @@ def fp8_block_matmul_mgpu(
     interpret: bool | None = None,
     device: jax.Device | None = None,
 ) -> jax.Array:
-    """xq e4m3 [M, K] with token scales sx fp32 [M, K/128] @ the packed weight (wt e4m3 [N, K],
-    sw fp32 [N/128, K/128, 64]: `pack_weight`) -> bf16 [M, N]. `num_stages`: pipeline depth.
+    """xq e4m3 [M, K] with token scales sx fp32 [M, K/128] @ the weight (wt e4m3 [N, K], K-major,
+    sw fp32 [N/128, K/128, 64]: `pack_scales`) -> bf16 [M, N]. `num_stages`: pipeline depth.
     `interpret` runs the GPU interpreter (default: when `device`, None for `jax.devices()[0]`,
     is not a GPU)."""
     check_inputs(xq, sx, wt, sw)
@@ -98,14 +97,14 @@ def check_inputs(xq, sx, wt, sw) -> None:
         raise ValueError(f"sx must be float32 [{m}, {k // BLOCK}] (per token per {BLOCK} inputs),"
                          f" got {sx.dtype} {list(sx.shape)}")  # fmt: skip
     if wt.ndim != 2 or wt.dtype != E4M3 or wt.shape[1] != k:
-        raise ValueError(f"wt must be float8_e4m3fn [N, K={k}] (the weight transposed: "
-                         f"pack_weight), got {wt.dtype} {list(wt.shape)}")  # fmt: skip
+        raise ValueError(f"wt must be float8_e4m3fn [N, K={k}] (K-major), got {wt.dtype} "
+                         f"{list(wt.shape)}")  # fmt: skip
     n = wt.shape[0]
     if n % TILE_N:
         raise ValueError(f"wt: N (outputs) must be a multiple of {TILE_N}, got {n}")
     want = (n // BLOCK, k // BLOCK, TILE_M)
     if tuple(sw.shape) != want or sw.dtype != jnp.float32:
-        raise ValueError(f"sw must be float32 {list(want)} (pack_weight), got {sw.dtype} "
+        raise ValueError(f"sw must be float32 {list(want)} (pack_scales), got {sw.dtype} "
                          f"{list(sw.shape)}")  # fmt: skip
 
 
