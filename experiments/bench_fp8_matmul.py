@@ -97,8 +97,13 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.shapes is not None:
         try:
-            args.shapes = [shape for s in args.shapes for shape in
-                           SHAPE_SETS.get(s, [tuple(int(v) for v in s.split(":"))])]  # fmt: skip
+            args.shapes = [
+                shape
+                for s in args.shapes
+                for shape in (
+                    SHAPE_SETS[s] if s in SHAPE_SETS else [tuple(int(v) for v in s.split(":"))]
+                )
+            ]
         except ValueError:
             p.error(f"--shapes: each must be M:N:K (integers) or one of {sorted(SHAPE_SETS)}, "
                     f"got {args.shapes}")  # fmt: skip
