@@ -116,9 +116,12 @@ def main(argv: list[str] | None = None) -> dict:
     if not decode and not throughput:
         ap.error(f"{args.out_dir}: no quant_xla_*.json runs")
     first = next(iter([*decode.values(), *throughput.values()]))
+    driver = args.out_dir / "driver.json"  # the driver's command, with its settings
+    command = json.loads(driver.read_text()).get("command") if driver.exists() else None
     result = {
         **{k: first.get(k) for k in ("device", "jax", "commit", "date", "preset", "dtype")},
         "script": "experiments/quant_xla_h200.sh",
+        "command": command,
         "methods": first.get("methods"),
         "summary": summary_rows(decode, throughput, records),
         "driver_runs": records,

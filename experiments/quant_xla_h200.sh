@@ -30,8 +30,9 @@ RUN_TIMEOUT_S=${RUN_TIMEOUT_S:-170}     # one process (an 8B warm-up compiles in
 HARD_LIMIT_S=${HARD_LIMIT_S:-540}       # every run is stopped by then (the device call: 600 s)
 MIN_RUN_S=${MIN_RUN_S:-60}              # a run with less time than this left is not started
 NUM_REQUESTS=${NUM_REQUESTS:-256}
-DECODE_FORMATS=${DECODE_FORMATS:-"none fp8_tensor fp8_channel fp8_block int8 int4_g128_sym nvfp4"}
-THROUGHPUT_FORMATS=${THROUGHPUT_FORMATS:-"none fp8_tensor fp8_channel"}
+# (set but empty: no run of that part)
+DECODE_FORMATS=${DECODE_FORMATS-"none fp8_tensor fp8_channel fp8_block int8 int4_g128_sym nvfp4"}
+THROUGHPUT_FORMATS=${THROUGHPUT_FORMATS-"none fp8_tensor fp8_channel"}
 DECODE_BATCHES=${DECODE_BATCHES:-"1 64"}
 read -r -a BATCHES <<<"$DECODE_BATCHES"
 MAX_BATCH=$(printf '%s\n' "${BATCHES[@]}" 64 | sort -n | tail -n 1)
@@ -56,6 +57,11 @@ else
 fi
 
 mkdir -p "$OUT_DIR"
+COMMAND="DECODE_FORMATS=\"$DECODE_FORMATS\" THROUGHPUT_FORMATS=\"$THROUGHPUT_FORMATS\" \
+DECODE_BATCHES=\"$DECODE_BATCHES\" NUM_REQUESTS=$NUM_REQUESTS RUN_TIMEOUT_S=$RUN_TIMEOUT_S \
+HARD_LIMIT_S=$HARD_LIMIT_S bash experiments/quant_xla_h200.sh $OUT_DIR"
+"$PYTHON" -c 'import json, sys; print(json.dumps({"command": sys.argv[1]}))' "$COMMAND" \
+    >"$OUT_DIR/driver.json"  # (merge_quant_xla.py records it)
 RUNS="$OUT_DIR/driver_runs.jsonl"
 : >"$RUNS"
 START=$SECONDS
@@ -109,6 +115,6 @@ echo "== merge (at $((SECONDS - START))s)"
 "$PYTHON" "$HERE/merge_quant_xla.py" "$OUT_DIR" --out "$OUT_DIR/quant_xla.json" ||
     echo "merge failed (rc $?): the per-run JSONs are in the archive"
 # (quant_xla_*.json: the per-run files; the merged quant_xla.json has no underscore after the name)
-(cd "$OUT_DIR" && tar -czf quant_xla_runs.tar.gz driver_runs.jsonl quant_xla_*.json \
+(cd "$OUT_DIR" && tar -czf quant_xla_runs.tar.gz driver.json driver_runs.jsonl quant_xla_*.json \
     quant_xla_*.log) || echo "archive incomplete (rc $?)"
 echo "== done in $((SECONDS - START))s: $OUT_DIR/quant_xla.json, $OUT_DIR/quant_xla_runs.tar.gz"

@@ -161,16 +161,19 @@ def test_the_pallas_backend_refuses_a_weight_it_cannot_take():
 
 @pytest.mark.gpu
 def test_the_format_runs_the_kernel_on_the_gpu(fresh_seed):
-    """On one GPU, `fp8_block`'s product ("auto") is the Mosaic kernel, and equals XLA's."""
-    from jaxinfer.quant.fp8 import Fp8Block
+    """On one GPU, `fp8_block`'s product ("auto") is the Mosaic kernel from KERNEL_MIN_ROWS
+    tokens and XLA's below, and both equal XLA's product."""
+    from jaxinfer.quant.fp8 import KERNEL_MIN_ROWS, Fp8Block
 
     fmt = WEIGHT_FORMATS["fp8_block"]
     rng = np.random.default_rng(fresh_seed)
     w = jnp.asarray(rng.standard_normal((4096, 8, 6, 128)) * 0.02, jnp.float32)
-    x = jnp.asarray(rng.standard_normal((8, 4096)), jnp.bfloat16)
     qw = QuantizedWeight(fmt.quantize(w, 1), fmt, 1)
-    call = jax.jit(lambda x, qw: fmt.matmul(x, qw))
-    assert "mosaic_gpu" in call.lower(x, qw).as_text()
     xla = Fp8Block("fp8_block", backend="xla")
-    err = rel_err(call(x, qw), xla.matmul(x, QuantizedWeight(qw.arrays, xla, 1)))
-    assert err < TOL, f"rel err {err:.2e} (seed {fresh_seed})"
+    call = jax.jit(lambda x, qw: fmt.matmul(x, qw))
+    for rows in (KERNEL_MIN_ROWS - 1, KERNEL_MIN_ROWS):
+        x = jnp.asarray(rng.standard_normal((rows, 4096)), jnp.bfloat16)
+        on_kernel = "mosaic_gpu" in call.lower(x, qw).as_text()
+        assert on_kernel == (rows >= KERNEL_MIN_ROWS), f"{rows} rows: kernel {on_kernel}"
+        err = rel_err(call(x, qw), xla.matmul(x, QuantizedWeight(qw.arrays, xla, 1)))
+        assert err < TOL, f"{rows} rows: rel err {err:.2e} (seed {fresh_seed})"

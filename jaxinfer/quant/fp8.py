@@ -47,6 +47,7 @@ from jaxinfer.quant import QuantizedWeight, WeightFormat, register_format
 E4M3 = jnp.float8_e4m3fn
 E4M3_MAX = 448.0
 BLOCK = 128
+KERNEL_MIN_ROWS = 64  # fp8_block's "auto" backend: the Pallas kernel from this many tokens
 
 
 def check_finite(w: jax.Array, fmt: str) -> None:
@@ -188,10 +189,14 @@ class Fp8Block(WeightFormat):
     The product runs on `backend`: "pallas", our block-scaled Mosaic GPU GEMM
     (`pallas_kernels.matmul.fp8_block_mgpu`, on a CPU under its interpreter), which reads the
     stored values and scales as they are; "xla", one fp8 `dot_general` per 128-input block with
-    the fp32 partials scaled and summed (runs anywhere; the oracle); "auto", the kernel wherever
-    it applies (128-wide blocks, K and the last output axis multiples of 128) on a process with
-    one GPU, XLA elsewhere: GSPMD cannot partition a Mosaic GPU call, so a sharded model keeps
-    XLA's product until its linears run under `shard_map`."""
+    the fp32 partials scaled and summed (runs anywhere; the oracle); "auto", the kernel for
+    products of at least `KERNEL_MIN_ROWS` tokens wherever it applies (128-wide blocks, K and the
+    last output axis multiples of 128) on a process with one GPU, XLA elsewhere. Below 64 rows
+    the kernel pads to a 64-row tile and runs N/128 programs each walking all of K, and XLA's
+    dots were faster at 1 and 8 rows on 7 of Llama-3-8B's 8 (linear, rows) pairs; from 64 rows
+    the kernel was 1.4-3.1x faster than XLA on all 5 measured (`experiments/results/h200/
+    fp8_matmul_llama3_8b.json`). GSPMD cannot partition a Mosaic GPU call, so a sharded model
+    keeps XLA's product until its linears run under `shard_map`."""
 
     block: int = BLOCK
     backend: str = "auto"
@@ -228,7 +233,7 @@ class Fp8Block(WeightFormat):
         scales = qw.arrays["scales"]
         kb = scales.shape[-1]
         xq, sx = quantize_activations(x2, self.block)  # sx [T, KB]
-        if self._on_kernel(values.shape, out[-1]):
+        if self._on_kernel(values.shape, out[-1], x2.shape[0]):
             from pallas_kernels.matmul.fp8_block_mgpu import fp8_block_matmul_mgpu, pack_scales
 
             y = fp8_block_matmul_mgpu(xq, sx, values, pack_scales(scales.reshape(-1, kb)))
@@ -241,7 +246,7 @@ class Fp8Block(WeightFormat):
         y = jnp.sum(partial * sx.T[:, :, None] * sw[:, None, :], axis=0)  # over the K blocks
         return y.reshape(*lead, *out).astype(x.dtype)
 
-    def _on_kernel(self, nk: tuple[int, int], n_last: int) -> bool:
+    def _on_kernel(self, nk: tuple[int, int], n_last: int, rows: int) -> bool:
         """Whether this product runs on the Pallas kernel (see the class docstring)."""
         if self.backend not in ("auto", "pallas", "xla"):
             raise ValueError(f"{self.name}: backend must be auto, pallas or xla, got "
@@ -252,7 +257,8 @@ class Fp8Block(WeightFormat):
                              f"and the last output axis multiples of {BLOCK}; got block "
                              f"{self.block}, [N, K] = {list(nk)}, last output axis {n_last}")  # fmt: skip
         if self.backend == "auto":
-            return fits and jax.default_backend() == "gpu" and jax.device_count() == 1
+            one_gpu = jax.default_backend() == "gpu" and jax.device_count() == 1
+            return fits and one_gpu and rows >= KERNEL_MIN_ROWS
         return self.backend == "pallas"
 
 
