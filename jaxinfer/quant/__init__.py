@@ -6,7 +6,8 @@ the format. A format (a `WeightFormat` registered in `WEIGHT_FORMATS`) says how 
 stored and used:
 
 - `part_specs(spec)`: the `ParamSpec`s of the arrays that store a weight `spec` describes (its
-  shape is the logical [*in, *out] weight's). The spec of a formatted weight is then a
+  shape is the logical [*in, *out] weight's; the arrays take whatever layout the format's product
+  reads fastest: the FP8 formats store K-major [*out, *in], what fp8 tensor cores take). The spec of a formatted weight is then a
   `QuantizedWeight` whose leaves are those ParamSpecs, so random init, shardings (each array has
   its own logical axes), loading targets and orbax restore derive from the spec tree unchanged;
 - `quantize(w, in_dims)` / `dequantize(qw)`: its arrays from a plain weight, and back;
