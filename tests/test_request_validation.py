@@ -81,6 +81,19 @@ def test_each_bad_request_fails_alone_naming_the_field_and_value(llm):
     assert llm.engine.sequences == []  # every returned request was released
 
 
+def test_more_samples_than_the_engine_runs_at_once_fail_alone_naming_n_or_best_of(llm):
+    # engine.max_num_seqs is 4: n or best_of above it is refused at submission (n = 10**5 kept an
+    # engine busy for minutes), the other requests of the call finish
+    many = [SamplingParams(max_tokens=4, n=5), SamplingParams(max_tokens=4, n=2, best_of=5)]
+    outs = llm.generate([GOOD, GOOD, GOOD, GOOD], [SP, *many, SamplingParams(max_tokens=4, n=4)])
+    assert outs[1].error == "SamplingParams.n=5 is invalid: must be <= engine.max_num_seqs=4 " \
+        "(one sequence per sample)", outs[1].error  # fmt: skip
+    assert "SamplingParams.best_of=5" in outs[2].error and "engine.max_num_seqs=4" in outs[2].error
+    assert outs[0].error is None and len(outs[0].token_ids) == 4
+    assert outs[3].error is None and len(outs[3].outputs) == 4
+    assert llm.engine.sequences == []
+
+
 @pytest.mark.parametrize(
     ("fields", "match"),
     [

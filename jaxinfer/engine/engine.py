@@ -305,7 +305,7 @@ class Engine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in seq.prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        seq.sampling.validate(vocab)
+        seq.sampling.validate(vocab, self.config.max_num_seqs)
         if (seq.sampling.logprobs or 0) > self.config.num_logprobs:
             raise ValueError(
                 f"SamplingParams.logprobs={seq.sampling.logprobs} exceeds "
