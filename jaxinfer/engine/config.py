@@ -103,24 +103,29 @@ class QuantConfig:
 
 
 SPECULATIVE_METHODS = ("none", "ngram", "draft", "self", "eagle")
+# engine.speculative.num_draft_tokens at most: a run of drafts is kept with a probability that
+# decays geometrically with its length, while each draft costs a row of every verification
+# (and its shapes, warm-up memory): past a few dozen they are waste (100,000 ate the host's memory)
+MAX_DRAFT_TOKENS = 64
 
 
 @dataclass
 class SpeculativeConfig:
     """Speculative decoding: each decoding sequence carries up to `num_draft_tokens` draft
-    tokens, scored in one target pass and kept while the target's own samples agree
-    (`sampler.accept_drafts`: the output is the one plain decoding gives, token for token, at
-    any temperature). `method`: "none"; "ngram" (prompt lookup, `engine/ngram.py`: the longest
-    recurring suffix of `ngram_max` down to `ngram_min` tokens); "draft" (`draft_model`, a model
-    name as `engine.model` takes, with the target's vocabulary, drafting greedily from its own
-    KV pool in the decode scans: `engine/draft_model.py`); "self" (self-speculative, LayerSkip-
-    style early exit: the target's first `draft_layers` layers with its final norm and head as
-    the draft model, sharing the target's weights; its K/V pool is its own); "eagle" (an
-    EAGLE-style head, `engine/eagle.py`: one decoder layer over the target's last hidden state and
-    the next token's embedding, through the target's own final norm and LM head; `eagle_head`:
-    a head file `jaxinfer train configs/train/eagle-*.yaml` saved, a shipped head by name
-    (eagle-tiny, for tiny), or "random", an untrained head drawn from engine.seed: the baseline
-    that shows what training buys)."""
+    tokens (at most MAX_DRAFT_TOKENS, and engine.max_model_len - 2), scored in one target pass
+    and kept while the target's own samples agree (`sampler.accept_drafts`: the output is the
+    one plain decoding gives, token for token, at any temperature). `method`: "none"; "ngram"
+    (prompt lookup, `engine/ngram.py`: the longest recurring suffix of `ngram_max` down to
+    `ngram_min` tokens); "draft" (`draft_model`, a model name as `engine.model` takes, with the
+    target's vocabulary, drafting greedily from its own KV pool in the decode scans:
+    `engine/draft_model.py`); "self" (self-speculative, LayerSkip-style early exit: the
+    target's first `draft_layers` layers with its final norm and head as the draft model,
+    sharing the target's weights; its K/V pool is its own); "eagle" (an EAGLE-style head,
+    `engine/eagle.py`: one decoder layer over the target's last hidden state and the next
+    token's embedding, through the target's own final norm and LM head; `eagle_head`: a head
+    file `jaxinfer train configs/train/eagle-*.yaml` saved, a shipped head by name (eagle-tiny,
+    for tiny), or "random", an untrained head drawn from engine.seed: the baseline that shows
+    what training buys)."""
 
     method: str = "none"
     num_draft_tokens: int = 4
@@ -154,6 +159,9 @@ class SpeculativeConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"engine.speculative.{key}={value!r} is invalid: must be an "
                                  "int >= 1")  # fmt: skip
+        if self.num_draft_tokens > MAX_DRAFT_TOKENS:
+            raise ValueError(f"engine.speculative.num_draft_tokens={self.num_draft_tokens} is "
+                             f"invalid: must be <= {MAX_DRAFT_TOKENS}")  # fmt: skip
         if (self.method == "draft") != (self.draft_model is not None):
             raise ValueError("engine.speculative.draft_model names the draft model of method "
                              f"'draft' (and only of it); got method={self.method!r}, "
@@ -334,6 +342,12 @@ class EngineConfig:
         if self.speculative.adaptive and self.decode_steps < 2:
             raise ValueError("engine.speculative.adaptive decides per decode scan: it needs "
                              f"engine.decode_steps >= 2, got {self.decode_steps}")  # fmt: skip
+        # drafts follow a sequence's last token: one prompt token, one output and the drafts fit
+        drafts = self.speculative.num_draft_tokens
+        if self.speculative.method != "none" and drafts > self.max_model_len - 2:
+            raise ValueError(f"engine.speculative.num_draft_tokens={drafts} leaves no room in "
+                             f"engine.max_model_len={self.max_model_len}: must be <= "
+                             f"max_model_len - 2 = {self.max_model_len - 2}")  # fmt: skip
         if not all(isinstance(b, int) and 1 <= b <= self.max_num_seqs for b in self.decode_buckets):
             raise bad("decode_buckets", f"a list of ints in [1, max_num_seqs={self.max_num_seqs}]")
         if self.num_pages != "auto" and (
