@@ -188,6 +188,33 @@ def test_streaming_yields_the_generated_tokens(model, prompts):
     assert sorted(streamed.values()) == sorted(o.token_ids for o in outs)
 
 
+def test_streams_release_their_requests_when_consumed_or_abandoned(model, prompts):
+    llm = LLM.__new__(LLM)
+    llm.config, llm.tokenizer = EngineConfig(model="preset:tiny", **SMALL), None
+    llm.engine = engine = make_engine(model, decode_steps=2)
+    # a bad request, a parallel-sampled one and plain ones: nothing stays once consumed
+    reqs = [prompts[0], [10**6], prompts[1], *prompts[2:6]]
+    sampling = [
+        greedy(6),
+        greedy(6),
+        SamplingParams(max_tokens=6, ignore_eos=True, n=3),
+        *[greedy(6)] * 4,
+    ]
+    for _ in range(3):
+        events = list(llm.stream(reqs, sampling))
+        assert sum(ev.finished for ev in events) == len(reqs) + 2  # (3 samples of one)
+        assert engine.sequences == [] and engine._seeds == {}
+    # abandoned after its first tokens: the rest are aborted (pages freed) and released
+    stream = llm.stream(prompts[:6], greedy(40))
+    next(ev for ev in stream if ev.token_ids)
+    stream.close()
+    assert engine.sequences == [] and engine._seeds == {}
+    assert not engine.scheduler.has_unfinished()
+    assert engine.block_manager.num_used_pages == 0
+    (out,) = llm.generate([prompts[0]], greedy(5))  # the engine serves on
+    assert len(out.token_ids) == 5 and engine.sequences == []
+
+
 def test_shipped_model_text_prompts_and_stop_strings():
     llm = LLM("tiny", max_num_seqs=4, max_num_batched_tokens=64, num_pages=64, max_model_len=256)
     free, stopped = llm.generate(

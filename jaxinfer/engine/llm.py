@@ -215,15 +215,27 @@ class LLM:
         prompts: str | list[int] | Seq[str | list[int]],
         sampling: SamplingParams | list[SamplingParams] | None = None,
     ) -> Iterator[StreamEvent]:
-        """Yield tokens as the engine produces them (several per event after a decode scan)."""
+        """Yield tokens as the engine produces them (several per event after a decode scan).
+        A request leaves the engine once all its samples have finished (as `generate` releases
+        them); a stream closed early (the consumer stopped) aborts and releases the rest."""
         if isinstance(self.engine, ProcessDataParallelEngine):
             raise NotImplementedError("streaming with engine.data_parallel > 1 is not supported")
-        for seq in self._submit(prompts, sampling):
-            if seq.error is not None:
-                yield StreamEvent(seq.seq_id, [], True, seq.finish_reason, seq.error)
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.new_token_ids or out.finished:
-                    s = out.seq
-                    yield StreamEvent((s.parent or s).seq_id, out.new_token_ids, out.finished,
-                                      s.finish_reason, s.error, s.sample_index)  # fmt: skip
+        seqs = self._submit(prompts, sampling)
+        try:
+            for seq in seqs:
+                if seq.error is not None:
+                    self.engine.release([seq])
+                    yield StreamEvent(seq.seq_id, [], True, seq.finish_reason, seq.error)
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.new_token_ids or out.finished:
+                        s = out.seq
+                        root = s.parent or s
+                        if out.finished and all(x.is_finished for x in (root, *root.siblings)):
+                            self.engine.release([root])
+                        yield StreamEvent(root.seq_id, out.new_token_ids, out.finished,
+                                          s.finish_reason, s.error, s.sample_index)  # fmt: skip
+        finally:
+            for seq in seqs:  # (finished ones are skipped, and released ones are gone)
+                self.engine.abort(seq)
+            self.engine.release(seqs)
