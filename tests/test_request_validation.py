@@ -55,6 +55,10 @@ BAD = [
     (GOOD, unchecked(seed=-1), "seed=-1"),
     (GOOD, unchecked(top_k=-2), "top_k=-2"),
     (GOOD, unchecked(stop=("",)), "stop=('',)"),
+    (GOOD, unchecked(n=0), "SamplingParams.n=0 is invalid"),
+    (GOOD, unchecked(n=-1), "SamplingParams.n=-1 is invalid"),
+    (GOOD, unchecked(n="2"), "SamplingParams.n='2' is invalid"),
+    (GOOD, unchecked(n=None, best_of=3), "SamplingParams.n=None is invalid"),
     (GOOD, "greedy", "sampling must be a SamplingParams, got str 'greedy'"),
     (GOOD, {"temperature": 0.0}, "sampling must be a SamplingParams, got dict"),
 ]

@@ -69,10 +69,10 @@ class RequestOutput:
     def of(seq: Sequence, tokenizer) -> RequestOutput:
         family = [seq, *seq.siblings]
         outputs = [Completion.of(s, tokenizer) for s in family]
-        sampling = seq.sampling if isinstance(seq.sampling, SamplingParams) else SamplingParams()
-        if sampling.best_of is not None and seq.error is None:  # (a bad request has no samples)
+        if seq.error is None and seq.sampling.best_of is not None:
             outputs.sort(key=lambda c: (c.error is not None, -c.cumulative_logprob, c.index))
-        outputs = outputs[: sampling.n]
+        if seq.siblings:  # (one failed at submission has none, and its n may be what failed it)
+            outputs = outputs[: seq.sampling.n]
         first = outputs[0]
         return RequestOutput(
             seq.seq_id, seq.prompt, seq.prompt_token_ids, first.token_ids, first.text,
