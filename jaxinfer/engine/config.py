@@ -195,6 +195,17 @@ class SpeculativeConfig:
                              f"{self.ngram_max}")  # fmt: skip
 
 
+def resolve_dtype(dtype: str) -> str:
+    """engine.dtype with "auto" (every entry point's default) resolved for this process's device:
+    float32 on a CPU (its bfloat16 arithmetic differs from CPU to CPU: smollm2 answered wrongly
+    on some), bfloat16 on an accelerator. Asks JAX for its backend only for "auto"."""
+    if dtype != "auto":
+        return dtype
+    import jax
+
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
 def _sub_config(cls, data: dict, key: str):
     """`cls(**data)` of a nested config given as a dict (code, or `dataclasses.asdict`), an
     unknown field named by its dotted key."""
@@ -212,7 +223,7 @@ class EngineConfig:
     # preset:llama3-8b); a path ending in .gguf: a GGUF file; anything else: a Hugging Face
     # model directory.
     model: str = "tiny"
-    dtype: str = "float32"
+    dtype: str = "auto"  # weights and activations; "auto": `resolve_dtype` (float32 on a CPU)
     kv_dtype: str = "auto"  # KV cache pools: "auto" = dtype; float8_e4m3fn adds per-page scales
     seed: int = 0
     page_size: int = 16
@@ -321,8 +332,8 @@ class EngineConfig:
             if not isinstance(options, dict) or not all(str(k).startswith("xla_") for k in options):
                 raise ValueError(f"engine.compiler_options.{kind} must map XLA option names "
                                  f"(xla_...) to values, got {options!r}")  # fmt: skip
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise bad("dtype", "one of float32, bfloat16, float16")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise bad("dtype", "one of auto, float32, bfloat16, float16")
         if not isinstance(self.decode_cuda_graphs, bool) and self.decode_cuda_graphs != "auto":
             raise bad("decode_cuda_graphs", 'true, false or "auto"')
         for key in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):

@@ -26,7 +26,7 @@ import numpy as np
 from jaxinfer.engine.adaptive import AdaptiveSpeculation
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.compile_counter import compile_count
-from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.config import EngineConfig, resolve_dtype
 from jaxinfer.engine.inflight import UnreadMixed, UnreadScan, add_placeholder, fill_placeholder
 from jaxinfer.engine.model_runner import ModelRunner, pick_bucket
 from jaxinfer.engine.proposer import Proposer
@@ -178,6 +178,8 @@ class Engine:
         clock: Callable[[], float] = time.perf_counter,
         proposer: Proposer | None = None,
     ) -> None:
+        if config.dtype == "auto":  # as load_model resolved it (a draft model is loaded in it)
+            config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype))
         self.config, self.model_config, self.tokenizer, self.clock = (
             config, model_config, tokenizer, clock
         )  # fmt: skip
