@@ -105,7 +105,8 @@ def test_policies_and_chunking_do_not_change_greedy_tokens(model, prompts, varia
 def test_preempted_and_resumed_requests_give_uninterrupted_tokens(model, prompts):
     sampling = [greedy(40) for _ in prompts]
     base = [s.output_token_ids for s in run(make_engine(model), prompts, sampling)]
-    tight = make_engine(model, num_pages=20)  # 19 usable pages of 8 slots: forces preemption
+    # 19 usable pages of 8 slots (152 tokens: one request of max_model_len): forces preemption
+    tight = make_engine(model, num_pages=20, max_model_len=152)
     seqs = run(tight, prompts, sampling)
     assert sum(s.num_preemptions for s in seqs) > 0, "the test did not preempt anything"
     assert [s.output_token_ids for s in seqs] == base

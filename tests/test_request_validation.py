@@ -176,3 +176,35 @@ def test_every_preemption_is_counted_once(scheduler):
     assert sum(r.preemptions for r in engine.step_records) == by_requests, f"seed {seed}"
     m = summarize(request_rows(seqs), engine.step_records, max_num_seqs=4)
     assert m["total_preemptions"] == m["total_request_preemptions"] == by_requests
+
+
+def test_a_kv_pool_too_small_for_one_request_is_refused_naming_both_keys():
+    from jaxinfer.engine.engine import pages_in_budget, workspace_bytes
+    from jaxinfer.kv.cache import kv_page_bytes
+    from jaxinfer.models.spec import param_bytes
+
+    # 11 pages of 8 slots hold one request of 88 tokens, not of 96: accepted, every request of
+    # max_model_len would then fail naming neither key
+    with pytest.raises(ValueError) as info:
+        EngineConfig(**{**SMALL, "num_pages": 12})
+    for key in ("engine.num_pages=12 holds 11 KV pages", "engine.max_model_len=96", ">= 13"):
+        assert key in str(info.value), str(info.value)
+    EngineConfig(**{**SMALL, "num_pages": 13})
+    # num_pages: auto, checked where it is resolved: a budget of 5 pages
+    config = EngineConfig(**{**SMALL, "num_pages": "auto"})
+    cfg = preset("tiny")
+    page = kv_page_bytes(cfg, config.page_size, config.kv_dtype)
+    budget = param_bytes(cfg) + workspace_bytes(config, cfg) + 5 * page
+    with pytest.raises(ValueError, match=r"engine\.num_pages=auto \(5 pages in a budget of .*"
+                                         r"engine\.max_model_len=96"):  # fmt: skip
+        pages_in_budget(config, cfg, budget)
+
+
+def test_a_missing_draft_model_is_named_by_its_key():
+    from jaxinfer.engine.engine import make_proposer
+
+    config = EngineConfig(speculative={"method": "draft", "draft_model": "no-such-model-xyz"})
+    with pytest.raises(
+        ValueError, match=r"^engine\.speculative\.draft_model='no-such-model-xyz': "
+    ):
+        make_proposer(config, preset("tiny"))

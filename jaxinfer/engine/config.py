@@ -366,6 +366,8 @@ class EngineConfig:
             or self.num_pages < 2
         ):  # fmt: skip
             raise bad("num_pages", 'an int >= 2 (page 0 is the scratch page) or "auto"')
+        if self.num_pages != "auto":  # (auto is checked where it is resolved: pages_in_budget)
+            self.check_pages(self.num_pages, f"engine.num_pages={self.num_pages}")
         budget = self.memory_budget_gb
         if budget is not None and (
             isinstance(budget, bool) or not isinstance(budget, int | float) or not budget > 0
@@ -384,6 +386,18 @@ class EngineConfig:
             raise bad("data_parallel", "an int >= 1 (replicas, one per device)")
         if self.compile_workers < 0:
             raise bad("compile_workers", "an int >= 0 (0: one per core)")
+
+    def check_pages(self, num_pages: int, what: str) -> None:
+        """Refuse a pool (`what`: where its `num_pages` came from) that cannot hold one request
+        of max_model_len tokens: each such request would fail, naming neither key."""
+        need, usable = self.pages_per_seq, num_pages - 1  # page 0: scratch
+        if usable < need:
+            raise ValueError(
+                f"{what} holds {usable} KV pages (one more is the scratch page), fewer than one "
+                f"request of engine.max_model_len={self.max_model_len} tokens needs ({need} "
+                f"pages of engine.page_size={self.page_size}): raise engine.num_pages to "
+                f">= {need + 1} or lower engine.max_model_len"
+            )
 
     @property
     def max_step_tokens(self) -> int:

@@ -97,6 +97,8 @@ def pages_in_budget(config: EngineConfig, cfg: ModelConfig, budget_bytes: int | 
             f" and the workspace ({workspace / 1e9:.3g} GB), fewer than 2 KV pages of "
             f"{page} bytes: raise engine.memory_budget_gb"
         )
+    config.check_pages(int(pages), f"engine.num_pages=auto ({int(pages)} pages in a budget of "
+                                   f"{total / 1e9:.3g} GB, engine.memory_budget_gb)")  # fmt: skip
     return int(pages)
 
 
@@ -128,7 +130,10 @@ def make_proposer(config: EngineConfig, model_config: ModelConfig, params=None,
         from jaxinfer.engine.draft_model import DraftModelProposer
         from jaxinfer.engine.loading import load_model
 
-        cfg, params, _ = load_model(spec.draft_model, config.dtype, config.seed, mesh)
+        try:
+            cfg, params, _ = load_model(spec.draft_model, config.dtype, config.seed, mesh)
+        except (OSError, ValueError) as e:  # (a CheckpointError is a ValueError)
+            raise ValueError(f"engine.speculative.draft_model={spec.draft_model!r}: {e}") from e
         if cfg.vocab_size != model_config.vocab_size:
             raise ValueError(f"engine.speculative.draft_model={spec.draft_model!r} has a "
                              f"vocabulary of {cfg.vocab_size} tokens, the model "
