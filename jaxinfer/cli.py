@@ -478,8 +478,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--frequency-penalty", type=float, default=0.0,
                    help="per occurrence in the output (0: off)")  # fmt: skip
     g.add_argument("--max-model-len", type=int, default=1024, help="prompt + output tokens")
-    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                   help="weights and activations")  # fmt: skip
+    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="weights and activations (auto: float32 on a CPU, else bfloat16)")  # fmt: skip
     g.add_argument("--json", action="store_true",
                    help="one JSON object per prompt: prompt, text, token_ids, finish_reason, error")  # fmt: skip
     g.set_defaults(func=generate)

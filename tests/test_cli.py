@@ -190,3 +190,37 @@ def test_quickstart_never_writes_into_another_runs_folder_unless_overwrite(
     assert capsys.readouterr().out.strip().splitlines()[-1] == f"results: {sibling}"
     assert main([*argv, "--overwrite"]) == 0
     assert (out / "metrics.json").is_file() and len(list(tmp_path.iterdir())) == 2
+
+
+def test_every_entry_point_resolves_one_default_dtype_float32_on_cpu(monkeypatch):
+    # the CLI defaulted to bfloat16 and LLM() to float32: bf16 on a CPU differs from CPU to
+    # CPU (smollm2 answered wrongly on some); every default is now "auto", one resolution
+    from jaxinfer.engine import llm as llm_mod
+    from jaxinfer.engine.config import EngineConfig, resolve_dtype
+    from jaxinfer.serve.server import load_serve_config
+
+    assert jax.default_backend() == "cpu"
+    given = {}
+
+    class Captured(Exception):
+        pass
+
+    def fake_llm(model, **kwargs):
+        given.update(kwargs)
+        raise Captured
+
+    monkeypatch.setattr(llm_mod, "LLM", fake_llm)
+    with pytest.raises(Captured):
+        cli.generate(
+            cli.build_parser().parse_args(["generate", "--model", "tiny", "--prompt", "x"])
+        )
+    defaults = {
+        "jaxinfer generate": given["dtype"],
+        "LLM() / EngineConfig": EngineConfig().dtype,
+        "jaxinfer run": runs.load_run_config(None).engine.dtype,
+        "jaxinfer serve": load_serve_config(None).engine.dtype,
+    }
+    assert {k: resolve_dtype(v) for k, v in defaults.items()} == dict.fromkeys(defaults, "float32")
+    monkeypatch.undo()  # and the engine runs in what it resolved
+    tiny = llm_mod.LLM("tiny", warmup=False, num_pages=8, max_model_len=64)
+    assert tiny.engine.config.dtype == "float32" and tiny.engine.model_config.dtype == "float32"

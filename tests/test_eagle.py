@@ -97,7 +97,9 @@ def test_training_raises_the_heads_agreement_with_the_target(fresh_seed, tmp_pat
     summary = train_eagle(tc, log=lambda *_: None)
     before, after = summary["heldout_agreement_before"], summary["heldout_agreement"]
     assert after >= before + 0.05, f"seed {fresh_seed}: agreement {before} -> {after}"
-    head, info = load_head(tc.head, LLM("tiny", warmup=False, num_pages=4).engine.runner.cfg)
+    head, info = load_head(
+        tc.head, LLM("tiny", warmup=False, num_pages=4, max_model_len=48).engine.runner.cfg
+    )
     assert info["train"]["steps"] == 40 and head["fc"].shape == (512, 256)
 
 
@@ -185,7 +187,7 @@ def test_eagle_config_errors_name_the_key(tmp_path):
     other = preset("tiny-qwen3")  # a head trained for another target's shape
     path = save_head(tmp_path / "h.safetensors", init_head(other, jax.random.key(0)), other)
     with pytest.raises(ValueError, match=r"engine\.speculative\.eagle_head=.*hidden_size="):
-        load_head(path, LLM("tiny", warmup=False, num_pages=4).engine.runner.cfg)
+        load_head(path, LLM("tiny", warmup=False, num_pages=4, max_model_len=48).engine.runner.cfg)
     with pytest.raises(ValueError, match="distill must be one of soft, argmax"):
         load_eagle_config(None, ["name=x", "target=tiny", "distill=kl"])
     with pytest.raises(ValueError, match="feature_wieght"):

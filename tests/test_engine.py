@@ -105,7 +105,8 @@ def test_policies_and_chunking_do_not_change_greedy_tokens(model, prompts, varia
 def test_preempted_and_resumed_requests_give_uninterrupted_tokens(model, prompts):
     sampling = [greedy(40) for _ in prompts]
     base = [s.output_token_ids for s in run(make_engine(model), prompts, sampling)]
-    tight = make_engine(model, num_pages=20)  # 19 usable pages of 8 slots: forces preemption
+    # 19 usable pages of 8 slots (152 tokens: one request of max_model_len): forces preemption
+    tight = make_engine(model, num_pages=20, max_model_len=152)
     seqs = run(tight, prompts, sampling)
     assert sum(s.num_preemptions for s in seqs) > 0, "the test did not preempt anything"
     assert [s.output_token_ids for s in seqs] == base
@@ -186,6 +187,33 @@ def test_streaming_yields_the_generated_tokens(model, prompts):
     outs = llm.generate(prompts[:4], sampling)
     assert sorted(finished) == sorted(streamed), "each request must finish exactly once"
     assert sorted(streamed.values()) == sorted(o.token_ids for o in outs)
+
+
+def test_streams_release_their_requests_when_consumed_or_abandoned(model, prompts):
+    llm = LLM.__new__(LLM)
+    llm.config, llm.tokenizer = EngineConfig(model="preset:tiny", **SMALL), None
+    llm.engine = engine = make_engine(model, decode_steps=2)
+    # a bad request, a parallel-sampled one and plain ones: nothing stays once consumed
+    reqs = [prompts[0], [10**6], prompts[1], *prompts[2:6]]
+    sampling = [
+        greedy(6),
+        greedy(6),
+        SamplingParams(max_tokens=6, ignore_eos=True, n=3),
+        *[greedy(6)] * 4,
+    ]
+    for _ in range(3):
+        events = list(llm.stream(reqs, sampling))
+        assert sum(ev.finished for ev in events) == len(reqs) + 2  # (3 samples of one)
+        assert engine.sequences == [] and engine._seeds == {}
+    # abandoned after its first tokens: the rest are aborted (pages freed) and released
+    stream = llm.stream(prompts[:6], greedy(40))
+    next(ev for ev in stream if ev.token_ids)
+    stream.close()
+    assert engine.sequences == [] and engine._seeds == {}
+    assert not engine.scheduler.has_unfinished()
+    assert engine.block_manager.num_used_pages == 0
+    (out,) = llm.generate([prompts[0]], greedy(5))  # the engine serves on
+    assert len(out.token_ids) == 5 and engine.sequences == []
 
 
 def test_shipped_model_text_prompts_and_stop_strings():

@@ -118,7 +118,8 @@ def test_step_scores_draft_rows_like_a_full_forward(model):
 
 
 def test_scheduler_counts_drafts_in_the_budget_and_reserves_their_pages():
-    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=9, page_size=4, num_pages=32)
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=9, page_size=4, num_pages=32,
+                          max_model_len=64)  # fmt: skip
     bm = BlockManager(32, 4)
     sch = Scheduler(config, bm)
     seqs = [Sequence(i, [1] * 3, SamplingParams(max_tokens=20)) for i in range(3)]

@@ -33,7 +33,7 @@ def _workload(seed: int):
 
 
 def _run(prompts, sampling, num_pages=96, hook=None, **engine):
-    llm = LLM("tiny", num_pages=num_pages, warmup=hook is None, **KW, **engine)
+    llm = LLM("tiny", num_pages=num_pages, warmup=hook is None, **{**KW, **engine})
     if hook is not None:
         hook(llm.engine)
         llm.engine.warmup()
@@ -73,7 +73,7 @@ def test_nan_poisoned_free_pages_never_reach_an_output(fresh_seed):
     (cache hits on the first's pages, evictions in a small pool) must give finite logits, and the
     outputs of a cache-off run."""
     prompts, sampling = _workload(fresh_seed)
-    llm = LLM("tiny", num_pages=16, prefix_caching=True, **KW)
+    llm = LLM("tiny", num_pages=16, prefix_caching=True, **{**KW, "max_model_len": 240})
     engine = llm.engine
     first = llm.generate(prompts[:3], sampling[:3])
     bm = engine.block_manager
@@ -82,7 +82,7 @@ def test_nan_poisoned_free_pages_never_reach_an_output(fresh_seed):
     engine.runner.kv = type(kv)(kv.pages.at[:, free].set(jnp.nan))
     second = llm.generate(prompts[3:], sampling[3:])
     bm.check_invariants()
-    off, _, _ = _run(prompts[3:], sampling[3:], num_pages=16)
+    off, _, _ = _run(prompts[3:], sampling[3:], num_pages=16, max_model_len=240)
     assert [o.token_ids for o in second] == off, f"seed {fresh_seed}"
     assert all(o.finish_reason == "length" for o in first + second)
     assert sum(o.num_cached_tokens for o in second) > 0
@@ -92,8 +92,9 @@ def test_nan_poisoned_free_pages_never_reach_an_output(fresh_seed):
 def test_preempted_sequences_re_hit_their_own_pages(fresh_seed):
     prompts, sampling = _workload(fresh_seed)
     sampling = [SamplingParams(max_tokens=60, ignore_eos=True, seed=s.seed) for s in sampling]
-    off, _, engine_off = _run(prompts[:4], sampling[:4], num_pages=14)
-    on, _, engine = _run(prompts[:4], sampling[:4], num_pages=14, prefix_caching=True)
+    small = dict(num_pages=14, max_model_len=208)  # 13 pages: one request of max_model_len
+    off, _, engine_off = _run(prompts[:4], sampling[:4], **small)
+    on, _, engine = _run(prompts[:4], sampling[:4], **small, prefix_caching=True)
     assert engine_off.scheduler.num_preemptions > 0 and engine.scheduler.num_preemptions > 0
     assert on == off, f"seed {fresh_seed}"
 

@@ -55,6 +55,10 @@ BAD = [
     (GOOD, unchecked(seed=-1), "seed=-1"),
     (GOOD, unchecked(top_k=-2), "top_k=-2"),
     (GOOD, unchecked(stop=("",)), "stop=('',)"),
+    (GOOD, unchecked(n=0), "SamplingParams.n=0 is invalid"),
+    (GOOD, unchecked(n=-1), "SamplingParams.n=-1 is invalid"),
+    (GOOD, unchecked(n="2"), "SamplingParams.n='2' is invalid"),
+    (GOOD, unchecked(n=None, best_of=3), "SamplingParams.n=None is invalid"),
     (GOOD, "greedy", "sampling must be a SamplingParams, got str 'greedy'"),
     (GOOD, {"temperature": 0.0}, "sampling must be a SamplingParams, got dict"),
 ]
@@ -79,6 +83,19 @@ def test_each_bad_request_fails_alone_naming_the_field_and_value(llm):
     (again,) = llm.generate([[1, 2, 3]], SP)
     assert again.error is None and not llm.engine.has_unfinished()
     assert llm.engine.sequences == []  # every returned request was released
+
+
+def test_more_samples_than_the_engine_runs_at_once_fail_alone_naming_n_or_best_of(llm):
+    # engine.max_num_seqs is 4: n or best_of above it is refused at submission (n = 10**5 kept an
+    # engine busy for minutes), the other requests of the call finish
+    many = [SamplingParams(max_tokens=4, n=5), SamplingParams(max_tokens=4, n=2, best_of=5)]
+    outs = llm.generate([GOOD, GOOD, GOOD, GOOD], [SP, *many, SamplingParams(max_tokens=4, n=4)])
+    assert outs[1].error == "SamplingParams.n=5 is invalid: must be <= engine.max_num_seqs=4 " \
+        "(one sequence per sample)", outs[1].error  # fmt: skip
+    assert "SamplingParams.best_of=5" in outs[2].error and "engine.max_num_seqs=4" in outs[2].error
+    assert outs[0].error is None and len(outs[0].token_ids) == 4
+    assert outs[3].error is None and len(outs[3].outputs) == 4
+    assert llm.engine.sequences == []
 
 
 @pytest.mark.parametrize(
@@ -159,3 +176,35 @@ def test_every_preemption_is_counted_once(scheduler):
     assert sum(r.preemptions for r in engine.step_records) == by_requests, f"seed {seed}"
     m = summarize(request_rows(seqs), engine.step_records, max_num_seqs=4)
     assert m["total_preemptions"] == m["total_request_preemptions"] == by_requests
+
+
+def test_a_kv_pool_too_small_for_one_request_is_refused_naming_both_keys():
+    from jaxinfer.engine.engine import pages_in_budget, workspace_bytes
+    from jaxinfer.kv.cache import kv_page_bytes
+    from jaxinfer.models.spec import param_bytes
+
+    # 11 pages of 8 slots hold one request of 88 tokens, not of 96: accepted, every request of
+    # max_model_len would then fail naming neither key
+    with pytest.raises(ValueError) as info:
+        EngineConfig(**{**SMALL, "num_pages": 12})
+    for key in ("engine.num_pages=12 holds 11 KV pages", "engine.max_model_len=96", ">= 13"):
+        assert key in str(info.value), str(info.value)
+    EngineConfig(**{**SMALL, "num_pages": 13})
+    # num_pages: auto, checked where it is resolved: a budget of 5 pages
+    config = EngineConfig(**{**SMALL, "num_pages": "auto"})
+    cfg = preset("tiny")
+    page = kv_page_bytes(cfg, config.page_size, config.kv_dtype)
+    budget = param_bytes(cfg) + workspace_bytes(config, cfg) + 5 * page
+    with pytest.raises(ValueError, match=r"engine\.num_pages=auto \(5 pages in a budget of .*"
+                                         r"engine\.max_model_len=96"):  # fmt: skip
+        pages_in_budget(config, cfg, budget)
+
+
+def test_a_missing_draft_model_is_named_by_its_key():
+    from jaxinfer.engine.engine import make_proposer
+
+    config = EngineConfig(speculative={"method": "draft", "draft_model": "no-such-model-xyz"})
+    with pytest.raises(
+        ValueError, match=r"^engine\.speculative\.draft_model='no-such-model-xyz': "
+    ):
+        make_proposer(config, preset("tiny"))

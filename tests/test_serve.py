@@ -184,6 +184,12 @@ BAD = [  # (body, status, what the message must say)
     (b'{"model": "tiny", "prompt": [1, 99999]}', 400, "[0, 4096)"),
     (b'{"model": "tiny", "prompt": "x", "n": 2, "best_of": 1}', 400, "best_of"),
     (
+        b'{"model": "tiny", "prompt": "x", "n": 33}',
+        400,
+        "n=33 is invalid: must be <= engine.max_num_seqs=32",
+    ),
+    (b'{"model": "tiny", "prompt": "x", "best_of": 40}', 400, "best_of=40"),
+    (
         json.dumps({"model": "tiny", "prompt": list(range(3, 250)), "max_tokens": 16}).encode(),
         400,
         "247 tokens and max_tokens is 16",

@@ -169,6 +169,15 @@ def test_speculative_config_names_the_bad_key():
         EngineConfig(speculative={"method": "ngram", "ngram_min": 3, "ngram_max": 2})
     with pytest.raises(ValueError, match=re.escape("engine.speculative.gamma is unknown")):
         EngineConfig(speculative={"gamma": 3})
+    # too many drafts: past the cap (100,000 ate memory in warm-up), or past max_model_len
+    with pytest.raises(ValueError, match=re.escape("num_draft_tokens=100000 is invalid: must be "
+                                                   "<= 64")):  # fmt: skip
+        EngineConfig(speculative={"method": "ngram", "num_draft_tokens": 100_000})
+    with pytest.raises(ValueError, match=re.escape("engine.speculative.num_draft_tokens=40 "
+                                                   "leaves no room in engine.max_model_len=32: "
+                                                   "must be <= max_model_len - 2 = 30")):  # fmt: skip
+        EngineConfig(max_model_len=32, speculative={"method": "ngram", "num_draft_tokens": 40})
+    EngineConfig(max_model_len=32, speculative={"method": "ngram", "num_draft_tokens": 30})
 
 
 def test_summary_reports_acceptance():

@@ -185,7 +185,7 @@ def main(argv=None) -> None:
     methods = ["none", *[m for m in args.methods if m != "none"]]
     result = {**provenance(), "args": vars(args) | {"out": str(args.out), "plot": str(args.plot)},
               "rows": []}  # fmt: skip
-    tokenizer = LLM(args.model, warmup=False, num_pages=4).tokenizer
+    tokenizer = LLM(args.model, warmup=False, num_pages=4, max_model_len=48).tokenizer
     sampling = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True,
                               temperature=args.temperature, seed=0)  # fmt: skip
     points = [(wl, batch, prompts_of(wl, tokenizer, batch * args.waves, args.snippet_chars))

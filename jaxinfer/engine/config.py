@@ -103,24 +103,29 @@ class QuantConfig:
 
 
 SPECULATIVE_METHODS = ("none", "ngram", "draft", "self", "eagle")
+# engine.speculative.num_draft_tokens at most: a run of drafts is kept with a probability that
+# decays geometrically with its length, while each draft costs a row of every verification
+# (and its shapes, warm-up memory): past a few dozen they are waste (100,000 ate the host's memory)
+MAX_DRAFT_TOKENS = 64
 
 
 @dataclass
 class SpeculativeConfig:
     """Speculative decoding: each decoding sequence carries up to `num_draft_tokens` draft
-    tokens, scored in one target pass and kept while the target's own samples agree
-    (`sampler.accept_drafts`: the output is the one plain decoding gives, token for token, at
-    any temperature). `method`: "none"; "ngram" (prompt lookup, `engine/ngram.py`: the longest
-    recurring suffix of `ngram_max` down to `ngram_min` tokens); "draft" (`draft_model`, a model
-    name as `engine.model` takes, with the target's vocabulary, drafting greedily from its own
-    KV pool in the decode scans: `engine/draft_model.py`); "self" (self-speculative, LayerSkip-
-    style early exit: the target's first `draft_layers` layers with its final norm and head as
-    the draft model, sharing the target's weights; its K/V pool is its own); "eagle" (an
-    EAGLE-style head, `engine/eagle.py`: one decoder layer over the target's last hidden state and
-    the next token's embedding, through the target's own final norm and LM head; `eagle_head`:
-    a head file `jaxinfer train configs/train/eagle-*.yaml` saved, a shipped head by name
-    (eagle-tiny, for tiny), or "random", an untrained head drawn from engine.seed: the baseline
-    that shows what training buys)."""
+    tokens (at most MAX_DRAFT_TOKENS, and engine.max_model_len - 2), scored in one target pass
+    and kept while the target's own samples agree (`sampler.accept_drafts`: the output is the
+    one plain decoding gives, token for token, at any temperature). `method`: "none"; "ngram"
+    (prompt lookup, `engine/ngram.py`: the longest recurring suffix of `ngram_max` down to
+    `ngram_min` tokens); "draft" (`draft_model`, a model name as `engine.model` takes, with the
+    target's vocabulary, drafting greedily from its own KV pool in the decode scans:
+    `engine/draft_model.py`); "self" (self-speculative, LayerSkip-style early exit: the
+    target's first `draft_layers` layers with its final norm and head as the draft model,
+    sharing the target's weights; its K/V pool is its own); "eagle" (an EAGLE-style head,
+    `engine/eagle.py`: one decoder layer over the target's last hidden state and the next
+    token's embedding, through the target's own final norm and LM head; `eagle_head`: a head
+    file `jaxinfer train configs/train/eagle-*.yaml` saved, a shipped head by name (eagle-tiny,
+    for tiny), or "random", an untrained head drawn from engine.seed: the baseline that shows
+    what training buys)."""
 
     method: str = "none"
     num_draft_tokens: int = 4
@@ -154,6 +159,9 @@ class SpeculativeConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"engine.speculative.{key}={value!r} is invalid: must be an "
                                  "int >= 1")  # fmt: skip
+        if self.num_draft_tokens > MAX_DRAFT_TOKENS:
+            raise ValueError(f"engine.speculative.num_draft_tokens={self.num_draft_tokens} is "
+                             f"invalid: must be <= {MAX_DRAFT_TOKENS}")  # fmt: skip
         if (self.method == "draft") != (self.draft_model is not None):
             raise ValueError("engine.speculative.draft_model names the draft model of method "
                              f"'draft' (and only of it); got method={self.method!r}, "
@@ -187,6 +195,17 @@ class SpeculativeConfig:
                              f"{self.ngram_max}")  # fmt: skip
 
 
+def resolve_dtype(dtype: str) -> str:
+    """engine.dtype with "auto" (every entry point's default) resolved for this process's device:
+    float32 on a CPU (its bfloat16 arithmetic differs from CPU to CPU: smollm2 answered wrongly
+    on some), bfloat16 on an accelerator. Asks JAX for its backend only for "auto"."""
+    if dtype != "auto":
+        return dtype
+    import jax
+
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
 def _sub_config(cls, data: dict, key: str):
     """`cls(**data)` of a nested config given as a dict (code, or `dataclasses.asdict`), an
     unknown field named by its dotted key."""
@@ -204,7 +223,7 @@ class EngineConfig:
     # preset:llama3-8b); a path ending in .gguf: a GGUF file; anything else: a Hugging Face
     # model directory.
     model: str = "tiny"
-    dtype: str = "float32"
+    dtype: str = "auto"  # weights and activations; "auto": `resolve_dtype` (float32 on a CPU)
     kv_dtype: str = "auto"  # KV cache pools: "auto" = dtype; float8_e4m3fn adds per-page scales
     seed: int = 0
     page_size: int = 16
@@ -313,8 +332,8 @@ class EngineConfig:
             if not isinstance(options, dict) or not all(str(k).startswith("xla_") for k in options):
                 raise ValueError(f"engine.compiler_options.{kind} must map XLA option names "
                                  f"(xla_...) to values, got {options!r}")  # fmt: skip
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise bad("dtype", "one of float32, bfloat16, float16")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise bad("dtype", "one of auto, float32, bfloat16, float16")
         if not isinstance(self.decode_cuda_graphs, bool) and self.decode_cuda_graphs != "auto":
             raise bad("decode_cuda_graphs", 'true, false or "auto"')
         for key in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -334,6 +353,12 @@ class EngineConfig:
         if self.speculative.adaptive and self.decode_steps < 2:
             raise ValueError("engine.speculative.adaptive decides per decode scan: it needs "
                              f"engine.decode_steps >= 2, got {self.decode_steps}")  # fmt: skip
+        # drafts follow a sequence's last token: one prompt token, one output and the drafts fit
+        drafts = self.speculative.num_draft_tokens
+        if self.speculative.method != "none" and drafts > self.max_model_len - 2:
+            raise ValueError(f"engine.speculative.num_draft_tokens={drafts} leaves no room in "
+                             f"engine.max_model_len={self.max_model_len}: must be <= "
+                             f"max_model_len - 2 = {self.max_model_len - 2}")  # fmt: skip
         if not all(isinstance(b, int) and 1 <= b <= self.max_num_seqs for b in self.decode_buckets):
             raise bad("decode_buckets", f"a list of ints in [1, max_num_seqs={self.max_num_seqs}]")
         if self.num_pages != "auto" and (
@@ -341,6 +366,8 @@ class EngineConfig:
             or self.num_pages < 2
         ):  # fmt: skip
             raise bad("num_pages", 'an int >= 2 (page 0 is the scratch page) or "auto"')
+        if self.num_pages != "auto":  # (auto is checked where it is resolved: pages_in_budget)
+            self.check_pages(self.num_pages, f"engine.num_pages={self.num_pages}")
         budget = self.memory_budget_gb
         if budget is not None and (
             isinstance(budget, bool) or not isinstance(budget, int | float) or not budget > 0
@@ -359,6 +386,18 @@ class EngineConfig:
             raise bad("data_parallel", "an int >= 1 (replicas, one per device)")
         if self.compile_workers < 0:
             raise bad("compile_workers", "an int >= 0 (0: one per core)")
+
+    def check_pages(self, num_pages: int, what: str) -> None:
+        """Refuse a pool (`what`: where its `num_pages` came from) that cannot hold one request
+        of max_model_len tokens: each such request would fail, naming neither key."""
+        need, usable = self.pages_per_seq, num_pages - 1  # page 0: scratch
+        if usable < need:
+            raise ValueError(
+                f"{what} holds {usable} KV pages (one more is the scratch page), fewer than one "
+                f"request of engine.max_model_len={self.max_model_len} tokens needs ({need} "
+                f"pages of engine.page_size={self.page_size}): raise engine.num_pages to "
+                f">= {need + 1} or lower engine.max_model_len"
+            )
 
     @property
     def max_step_tokens(self) -> int:

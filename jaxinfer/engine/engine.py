@@ -26,7 +26,7 @@ import numpy as np
 from jaxinfer.engine.adaptive import AdaptiveSpeculation
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.compile_counter import compile_count
-from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.config import EngineConfig, resolve_dtype
 from jaxinfer.engine.inflight import UnreadMixed, UnreadScan, add_placeholder, fill_placeholder
 from jaxinfer.engine.model_runner import ModelRunner, pick_bucket
 from jaxinfer.engine.proposer import Proposer
@@ -97,6 +97,8 @@ def pages_in_budget(config: EngineConfig, cfg: ModelConfig, budget_bytes: int | 
             f" and the workspace ({workspace / 1e9:.3g} GB), fewer than 2 KV pages of "
             f"{page} bytes: raise engine.memory_budget_gb"
         )
+    config.check_pages(int(pages), f"engine.num_pages=auto ({int(pages)} pages in a budget of "
+                                   f"{total / 1e9:.3g} GB, engine.memory_budget_gb)")  # fmt: skip
     return int(pages)
 
 
@@ -128,7 +130,10 @@ def make_proposer(config: EngineConfig, model_config: ModelConfig, params=None,
         from jaxinfer.engine.draft_model import DraftModelProposer
         from jaxinfer.engine.loading import load_model
 
-        cfg, params, _ = load_model(spec.draft_model, config.dtype, config.seed, mesh)
+        try:
+            cfg, params, _ = load_model(spec.draft_model, config.dtype, config.seed, mesh)
+        except (OSError, ValueError) as e:  # (a CheckpointError is a ValueError)
+            raise ValueError(f"engine.speculative.draft_model={spec.draft_model!r}: {e}") from e
         if cfg.vocab_size != model_config.vocab_size:
             raise ValueError(f"engine.speculative.draft_model={spec.draft_model!r} has a "
                              f"vocabulary of {cfg.vocab_size} tokens, the model "
@@ -178,6 +183,8 @@ class Engine:
         clock: Callable[[], float] = time.perf_counter,
         proposer: Proposer | None = None,
     ) -> None:
+        if config.dtype == "auto":  # as load_model resolved it (a draft model is loaded in it)
+            config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype))
         self.config, self.model_config, self.tokenizer, self.clock = (
             config, model_config, tokenizer, clock
         )  # fmt: skip
@@ -305,7 +312,7 @@ class Engine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in seq.prompt_token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        seq.sampling.validate(vocab)
+        seq.sampling.validate(vocab, self.config.max_num_seqs)
         if (seq.sampling.logprobs or 0) > self.config.num_logprobs:
             raise ValueError(
                 f"SamplingParams.logprobs={seq.sampling.logprobs} exceeds "

@@ -69,10 +69,10 @@ class RequestOutput:
     def of(seq: Sequence, tokenizer) -> RequestOutput:
         family = [seq, *seq.siblings]
         outputs = [Completion.of(s, tokenizer) for s in family]
-        sampling = seq.sampling if isinstance(seq.sampling, SamplingParams) else SamplingParams()
-        if sampling.best_of is not None and seq.error is None:  # (a bad request has no samples)
+        if seq.error is None and seq.sampling.best_of is not None:
             outputs.sort(key=lambda c: (c.error is not None, -c.cumulative_logprob, c.index))
-        outputs = outputs[: sampling.n]
+        if seq.siblings:  # (one failed at submission has none, and its n may be what failed it)
+            outputs = outputs[: seq.sampling.n]
         first = outputs[0]
         return RequestOutput(
             seq.seq_id, seq.prompt, seq.prompt_token_ids, first.token_ids, first.text,
@@ -215,15 +215,27 @@ class LLM:
         prompts: str | list[int] | Seq[str | list[int]],
         sampling: SamplingParams | list[SamplingParams] | None = None,
     ) -> Iterator[StreamEvent]:
-        """Yield tokens as the engine produces them (several per event after a decode scan)."""
+        """Yield tokens as the engine produces them (several per event after a decode scan).
+        A request leaves the engine once all its samples have finished (as `generate` releases
+        them); a stream closed early (the consumer stopped) aborts and releases the rest."""
         if isinstance(self.engine, ProcessDataParallelEngine):
             raise NotImplementedError("streaming with engine.data_parallel > 1 is not supported")
-        for seq in self._submit(prompts, sampling):
-            if seq.error is not None:
-                yield StreamEvent(seq.seq_id, [], True, seq.finish_reason, seq.error)
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.new_token_ids or out.finished:
-                    s = out.seq
-                    yield StreamEvent((s.parent or s).seq_id, out.new_token_ids, out.finished,
-                                      s.finish_reason, s.error, s.sample_index)  # fmt: skip
+        seqs = self._submit(prompts, sampling)
+        try:
+            for seq in seqs:
+                if seq.error is not None:
+                    self.engine.release([seq])
+                    yield StreamEvent(seq.seq_id, [], True, seq.finish_reason, seq.error)
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.new_token_ids or out.finished:
+                        s = out.seq
+                        root = s.parent or s
+                        if out.finished and all(x.is_finished for x in (root, *root.siblings)):
+                            self.engine.release([root])
+                        yield StreamEvent(root.seq_id, out.new_token_ids, out.finished,
+                                          s.finish_reason, s.error, s.sample_index)  # fmt: skip
+        finally:
+            for seq in seqs:  # (finished ones are skipped, and released ones are gone)
+                self.engine.abort(seq)
+            self.engine.release(seqs)

@@ -28,19 +28,20 @@ from jaxinfer.checkpoint.gguf_io import (
     load_gguf_params,
     open_gguf,
 )
-from jaxinfer.engine.config import CalibrationConfig, QuantConfig
+from jaxinfer.engine.config import CalibrationConfig, QuantConfig, resolve_dtype
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.presets import preset
 from jaxinfer.models.spec import Params, init_params
 
 
-def load_model(model: str, dtype: str = "float32", seed: int = 0, mesh=None,
+def load_model(model: str, dtype: str = "auto", seed: int = 0, mesh=None,
                quant: QuantConfig | None = None):  # fmt: skip
     """(ModelConfig, params, tokenizer or None) of `EngineConfig.model`; params are created or
     loaded straight onto `mesh` (by their logical axes) when given, else the default device.
     With `quant` (`EngineConfig.quant`) the layers' weights are in its formats; its recipe is
     checked against the model's config before any weight is read."""
     quant = quant if quant is not None and quant.active else None
+    dtype = resolve_dtype(dtype)
     if model.startswith("preset:"):
         cfg = preset(model.removeprefix("preset:"), param_dtype=dtype, dtype=dtype)
         qcfg = cfg if quant is None else quantized_config(quant, model, cfg)
@@ -140,8 +141,10 @@ def calibration_batches(c: CalibrationConfig, cfg: ModelConfig, tokenizer=None,
     return batches + ([ids[full:][None, :]] if full < len(ids) else [])
 
 
-def model_config(model: str, dtype: str = "float32") -> ModelConfig:
-    """The ModelConfig of `EngineConfig.model`, read without weights or a device."""
+def model_config(model: str, dtype: str = "auto") -> ModelConfig:
+    """The ModelConfig of `EngineConfig.model`, read without weights (a device only for dtype
+    "auto": `resolve_dtype`)."""
+    dtype = resolve_dtype(dtype)
     if model.startswith("preset:"):
         return preset(model.removeprefix("preset:"), param_dtype=dtype, dtype=dtype)
     path = model_path(model)

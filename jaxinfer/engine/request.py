@@ -98,8 +98,9 @@ class SamplingParams:
         """top_k with 'off' as 0."""
         return 0 if self.top_k == -1 else self.top_k
 
-    def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError naming the first bad field and its value."""
+    def validate(self, vocab_size: int | None = None, max_num_seqs: int | None = None) -> None:
+        """Raise ValueError naming the first bad field and its value; `vocab_size` and
+        `max_num_seqs` (an engine's) add the checks against that engine."""
 
         def bad(name: str, allowed: str) -> ValueError:
             return ValueError(
@@ -159,6 +160,11 @@ class SamplingParams:
                 raise bad("logprobs", f"<= the vocabulary size {vocab_size}")
             if any(not 0 <= t < vocab_size for t, _ in self.logit_bias):
                 raise bad("logit_bias", f"token ids in [0, {vocab_size})")
+        if max_num_seqs is not None and self.num_samples > max_num_seqs:
+            # each sample is a sequence: more than the engine runs at once is refused, not queued
+            # (n = 10**5 kept an engine busy for minutes; 2**40 exhausted host memory)
+            raise bad("n" if self.best_of is None else "best_of",
+                      f"<= engine.max_num_seqs={max_num_seqs} (one sequence per sample)")  # fmt: skip
 
 
 def sample_seed(seed: int, index: int) -> int:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import math
 import os
 import re
 import signal
@@ -234,7 +233,8 @@ def _least(length: LengthSpec) -> int:
 
 def _check_shortest_request_fits(rc: RunConfig) -> None:
     """Refuse a workload none of whose requests the engine would admit (the scheduler refuses a
-    prompt + max_tokens over max_model_len, or over the KV pages of the whole cache). A request's
+    prompt + max_tokens over max_model_len; EngineConfig a KV pool too small for one request of
+    max_model_len tokens, so one that fits there fits the pool). A request's
     total is nondecreasing in its prompt and output lengths, so the shortest decides. (A trace's
     lengths are known only once it is read: its requests are checked one by one as they come.)"""
     w, e = rc.workload, rc.engine
@@ -256,15 +256,6 @@ def _check_shortest_request_fits(rc: RunConfig) -> None:
     if total > e.max_model_len:
         raise ValueError(
             f"every request would be refused: {shortest} > engine.max_model_len={e.max_model_len}"
-        )
-    if e.num_pages == "auto":  # (sized from the memory budget when the model is loaded)
-        return
-    pages, capacity = math.ceil(total / e.page_size), e.num_pages - 1  # page 0: scratch
-    if pages > capacity:
-        raise ValueError(
-            f"every request would be refused: {shortest} tokens, {pages} KV pages of "
-            f"engine.page_size={e.page_size}, but engine.num_pages={e.num_pages} holds {capacity} "
-            f"(one is the scratch page)"
         )
 
 

@@ -361,10 +361,15 @@ class _Handlers:
 
     def _sampling(self, body, max_tokens: int, logprobs: int | None, best_of: int | None = None):
         try:
-            return body.sampling(max_tokens, logprobs, best_of)
+            sampling = body.sampling(max_tokens, logprobs, best_of)
+            # n / best_of beyond the engine's sequences: 400 here, before the capacity check
+            # (a busy server would answer 429, and retrying never helps)
+            sampling.validate(max_num_seqs=self.state.llm.config.max_num_seqs)
+            return sampling
         except ValueError as e:
-            field = str(e).split("=", 1)[0].split(":", 1)[0].strip()
-            raise APIError(400, str(e), field) from None
+            message = api_message(str(e))
+            field = message.split("=", 1)[0].split(":", 1)[0].strip()
+            raise APIError(400, message, field) from None
 
     # -- /v1/chat/completions -------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, request: Request):
