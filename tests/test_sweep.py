@@ -7,6 +7,7 @@ import io
 import json
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import pandas as pd
@@ -25,6 +26,7 @@ from jaxinfer.experiment.sweep import (
     run_sweep,
 )
 from jaxinfer.metrics import write_tables
+from jaxinfer.metrics.requests import REQUEST_COLUMNS
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
 # Few jit buckets (max_num_batched_tokens=16, decode_steps=1): compiling takes seconds.
@@ -66,11 +68,13 @@ def counting(monkeypatch, fail_on: dict[int, BaseException] | None = None) -> li
 
 
 def fake_results(out: Path, **metrics) -> dict:
-    """The files of a finished run (metrics.json with the counts, empty tables), no engine."""
+    """The files of a finished run of TINY's 4 requests (metrics.json with the counts, a blank
+    row per request, no steps), no engine."""
     metrics = {"num_requests": 4, "num_completed": 4, "num_failed": 0, "failed_errors": [],
                **metrics}  # fmt: skip
     (out / "metrics.json").write_text(json.dumps(metrics))
-    write_tables(out, [], [])
+    rows = [dict.fromkeys(REQUEST_COLUMNS) for _ in range(metrics["num_requests"])]
+    write_tables(out, rows, [])
     return metrics
 
 
@@ -323,6 +327,54 @@ def test_broken_point_is_run_again_and_its_files_kept_aside(tmp_path, monkeypatc
     assert json.loads((points / "workload.seed=1" / "metrics.json").read_text())["goodput"] == 1.5
 
 
+def _requests(n: int) -> bytes:
+    """requests.parquet of `n` blank rows."""
+    with tempfile.TemporaryDirectory() as tmp:
+        write_tables(tmp, [dict.fromkeys(REQUEST_COLUMNS) for _ in range(n)])
+        return (Path(tmp) / "requests.parquet").read_bytes()
+
+
+def _edit_metrics(point: Path, **changes) -> None:
+    metrics = json.loads((point / "metrics.json").read_text())
+    (point / "metrics.json").write_text(json.dumps({**metrics, **changes}))
+
+
+def _fewer_than_the_workload(point: Path) -> None:
+    """Rows and counts that agree, but of 3 requests where the workload has 4."""
+    _edit_metrics(point, num_requests=3, num_completed=3)
+    (point / "requests.parquet").write_bytes(_requests(3))
+
+
+INCONSISTENT = {  # damage to point workload.seed=1 of `_seed_sweep` (4 requests)
+    "0 request rows": lambda point: (point / "requests.parquet").write_bytes(_requests(0)),
+    "3 request rows": lambda point: (point / "requests.parquet").write_bytes(_requests(3)),
+    "num_completed 9999": lambda point: _edit_metrics(point, num_completed=9999),
+    "another point's metrics": lambda point: shutil.copy(
+        point.with_name("workload.seed=0") / "metrics.json", point / "metrics.json"
+    ),
+    "fewer requests than the workload": _fewer_than_the_workload,
+}
+
+
+@pytest.mark.parametrize("case", INCONSISTENT)
+def test_point_whose_files_disagree_is_run_again_from_scratch(tmp_path, monkeypatch, case):
+    cfg, calls = _seed_sweep(tmp_path, monkeypatch)
+    points = tmp_path / "out" / "points"
+    point = points / "workload.seed=1"
+    INCONSISTENT[case](point)
+    log = io.StringIO()
+    result = run_sweep(
+        plan_sweep(cfg, TINY), show_progress=False, console=Console(file=log, width=1000)
+    )
+    assert calls == [0, 1, 1] and result.ok and result.skipped == ["workload.seed=0"]
+    assert "point workload.seed=1 is broken" in log.getvalue()
+    assert len(list(points.glob("workload.seed=1.broken-*"))) == 1
+    assert json.loads((point / "metrics.json").read_text())["goodput"] == 1.5
+    assert pd.read_parquet(point / "requests.parquet").shape[0] == 4
+    table = pd.read_parquet(tmp_path / "out" / "results.parquet")
+    assert table["goodput"].tolist() == [0.0, 1.5] and "config_sha256" not in table
+
+
 @pytest.mark.parametrize("content", CORRUPT_METRICS.values(), ids=CORRUPT_METRICS)
 def test_merge_error_names_the_broken_file(tmp_path, monkeypatch, content):
     cfg, _ = _seed_sweep(tmp_path, monkeypatch)
@@ -405,8 +457,10 @@ def test_rerun_with_another_config_is_refused_naming_the_keys(tmp_path, monkeypa
     )
     result = run_sweep(plan_sweep(cfg, TINY), show_progress=False, console=QUIET)
     assert result.skipped == ["workload.seed=0"] and calls == [0, 1, 1]  # same config: reused
-    # A hash of another config refuses the point even when its config.yaml agrees.
+    # A hash of another config refuses the point even when its config.yaml agrees. (Written in
+    # config.sha256 alone, the files disagree: a broken point, run again.)
     (points / "workload.seed=1" / "config.sha256").write_text("0" * 64 + "\n")
+    _edit_metrics(points / "workload.seed=1", config_sha256="0" * 64)
     with pytest.raises(ValueError, match=r"point workload\.seed=1 .*config\.sha256 is of another"):
         run_sweep(plan_sweep(cfg, TINY), show_progress=False, console=QUIET)
 

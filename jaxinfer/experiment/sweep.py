@@ -27,9 +27,12 @@ their committed results are remade only with an explicit `out_dir=experiments/re
 A point runs into `points/.<name>.tmp-<pid>/` and is renamed to `points/<name>/` once its
 `metrics.json` is written, so an interrupted sweep loses only the points in progress; running
 the same sweep again skips finished points, removes stale tmp folders and re-merges. A point is
-finished when its files are whole (`point_problem`): a `metrics.json` holding a JSON object with
-the counts every run writes (and no `interrupted` mark), and readable `requests.parquet` and
-`steps.parquet`. A point folder that is not is moved aside and the point run again. A finished
+finished when its files are whole and agree (`point_problem`): a `metrics.json` holding a JSON
+object with the counts every run writes (and no `interrupted` mark) and, written by the sweep, the
+`config_sha256` of its folder's `config.sha256`; readable `requests.parquet` and `steps.parquet`;
+as many request rows as `num_requests`, which is `num_completed + num_failed` and the workload's
+`num_requests` (at most that, for a trace). A point folder that is not is moved aside and the
+point run again. A finished
 point run with another config than the one asked for (`config_difference`: other base overrides,
 an edited config file) is an error before anything runs or is written: its results are not this
 sweep's, and rerunning over them would lose them. `sweep.json` and `results.parquet` are left
@@ -81,6 +84,7 @@ _BROKEN_MARK = ".broken-"
 REQUIRED_METRICS = ("num_requests", "num_completed", "num_failed")
 TABLES = ("requests.parquet", "steps.parquet")
 CONFIG_HASH_FILE = "config.sha256"  # in a point folder, next to its resolved config.yaml
+METRICS_CONFIG_KEY = "config_sha256"  # the same hash, in the point's metrics.json
 _SHOWN_DIFFERENCES = 3
 
 
@@ -113,7 +117,7 @@ class SweepPlan:
         point = self.points_dir / name
         return (
             point.is_dir()
-            and point_problem(point) is None
+            and point_problem(point, self.run_configs[name]) is None
             and config_difference(point, self.run_configs[name]) is None
         )
 
@@ -366,20 +370,43 @@ def _is_count(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
-def point_problem(point: Path) -> str | None:
-    """What makes run folder `point` not a finished run (naming the file), or None if nothing."""
+def point_problem(point: Path, rc: RunConfig | None = None) -> str | None:
+    """What makes run folder `point` not a finished run (naming the file), or None if nothing:
+    its files must be whole and agree with each other and, given `rc`, with its workload."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    metrics_file = point / "metrics.json"
     try:
-        read_metrics(point / "metrics.json")
+        metrics = read_metrics(metrics_file)
     except ValueError as e:
         return str(e)
+    rows = {}
     for name in TABLES:
         try:
-            pq.read_metadata(point / name)
+            rows[name] = pq.read_metadata(point / name).num_rows
         except (OSError, pa.ArrowException) as e:
             return f"{point / name}: unreadable ({type(e).__name__}: {e})"
+    n = metrics["num_requests"]
+    if rows["requests.parquet"] != n:
+        return (
+            f"{point / 'requests.parquet'}: {rows['requests.parquet']} rows, {metrics_file} "
+            f"says {n} requests"
+        )
+    if metrics["num_completed"] + metrics["num_failed"] != n:
+        return (
+            f"{metrics_file}: num_completed {metrics['num_completed']} + num_failed "
+            f"{metrics['num_failed']} is not num_requests {n}"
+        )
+    # A metrics.json of another run (copied in): the config hash the sweep wrote into it is not
+    # the folder's. (Folders written before either file have neither.)
+    stored, ran = point / CONFIG_HASH_FILE, metrics.get(METRICS_CONFIG_KEY)
+    if ran is not None and stored.is_file() and stored.read_text().strip() != ran:
+        return f"{metrics_file}: of another config than its folder's {CONFIG_HASH_FILE}"
+    if rc is not None:
+        asked = rc.workload.num_requests
+        if asked is not None and (n > asked if rc.workload.kind == "trace" else n != asked):
+            return f"{metrics_file}: {n} requests, the workload has workload.num_requests={asked}"
     return None
 
 
@@ -460,6 +487,8 @@ def _check_configs(plan: SweepPlan) -> None:
     wrong = {}
     for p in plan.points:
         point = plan.points_dir / p.name
+        # (Not against the asked workload: a point with other num_requests is run with another
+        # config, an error, not a broken point to run again.)
         if point.is_dir() and point_problem(point) is None:
             why = config_difference(point, plan.run_configs[p.name])
             if why is not None:
@@ -503,10 +532,15 @@ def _run_point(
         run_experiment(
             dataclasses.replace(rc, out_dir=str(tmp)), show_progress=show_progress, console=console
         )
-        problem = point_problem(tmp)
+        problem = point_problem(tmp, rc)
         if problem is not None:
             raise RuntimeError(f"the run left no finished results: {problem}")
-        (tmp / CONFIG_HASH_FILE).write_text(config_hash(point_config(rc)) + "\n")
+        digest = config_hash(point_config(rc))
+        (tmp / CONFIG_HASH_FILE).write_text(digest + "\n")
+        metrics = read_metrics(tmp / "metrics.json")  # tied to its config (`point_problem`)
+        (tmp / "metrics.json").write_text(
+            json.dumps({**metrics, METRICS_CONFIG_KEY: digest}, indent=2)
+        )
         cfg_file = tmp / "config.yaml"
         if cfg_file.is_file():  # record where the results live, not the tmp folder
             cfg = OmegaConf.load(cfg_file)
@@ -577,7 +611,10 @@ def merge_results(plan: SweepPlan):
             except (AttributeError, KeyError, TypeError):
                 value = given
             row[key] = value if _is_scalar(value) else given
-        row.update({k: v for k, v in metrics.items() if _is_scalar(v) and k not in row})
+        row.update({
+            k: v for k, v in metrics.items()
+            if _is_scalar(v) and k not in row and k != METRICS_CONFIG_KEY
+        })  # fmt: skip
         rows.append(row)
     columns = ["point", *plan.keys]
     for row in rows:
@@ -789,7 +826,7 @@ def _sweep_record(plan: SweepPlan, workers: int, invocation: dict, ran: list[str
     points = []
     for p in plan.points:
         point = plan.points_dir / p.name
-        done = point.is_dir() and point_problem(point) is None
+        done = point.is_dir() and point_problem(point, plan.run_configs[p.name]) is None
         points.append({
             "name": p.name,
             "overrides": p.overrides,
@@ -863,7 +900,7 @@ def run_sweep(
 
     for p in plan.points:
         point = plan.points_dir / p.name
-        problem = point_problem(point) if point.is_dir() else None
+        problem = point_problem(point, plan.run_configs[p.name]) if point.is_dir() else None
         if problem is not None:
             aside = _move_aside(point)
             console.print(
