@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -491,3 +492,35 @@ def test_rerun_keeps_provenance_of_the_points_it_did_not_run(tmp_path, monkeypat
     spec = json.loads((out / "sweep.json").read_text())
     assert [p["provenance"]["commit"] for p in spec["points"]] == ["old", "new"]
     assert spec["provenance"] == {"commit": "new", "ran": ["workload.seed=1"]}
+
+
+def test_second_sweep_on_a_folder_in_use_is_refused_naming_the_holder(
+    tmp_path, monkeypatch, capsys
+):
+    import fcntl
+
+    calls = fake_run(monkeypatch, ["c1"])
+    cfg = sweep_config(tmp_path, {"grid": {"workload.seed": [0, 1]}})
+    out = tmp_path / "out"
+    out.mkdir()
+    lock = out / ".sweep.lock"
+    # A dead sweep's lock file (a pid, no lock held) blocks nothing.
+    lock.write_text("999999999\n")
+    assert run_sweep(plan_sweep(cfg, TINY), show_progress=False, console=QUIET).ok
+    assert calls == [0, 1]
+    shutil.rmtree(out / "points")
+    before = sorted(p.name for p in out.iterdir())
+
+    with lock.open("r+") as held:  # another sweep, running: it holds the lock
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.truncate()
+        held.write("4242\n")
+        held.flush()
+        assert main(["sweep", str(cfg), *TINY, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{out} is in use by another sweep (pid 4242" in err, err
+    assert calls == [0, 1] and sorted(p.name for p in out.iterdir()) == before  # nothing touched
+
+    # Released: the sweep runs, its pid in the lock file.
+    assert run_sweep(plan_sweep(cfg, TINY), show_progress=False, console=QUIET).ok
+    assert calls == [0, 1, 0, 1] and lock.read_text() == f"{os.getpid()}\n"

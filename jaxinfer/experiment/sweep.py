@@ -21,6 +21,8 @@ their committed results are remade only with an explicit `out_dir=experiments/re
                              config.sha256, the hash of its resolved config (`point_config`)
     points/<name>.error.txt  traceback of a point that raised
     points/<name>.broken-<time>/  the files of a point found broken, moved aside before its re-run
+    .sweep.lock              the pid of the sweep running in the folder, which holds a lock on it:
+                             a second sweep on the folder is refused, naming that pid
     results.parquet          one row per finished point: `point`, one column per swept key,
                              then every scalar metric of the point's metrics.json
 
@@ -80,6 +82,7 @@ _TMP_MARK = ".tmp-"
 _MAX_NAME = 160  # leaves room for ".<name>.tmp-<pid>" and ".error.txt" within 255 bytes
 _UNSWEEPABLE = ("out_dir",)
 _BROKEN_MARK = ".broken-"
+LOCK_FILE = ".sweep.lock"  # held (flock) by the sweep running in the folder
 # Keys every run's metrics.json has (from `summarize`): without them the file is not a run's.
 REQUIRED_METRICS = ("num_requests", "num_completed", "num_failed")
 TABLES = ("requests.parquet", "steps.parquet")
@@ -890,6 +893,39 @@ def run_sweep(
         raise ValueError(f"gpus_per_worker={gpus_per_worker} is invalid: must be an int >= 0")
     console = console or Console()
     devices = worker_devices(workers, gpus_per_worker) if workers > 1 else [None]
+    with _sweep_lock(plan.out_dir):
+        return _run_sweep_locked(plan, workers, devices, show_progress, console)
+
+
+@contextlib.contextmanager
+def _sweep_lock(out_dir: Path) -> Iterator[None]:
+    """Hold an exclusive flock on `out_dir/.sweep.lock` (which holds our pid), so that a second
+    sweep on the folder is refused instead of removing this one's points in progress. The
+    kernel drops the lock when its process exits, so a dead sweep's lock file blocks nothing."""
+    import fcntl
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            raise ValueError(
+                f"{out_dir} is in use by another sweep (pid {holder}, lock {path}); wait for it "
+                f"to finish, or use another out_dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # (releases the lock)
+
+
+def _run_sweep_locked(
+    plan: SweepPlan, workers: int, devices: list[str | None], show_progress: bool, console: Console
+) -> SweepResult:
     _check_configs(plan)  # before anything is written
     plan.points_dir.mkdir(parents=True, exist_ok=True)
     stale = _remove_stale_tmp(plan.points_dir)
