@@ -203,17 +203,27 @@ def generate(args: argparse.Namespace) -> int:
 
 def train(args: argparse.Namespace) -> int:
     """Train (or resume) a reference model, export it in HF format, report held-out perplexity."""
-    from jaxinfer.checkpoint import save_hf_model
     from jaxinfer.train.config import load_train_config
     from jaxinfer.train.eagle import is_eagle_config, load_eagle_config, train_eagle
-    from jaxinfer.train.evaluate import heldout_perplexity
-    from jaxinfer.train.trainer import train as run_training
 
     if is_eagle_config(args.config, args.overrides):  # an EAGLE draft head (train/eagle.py)
         summary = train_eagle(load_eagle_config(args.config, args.overrides))
         print(json.dumps({k: summary[k] for k in ("name", "head_params", "heldout_agreement")}))
         return 0
     tc = load_train_config(args.config, args.overrides)
+    try:
+        return _train(tc, args)
+    except KeyboardInterrupt as e:  # one line, as `run` prints: the checkpoints are the work kept
+        print(f"jaxinfer train: {str(e) or 'interrupted; rerunning resumes'}", file=sys.stderr)
+        return 130
+
+
+def _train(tc, args: argparse.Namespace) -> int:
+    """Train (or resume) `tc`, export it to `out_dir/hf`, write its metrics.json."""
+    from jaxinfer.checkpoint import save_hf_model
+    from jaxinfer.train.evaluate import heldout_perplexity
+    from jaxinfer.train.trainer import train as run_training
+
     cfg, params, summary = run_training(tc, show_progress=not args.no_progress)
     out = Path(tc.out_dir)
     export = cfg.replace(param_dtype=args.export_dtype, dtype=args.export_dtype)

@@ -106,5 +106,34 @@ def test_interrupted_run_resumes_to_the_same_weights(tmp_path, monkeypatch):
         trainer.train(load_train_config(None, [*overrides, "steps=7", f"out_dir={tmp_path / 'b'}"]))
 
 
+def test_ctrl_c_during_train_says_in_one_line_where_it_stopped_and_keeps_the_checkpoint(
+    tmp_path, monkeypatch, capsys
+):
+    from jaxinfer.cli import main
+
+    real_step, calls = trainer.train_step, []
+
+    def interrupt_fifth(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "train_step", interrupt_fifth)
+    config = tmp_path / "train.yaml"
+    config.write_text("name: r\n")
+    out = tmp_path / "run"
+    overrides = [
+        "steps=6", "warmup_steps=1", "seq_len=32", "batch_size=2", "eval_every=3",
+        "eval_windows=2", "checkpoint_every=2", f"out_dir={out}", *TINY_SHAPE,
+    ]  # fmt: skip
+    assert main(["train", str(config), *overrides, "--no-progress"]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    assert err.startswith("jaxinfer train: interrupted after step 4 of 6: the checkpoint of step 4")
+    assert str(out / "checkpoints") in err and "rerunning the same command resumes" in err
+    assert trainer.ocp.CheckpointManager(out / "checkpoints").latest_step() == 4  # work kept
+
+
 def test_builtin_tokenizer_is_shipped():
     assert BUILTIN_TOKENIZER.exists()

@@ -152,6 +152,10 @@ def load_data(
     return tokenizer, train_stream, eval_windows(heldout_stream, tc.seq_len, tc.eval_windows)
 
 
+class TrainInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped training; the message says after which step and what checkpoint is kept."""
+
+
 class _Log:
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -206,23 +210,40 @@ def train(tc: TrainConfig, *, show_progress: bool = True) -> tuple[ModelConfig, 
         TextColumn("{task.fields[status]}"),
         TimeRemainingColumn(),
     )
-    t0 = time.perf_counter()
-    with Progress(*columns, disable=not show_progress) as progress:
-        task = progress.add_task("train", total=tc.steps, completed=start, status="")
-        for step in range(start, tc.steps):
-            tokens = jnp.asarray(
-                train_batch(train_stream, tc.seed, step, tc.batch_size, tc.seq_len)
-            )
-            params, opt_state, loss, gnorm = train_step(params, opt_state, tokens, cfg=cfg, tx=tx)
-            done = step + 1
-            if done % tc.eval_every == 0 or done == tc.steps:
-                eval_loss = heldout_loss(params, cfg, heldout, tc.batch_size)
-                row = dict(step=done, loss=float(loss), grad_norm=float(gnorm))
-                log.write(**row, heldout_loss=eval_loss, elapsed_s=time.perf_counter() - t0)
-                progress.update(task, status=f"loss {float(loss):.3f} held-out {eval_loss:.3f}")
-            if done % tc.checkpoint_every == 0 or done == tc.steps:
-                manager.save(done, args=ocp.args.StandardSave((params, opt_state)))
-            progress.update(task, completed=done)
+    t0, done = time.perf_counter(), start
+    try:
+        with Progress(*columns, disable=not show_progress) as progress:
+            task = progress.add_task("train", total=tc.steps, completed=start, status="")
+            for step in range(start, tc.steps):
+                tokens = jnp.asarray(
+                    train_batch(train_stream, tc.seed, step, tc.batch_size, tc.seq_len)
+                )
+                params, opt_state, loss, gnorm = train_step(
+                    params, opt_state, tokens, cfg=cfg, tx=tx
+                )
+                done = step + 1
+                if done % tc.eval_every == 0 or done == tc.steps:
+                    eval_loss = heldout_loss(params, cfg, heldout, tc.batch_size)
+                    row = dict(step=done, loss=float(loss), grad_norm=float(gnorm))
+                    log.write(**row, heldout_loss=eval_loss, elapsed_s=time.perf_counter() - t0)
+                    progress.update(task, status=f"loss {float(loss):.3f} held-out {eval_loss:.3f}")
+                if done % tc.checkpoint_every == 0 or done == tc.steps:
+                    manager.save(done, args=ocp.args.StandardSave((params, opt_state)))
+                progress.update(task, completed=done)
+    except KeyboardInterrupt as e:
+        manager.wait_until_finished()  # a checkpoint being written (async) is kept whole
+        kept = manager.latest_step()
+        manager.close()
+        where = f"interrupted after step {done} of {tc.steps}"
+        if kept is None:
+            raise TrainInterrupted(
+                f"{where}, before the first checkpoint (every {tc.checkpoint_every} steps): "
+                f"rerunning starts again"
+            ) from e
+        raise TrainInterrupted(
+            f"{where}: the checkpoint of step {kept} is kept in {out / 'checkpoints'}; "
+            f"rerunning the same command resumes from it"
+        ) from e
     manager.wait_until_finished()
     manager.close()
     summary["train_s_this_run"] = round(time.perf_counter() - t0, 1)
