@@ -232,6 +232,25 @@ def test_errors(tmp_path, capsys):
     assert "neither a run folder" in capsys.readouterr().err
 
 
+def test_folders_report_cannot_read_are_refused_in_one_line(tmp_path, capsys):
+    quickstart = tmp_path / "quickstart"  # `jaxinfer quickstart` writes a metrics.json of no run
+    quickstart.mkdir()
+    (quickstart / "metrics.json").write_text(json.dumps({"model": "tiny", "output_tokens": 9}))
+    both = tmp_path / "both"  # a sweep written into a run's folder
+    make_run(both, 1.0)
+    (both / "sweep.json").write_text(json.dumps({"points": []}))
+    for folder, says in [
+        (quickstart, f"{quickstart}: not a run folder that report can read: "),
+        (both, f"{both}: holds both a sweep's (sweep.json) and a run's (metrics.json) results"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(says)):
+            write_report([folder], tmp_path / "r")
+        assert main(["report", str(folder)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err, err
+    assert not (tmp_path / "r").exists()
+
+
 def test_report_of_committed_results_never_rewrites_their_report_unasked(
     tmp_path, monkeypatch, capsys
 ):

@@ -524,3 +524,28 @@ def test_second_sweep_on_a_folder_in_use_is_refused_naming_the_holder(
     # Released: the sweep runs, its pid in the lock file.
     assert run_sweep(plan_sweep(cfg, TINY), show_progress=False, console=QUIET).ok
     assert calls == [0, 1, 0, 1] and lock.read_text() == f"{os.getpid()}\n"
+
+
+def test_sweep_and_run_refuse_each_others_folders(tmp_path, monkeypatch, capsys):
+    from jaxinfer.experiment.run import fresh_results_dir
+
+    calls = fake_run(monkeypatch, ["c1"])
+    cfg = sweep_config(tmp_path)  # no `sweep:`: one point, in the run's out_dir
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.yaml").write_text("name: quickstart\n")  # `make quickstart`'s run folder
+    (out / "metrics.json").write_text(json.dumps({"num_requests": 4}))
+    assert main(["sweep", str(cfg), *TINY, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.count("\n") == 1 and f"{out} holds a run's results (config.yaml, metrics.json)" in err
+    )
+    assert calls == [] and sorted(p.name for p in out.iterdir()) == ["config.yaml", "metrics.json"]
+
+    sweep_out = tmp_path / "sweep"
+    assert run_sweep(
+        plan_sweep(cfg, [*TINY, f"out_dir={sweep_out}"]), show_progress=False, console=QUIET
+    ).ok
+    with pytest.raises(ValueError, match=r"holds a sweep's results \(sweep\.json\), not a run's"):
+        fresh_results_dir(sweep_out, overwrite=True)
+    assert fresh_results_dir(sweep_out) != sweep_out  # (without --overwrite: a folder of its own)

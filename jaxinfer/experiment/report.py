@@ -150,12 +150,24 @@ def _sweep_points(d: Path, prefix: str) -> tuple[list[Point], list[str]]:
 def load_points(paths: list[Path]) -> tuple[list[Point], list[str]]:
     """Points of run and sweep folders, in the order given, and notes on points left out."""
     points, notes = [], []
+    from jaxinfer.experiment.sweep import read_metrics
+
     for path in map(Path, paths):
-        if (path / "sweep.json").is_file() or (path / "results.parquet").is_file():
+        sweep_files = [f for f in ("sweep.json", "results.parquet") if (path / f).is_file()]
+        if sweep_files and (path / "metrics.json").is_file():  # which of the two is meant?
+            raise ValueError(
+                f"{path}: holds both a sweep's ({', '.join(sweep_files)}) and a run's "
+                f"(metrics.json) results; move one of them to a folder of its own"
+            )
+        if sweep_files:
             found, missing = _sweep_points(path, f"{path.name}/" if len(paths) > 1 else "")
             points += found
             notes += missing
         elif (path / "metrics.json").is_file():
+            try:  # (a `jaxinfer quickstart` folder has a metrics.json, of no run)
+                read_metrics(path / "metrics.json", finished=False)
+            except ValueError as e:
+                raise ValueError(f"{path}: not a run folder that report can read: {e}") from None
             points.append(_run_point(path.name, path))
         else:
             raise FileNotFoundError(

@@ -293,6 +293,11 @@ def fresh_results_dir(out_dir: str | Path, *, overwrite: bool = False) -> Path:
     that two runs started together cannot take the same one: a run never replaces another's."""
     out = Path(out_dir)
     out = out if out.name else out.resolve()  # ("." has no name to extend)
+    if overwrite and (out / "sweep.json").exists():
+        raise ValueError(
+            f"{out} holds a sweep's results (sweep.json), not a run's: --overwrite would mix the "
+            f"two; give the run its own folder"
+        )
     if overwrite or not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return out
     stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -23,6 +23,8 @@ their committed results are remade only with an explicit `out_dir=experiments/re
     points/<name>.broken-<time>/  the files of a point found broken, moved aside before its re-run
     .sweep.lock              the pid of the sweep running in the folder, which holds a lock on it:
                              a second sweep on the folder is refused, naming that pid
+
+An out_dir that holds a run's results (`RUN_FILES`: `jaxinfer run`'s folder) is refused.
     results.parquet          one row per finished point: `point`, one column per swept key,
                              then every scalar metric of the point's metrics.json
 
@@ -82,6 +84,7 @@ _TMP_MARK = ".tmp-"
 _MAX_NAME = 160  # leaves room for ".<name>.tmp-<pid>" and ".error.txt" within 255 bytes
 _UNSWEEPABLE = ("out_dir",)
 _BROKEN_MARK = ".broken-"
+RUN_FILES = ("config.yaml", "env.json", "metrics.json")  # of a run's folder (run.py)
 LOCK_FILE = ".sweep.lock"  # held (flock) by the sweep running in the folder
 # Keys every run's metrics.json has (from `summarize`): without them the file is not a run's.
 REQUIRED_METRICS = ("num_requests", "num_completed", "num_failed")
@@ -353,8 +356,9 @@ def _fails(base: Path, overrides: list[str]) -> bool:
 # ---------------------------------------------------------------------------- finished points
 
 
-def read_metrics(path: Path) -> dict:
-    """A finished run's `metrics.json`; ValueError naming the file and what is wrong with it."""
+def read_metrics(path: Path, *, finished: bool = True) -> dict:
+    """A (`finished`, else maybe interrupted) run's `metrics.json`; ValueError naming the file
+    and what is wrong with it."""
     try:
         metrics = json.loads(path.read_bytes().decode("utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -364,7 +368,7 @@ def read_metrics(path: Path) -> dict:
     missing = [k for k in REQUIRED_METRICS if not _is_count(metrics.get(k))]
     if missing:
         raise ValueError(f"{path}: not a run's metrics: no integer {', '.join(missing)}")
-    if "interrupted" in metrics:
+    if finished and "interrupted" in metrics:
         raise ValueError(f"{path}: of a run interrupted by {metrics['interrupted']}")
     return metrics
 
@@ -893,6 +897,14 @@ def run_sweep(
         raise ValueError(f"gpus_per_worker={gpus_per_worker} is invalid: must be an int >= 0")
     console = console or Console()
     devices = worker_devices(workers, gpus_per_worker) if workers > 1 else [None]
+    # A run's folder (`make quickstart`'s runs/quickstart, for a config without `sweep:`) is not
+    # a sweep's: its files would sit beside the points, and `report` show either.
+    run_files = [f for f in RUN_FILES if (plan.out_dir / f).exists()]
+    if run_files:
+        raise ValueError(
+            f"{plan.out_dir} holds a run's results ({', '.join(run_files)}), not a sweep's: give "
+            f"the sweep its own folder (out_dir=...)"
+        )
     with _sweep_lock(plan.out_dir):
         return _run_sweep_locked(plan, workers, devices, show_progress, console)
 
