@@ -1,5 +1,6 @@
 """Shared test helpers: CPU device meshes in a subprocess, fresh seeds that failures name, argparse
-refusals with their message, and the count of GPU-only tests a CPU run deselected."""
+refusals with their message, the test-only weight format registered for a module's tests, and
+the count of GPU-only tests a CPU run deselected."""
 
 from __future__ import annotations
 
@@ -31,6 +32,17 @@ def run_on_cpu_devices():
         assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
     return run
+
+
+@pytest.fixture(scope="module")
+def channel_scaled_format():
+    """spine_parts' test-only weight format "test_channel_scaled", in `WEIGHT_FORMATS` while the
+    requesting module's tests run and removed after them (importing spine_parts registers
+    nothing, so no other module's tests see it)."""
+    import spine_parts
+
+    with spine_parts.registered_format(spine_parts.CHANNEL_SCALED) as fmt:
+        yield fmt
 
 
 @pytest.fixture
