@@ -1,5 +1,6 @@
 """Shared test helpers: CPU device meshes in a subprocess, fresh seeds that failures name, argparse
-refusals with their message, and the count of GPU-only tests a CPU run deselected."""
+refusals with their message, the test-only weight format registered for a module's tests, and
+the count of GPU-only tests a CPU run deselected."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import secrets
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -31,6 +33,17 @@ def run_on_cpu_devices():
         assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
     return run
+
+
+@pytest.fixture(scope="module")
+def channel_scaled_format():
+    """spine_parts' test-only weight format "test_channel_scaled", in `WEIGHT_FORMATS` while the
+    requesting module's tests run and removed after them (importing spine_parts registers
+    nothing, so no other module's tests see it)."""
+    import spine_parts
+
+    with spine_parts.registered_format(spine_parts.CHANNEL_SCALED) as fmt:
+        yield fmt
 
 
 @pytest.fixture
@@ -74,13 +87,41 @@ def refused(capsys):
     return run
 
 
+# ---- `--only-tests FILE`: run exactly the tests whose node ids FILE lists, one a line (a shard of
+# the GPU suite, experiments/run_gpu_tests.py --shard). Node ids on the command line would not do:
+# pytest would also run the files the other arguments name; `--deselect` matches id prefixes.
+# (Under xdist, a worker's refusal of a listed test it did not collect is an internal error.)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--only-tests", metavar="FILE", default=None,
+                     help="run only the tests whose node ids FILE lists, one a line (after -m "
+                          "and -k); a listed test that is not collected is an error")  # fmt: skip
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    path = config.getoption("only_tests")
+    if path is None:
+        return
+    wanted = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    collected = {item.nodeid for item in items}
+    missing = [nodeid for nodeid in wanted if nodeid not in collected]
+    if missing:
+        raise pytest.UsageError(f"--only-tests: {len(missing)} listed tests were not collected "
+                                f"(by these arguments): {missing[:5]}")  # fmt: skip
+    keep = set(wanted)
+    config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in keep])
+    items[:] = [item for item in items if item.nodeid in keep]
+
+
 # ---- "N GPU-only tests deselected": a CPU run (`-m 'not gpu'`, the default) says what it skipped.
 # Under xdist each worker collects (and deselects) the whole selection; the controller prints.
 
 
 def pytest_deselected(items):
     config = items[0].config if items else None
-    if config is None:
+    if config is None or config.getoption("only_tests") is not None:  # a shard's own choice
         return
     gpu = sum(item.get_closest_marker("gpu") is not None for item in items)
     config.stash[_GPU_DESELECTED] = config.stash.get(_GPU_DESELECTED, 0) + gpu

@@ -2,7 +2,10 @@
 
 Each is the smallest real user of its seam, so the tests that use it fail if the seam does:
 - `ChannelScaled`: values [*in, *out] times one fp32 scale per output channel (a weight format,
-  `jaxinfer.quant`), registered as "test_channel_scaled";
+  `jaxinfer.quant`), named "test_channel_scaled". Importing this module does not register it:
+  `registered_format` does for a `with` block (conftest's `channel_scaled_format` fixture, for
+  the modules that use it), so `WEIGHT_FORMATS` holds it only while such tests run, and tests
+  that parametrize over the formats take `jaxinfer_formats()`;
 - "test_split_dense" (`FFN_BLOCKS`): the dense SwiGLU with separate gate and up weights, so a
   layer of this kind computes what a dense layer with the fused weight does;
 - `KnownTokens`: a proposer that drafts known continuations, some of them deliberately wrong
@@ -11,8 +14,10 @@ Each is the smallest real user of its seam, so the tests that use it fail if the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import jax
@@ -22,7 +27,7 @@ import numpy as np
 from jaxinfer.models.ffn import FFN_BLOCKS, FfnBlock
 from jaxinfer.models.layers import linear, scale_rows
 from jaxinfer.models.spec import ParamSpec, linear_spec
-from jaxinfer.quant import QuantizedWeight, WeightFormat, register_format
+from jaxinfer.quant import WEIGHT_FORMATS, QuantizedWeight, WeightFormat, register_format
 
 # -- a weight format -------------------------------------------------------------------------------
 
@@ -52,7 +57,33 @@ class ChannelScaled(WeightFormat):
         return (y.astype(jnp.float32) * qw.arrays["scales"]).astype(y.dtype)
 
 
-CHANNEL_SCALED = register_format(ChannelScaled("test_channel_scaled"))
+CHANNEL_SCALED = ChannelScaled("test_channel_scaled")
+
+
+@contextlib.contextmanager
+def registered_format(fmt: WeightFormat) -> Iterator[WeightFormat]:
+    """`fmt` in `WEIGHT_FORMATS` (so configs can name it) for the `with` block only. A name
+    registered already is refused: a test format must not shadow another, nor outlive its block."""
+    if fmt.name in WEIGHT_FORMATS:
+        raise ValueError(f"weight format {fmt.name!r} is registered already")
+    register_format(fmt)
+    try:
+        yield fmt
+    finally:
+        del WEIGHT_FORMATS[fmt.name]
+
+
+def defined_by_jaxinfer(fmt: WeightFormat) -> bool:
+    """Whether the format's class is one of the jaxinfer package's (not a test's)."""
+    module = type(fmt).__module__
+    return module == "jaxinfer" or module.startswith("jaxinfer.")
+
+
+def jaxinfer_formats() -> list[str]:
+    """The names of the registered formats jaxinfer defines, sorted: what tests parametrize over,
+    so that a format registered by a test (or leaked by one) cannot add cases."""
+    return sorted(name for name, fmt in WEIGHT_FORMATS.items() if defined_by_jaxinfer(fmt))
+
 
 # -- an FFN kind -----------------------------------------------------------------------------------
 

@@ -68,9 +68,10 @@ def host_checksums(x) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+def saved(tmp_path_factory, channel_scaled_format):
     """(checkpoint dir, cfg, params) of a tiny model with a weight format (QuantizedWeight nodes)
-    and mixed dtypes (bf16 values, fp32 scales and norms)."""
+    and mixed dtypes (bf16 values, fp32 scales and norms). The format is registered until the
+    module's last test (restoring names it too)."""
     cfg = preset("tiny", weight_format=FORMAT, param_dtype="bfloat16")
     rng = np.random.default_rng(7)
     params = jax.tree.map(
@@ -252,6 +253,8 @@ def test_restore_onto_a_mesh_verifies_the_checksums_saved_on_one_device(saved, r
         import spine_parts
         from jaxinfer.checkpoint import restore_params
         from jaxinfer.parallel.sharding import make_mesh
+        from jaxinfer.quant import register_format
+        register_format(spine_parts.CHANNEL_SCALED)  # the checkpoint names it (this process only)
         warnings.simplefilter("error")
         _, single = restore_params({str(path)!r})
         _, sharded = restore_params({str(path)!r}, mesh=make_mesh({{"data": 1, "model": 2}}))

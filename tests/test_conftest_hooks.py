@@ -54,3 +54,29 @@ def test_a_failure_names_its_fresh_seed_which_replays_it(folder, extra, monkeypa
     again = folder.runpytest_subprocess("-k", "draws", *extra)
     again.assert_outcomes(failed=1)
     assert f"[seed {seed}] AssertionError" in again.stdout.str()
+
+
+@pytest.mark.parametrize("extra", **RUNS)
+def test_only_tests_runs_exactly_the_listed_node_ids(folder, extra):
+    """`--only-tests FILE` (a GPU shard's list): a listed id is not a prefix (test_x does not
+    take test_x_more), other tests are deselected without the CPU run's GPU line, and a listed
+    test that is not collected is an error naming the option."""
+    gpu = "import pytest\n@pytest.mark.gpu\n"
+    folder.makepyfile(
+        test_a=f"{gpu}@pytest.mark.parametrize('n', [1, 2, 10])\ndef test_x(n): pass\n"
+        "@pytest.mark.gpu\ndef test_x_more(): pass",
+        test_b=f"{gpu}def test_y(): pass",
+    )
+    listed = folder.path / "only.txt"
+    listed.write_text("test_a.py::test_x[1]\ntest_b.py::test_y\n")
+    out = folder.runpytest_subprocess("-m", "gpu", "--only-tests", str(listed), "-rA", *extra)
+    out.assert_outcomes(passed=2)  # (xdist's summary line leaves the deselected out)
+    assert out.parseoutcomes().get("deselected") == (None if extra else 3)
+    for line in ("PASSED test_a.py::test_x[[]1[]]", "PASSED test_b.py::test_y"):  # any order
+        out.stdout.fnmatch_lines([line])
+    out.stdout.no_fnmatch_line("*GPU-only*")
+    listed.write_text("test_a.py::test_x[1]\ntest_a.py::test_gone\n")
+    bad = folder.runpytest_subprocess("-m", "gpu", "--only-tests", str(listed), *extra)
+    assert bad.ret != 0  # (under xdist the workers' refusal is an internal error: no message)
+    if not extra:
+        assert "--only-tests: 1 listed tests were not collected" in bad.stderr.str()

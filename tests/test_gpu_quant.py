@@ -4,8 +4,9 @@ pytest -m gpu tests/test_gpu_quant.py`, ~1-2 min on an H200).
 The CPU suite checks each format's math on XLA:CPU; what it cannot see is XLA:GPU's lowering of
 the same graphs: its conversions to e4m3, its reductions and divisions, and the fp8 x fp8 dots of
 the W8A8 formats, which on Hopper become fp8 GEMMs (cuBLASLt or Triton) accumulated in the tensor
-cores. So, for every format of `WEIGHT_FORMATS`, on weights shaped like a fused `w_qkv` (partial
-128-blocks in both K and N) and a two-input-axis `wo`:
+cores. So, for every format jaxinfer defines (`WEIGHT_FORMATS` less any a test registers), on
+weights shaped like a fused `w_qkv` (partial 128-blocks in both K and N) and a two-input-axis
+`wo`:
 
 - quantize on the GPU and on the CPU backend: the stored codes and scales agree bit for bit but
   for at most 0.1% of them, each one code step (ulp) off (both backends divide in IEEE fp32 and
@@ -38,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from spine_parts import jaxinfer_formats
 
 from jaxinfer.engine.llm import LLM
 from jaxinfer.engine.request import SamplingParams
@@ -50,7 +52,7 @@ from jaxinfer.quant.intq import unpack_nibbles
 
 pytestmark = pytest.mark.gpu
 
-FORMATS = sorted(WEIGHT_FORMATS)
+FORMATS = jaxinfer_formats()  # not a test's format, registered or leaked
 W8A8 = tuple(f for f in FORMATS if isinstance(WEIGHT_FORMATS[f], Fp8Scaled | Fp8Block | Fp8Static))
 # (logical shape [*in, *out], in_dims): a fused w_qkv (K = 320: two and a half 128-blocks; N = 64
 # per head) and a wo with two input axes (K = 4 x 64); K a multiple of 32 (q8_0, q4_1 blocks)

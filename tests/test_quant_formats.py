@@ -176,10 +176,29 @@ def test_fp4_codes_are_nearest_to_the_weight_over_its_stored_scale(name, fresh_s
 # -- round-trip error bounds ----------------------------------------------------------------------
 
 
-def _bound(name: str, qw: QuantizedWeight, w: np.ndarray) -> np.ndarray:
-    """The largest |w - dequantize(quantize(w))| a format allows, elementwise ([K, N] weights)."""
+# fp32 arithmetic in the formats' quantize and dequantize: each rounding moves its result by at
+# most half an ulp, 2^-24 of the result's magnitude (or 2^-150 absolute in fp32's subnormal
+# range). The bounds take a whole ulp per rounding: the spare half covers the products of two
+# rounding errors (e.g. of w / s times its own rounding) and the float64 arithmetic of the bound.
+FP32_ULP = 2.0**-23
+FP32_TINY = 2.0**-149
+FP16_HALF_ULP = 2.0**-11  # GGUF's d and m are float16: relative, normals
+FP16_TINY = 2.0**-25  # float16 subnormals: absolute
+
+
+def _fp32(magnitude, n: int = 1) -> np.ndarray:
+    """What `n` fp32 roundings of a value of this magnitude can add to the error."""
+    return n * (FP32_ULP * np.abs(magnitude) + FP32_TINY)
+
+
+def _bound(name: str, qw: QuantizedWeight, w: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """The largest |w - d| a format allows, elementwise ([K, N] weights, d = dequantize(quantize
+    (w))): the format's rounding of w / scale to its grid, in exact arithmetic, plus the fp32
+    roundings of the quantizer's w / scale (a rounding of magnitude |w / scale| times the scale,
+    so |w|) and of the dequantized product (|d|)."""
     a = qw.arrays
     k = w.shape[0]
+    fp32 = _fp32(w) + _fp32(d)  # w / s and q * s, each rounded once
 
     def per_k(s, block):  # [G, N] -> [K, N]
         return np.repeat(np.asarray(s, np.float64), block, axis=0)[:k]
@@ -188,25 +207,34 @@ def _bound(name: str, qw: QuantizedWeight, w: np.ndarray) -> np.ndarray:
         s = np.asarray(a["scales"], np.float64)
         s = s.T if s.ndim == 2 else s  # fp8_block: [NB, KB] -> [KB, NB]
         s = np.repeat(np.repeat(s, 128, 0)[:k], 128, 1)[:, : w.shape[1]] if s.ndim == 2 else s
-        return 2.0**-4 * np.abs(w) + 2.0**-10 * s
-    if name == "int8":
-        return np.asarray(a["scales"]) / 2
+        return 2.0**-4 * np.abs(w) + 2.0**-10 * s + fp32
+    if name == "int8":  # half a step
+        return np.asarray(a["scales"], np.float64) / 2 + fp32
     if name == "int4_g128_sym":
-        return per_k(a["scales"], 128) / 2
+        return per_k(a["scales"], 128) / 2 + fp32
     if name == "int4_g128_asym":  # half a step, plus half a step of zero-point rounding
-        return per_k(a["scales"], 128)
+        return per_k(a["scales"], 128) + fp32
     if name in ("nvfp4", "mxfp4"):  # half the e2m1 step at |v| <= 2 is 0.25, above it <= |v|/4
         if name == "mxfp4":
             s = per_k(np.ldexp(1.0, np.asarray(a["scales"], np.int64) - 127), 32)
-        else:
+        else:  # the scale block * tensor is rounded too before w is divided by it
             bs = np.asarray(a["block_scales"]).astype(np.float64)
             s = per_k(bs * float(a["tensor_scale"]), 16)
-        return np.maximum(0.25 * s, np.abs(w) / 4) + 1e-6 * np.abs(w)
-    d = per_k(np.asarray(a["d"], np.float64), 32)  # half a step plus float16 scale rounding
-    if name == "q8_0":
-        return d * (0.5 + 127 * 2.0**-11) * 1.01
-    m = per_k(np.asarray(a["m"], np.float64), 32)
-    return d * (0.5 + 15 * 2.0**-11) * 1.01 + np.abs(m) * 2.0**-11
+            fp32 = fp32 + _fp32(w)
+        return np.maximum(0.25 * s, np.abs(w) / 4) + fp32
+    # GGUF: the quants are computed from the fp32 d (and min), which are then stored as float16:
+    # the bound adds the quants times that float16 rounding; d32 is at most the stored d over
+    # (1 - 2^-11), so d16 * (1 + 2^-10), plus a float16 subnormal's half step
+    d16 = per_k(np.asarray(a["d"], np.float64), 32)
+    d32 = d16 * (1 + 2 * FP16_HALF_ULP) + FP16_TINY
+    if name == "q8_0":  # q = roundf(w * (1 / d)): two roundings of |w / d| before the half step
+        return 0.5 * d32 + 127 * (FP16_HALF_ULP * d32 + FP16_TINY) + _fp32(w, 2) + _fp32(d)
+    # q4_1: q = trunc((w - m) * (1 / d) + 0.5), d = (max - min) / 15: w - m, 1 / d and the product
+    # round (|w| + |m|), the + 0.5 rounds a value up to 16 steps; d * q + m rounds twice
+    m16 = per_k(np.asarray(a["m"], np.float64), 32)
+    m32 = np.abs(m16) * (1 + 2 * FP16_HALF_ULP) + FP16_TINY
+    return (0.5 * d32 + 15 * (FP16_HALF_ULP * d32 + FP16_TINY) + FP16_HALF_ULP * m32 + FP16_TINY
+            + _fp32(np.abs(w) + m32, 3) + _fp32(16 * d32) + _fp32(15 * d16) + _fp32(d))  # fmt: skip
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -217,11 +245,14 @@ def test_round_trip_error_is_within_the_formats_bound(name, dist, fresh_seed):
     w = rng.standard_normal(shape) if dist == "normal" else rng.standard_t(3, shape)
     w = (w * 0.05).astype(np.float32)
     qw = quantized(name, w)
-    err = np.abs(deq(qw) - w)
-    bound = _bound(name, qw, w)
-    worst = np.unravel_index(np.argmax(err - bound), shape)
-    assert np.all(err <= bound + 1e-9), (
-        f"seed {fresh_seed}: {name} error {err[worst]:.3g} > bound {bound[worst]:.3g} at {worst}"
+    d = deq(qw)
+    err = np.abs(d - w)
+    # a bound per output channel (int8's scales, [N]) holds for each element of its column
+    bound = np.broadcast_to(_bound(name, qw, w, d), shape)
+    worst = tuple(int(i) for i in np.unravel_index(np.argmax(err - bound), shape))
+    assert np.all(err <= bound), (
+        f"seed {fresh_seed}: {name} error {err[worst]:.6g} > bound {bound[worst]:.6g} "
+        f"(by {err[worst] - bound[worst]:.3g}) at {worst}"
     )
 
 

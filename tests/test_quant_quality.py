@@ -9,8 +9,8 @@ import math
 
 import experiment_scripts
 import pytest
+from spine_parts import jaxinfer_formats
 
-from jaxinfer.quant import WEIGHT_FORMATS
 from jaxinfer.train.evaluate import heldout_perplexity
 
 ROW_FIELDS = {"model", "format", "perplexity", "nats_per_token", "ppl_change_pct", "kl_mean",
@@ -78,8 +78,7 @@ def test_claim_verdicts_follow_the_claimed_ranges(qq):
     assert verdicts("int4_g128_sym", 0.5) == {("004", "below"), ("002", "below")}
     assert verdicts("int4_g128_sym", 2.0) == {("004", "inside"), ("002", "inside")}
     assert verdicts("nvfp4", 6.0) == {("004", "above")}
-    # each of the package's formats is claimed (tests register formats of their own, e.g.
-    # spine_parts.py's test_channel_scaled, into the same registry in the same worker)
-    ours = [f for f in qq.FORMATS if f != "none"
-            and type(WEIGHT_FORMATS[f]).__module__.startswith("jaxinfer.")]  # fmt: skip
+    # each of the package's formats is claimed (the script's FORMATS is the registry's at its
+    # import, which a test's format registered at that moment would join)
+    ours = [f for f in qq.FORMATS if f != "none" and f in jaxinfer_formats()]
     assert len(ours) == 11 and all(qq.claim_verdicts(f, 0.0) for f in ours), ours

@@ -25,6 +25,8 @@ from jaxinfer.quant import QuantizedWeight
 from jaxinfer.quant.transform import quantize_params
 
 FORMAT = spine_parts.CHANNEL_SCALED.name
+# configs name the format, so it is registered while this module's tests run (and only then)
+pytestmark = pytest.mark.usefixtures("channel_scaled_format")
 
 
 @pytest.mark.parametrize("in_dims", [1, 2])
