@@ -40,7 +40,7 @@ lint: $(VENV)/.test $(VENV)/.smollm2
 	$(VENV)/bin/ruff format --check .
 
 test: lint
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache
