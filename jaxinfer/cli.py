@@ -343,7 +343,12 @@ def serve(args: argparse.Namespace) -> int:
         server = Server(llm, sc.serve)
         print(f"jaxinfer serve: {sc.engine.model} at {server.base_url} (Ctrl-C stops)",
               flush=True)  # fmt: skip
-        server.serve_forever()
+        try:
+            server.serve_forever()
+        except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it shut down on
+            print(f"jaxinfer serve: stopped on Ctrl-C; {server.streams_ended} open stream(s) "
+                  "ended with an error event", file=sys.stderr)  # fmt: skip
+            return 130
     finally:
         llm.close()  # (a multi-host engine's other processes exit)
     return 0

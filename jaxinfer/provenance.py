@@ -33,6 +33,16 @@ def git_commit() -> str:
         return "unknown"
 
 
+def typed_command() -> list[str]:
+    """This process's command line as the user typed it: `python -m jaxinfer.cli run ...` (the
+    interpreter's own argv), `jaxinfer run ...` for an entry point (whose argv[0] is its full
+    path), `python script.py ...` for a script."""
+    main = sys.modules.get("__main__")
+    if getattr(main, "__spec__", None) is not None or sys.argv[0].endswith(".py"):  # -m, script
+        return list(sys.orig_argv)
+    return [Path(sys.argv[0]).name, *sys.argv[1:]]
+
+
 def provenance(command: list[str] | None = None) -> dict:
     dev = jax.devices()[0]
     return {
@@ -41,7 +51,7 @@ def provenance(command: list[str] | None = None) -> dict:
         "python": platform.python_version(),
         "commit": git_commit(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": shlex.join(command if command is not None else [sys.executable, *sys.argv]),
+        "command": shlex.join(command if command is not None else typed_command()),
     }
 
 

@@ -9,6 +9,8 @@ import dataclasses
 import inspect
 import json
 import re
+import sys
+import types
 from pathlib import Path
 
 import jax
@@ -44,13 +46,16 @@ def test_version_flag_prints_the_package_version(capsys):
     [
         (["run", "{cfg}", "engine.no_such_key=1"], ["engine.no_such_key", "EngineConfig"]),
         (["run", "{tmp}/missing.yaml"], ["No such file", "missing.yaml"]),
-        (["run", "{cfg}", "engine.model={tmp}/no_model"], ["no_model", "does not exist"]),
+        (["run", "{cfg}", "engine.model={tmp}/no_model"], ["no_model", "no such file or directory"]),
         (["run", "{cfg}", "engine.dtype=float64x"], ["'float64x'", "float32, bfloat16, float16"]),
         (["run", "{cfg}", "engine.scheduler", "static"],
          ["'engine.scheduler'", "key=value", "engine.scheduler=static?"]),
         (["sweep", "{cfg}", "engine.scheduler", "static"], ["'engine.scheduler'", "key=value"]),
         (["sweep", "{cfg}", "--grid", "engine.scheduler=lifo,fcfs"], ["scheduler", "lifo"]),
-        (["report", "{tmp}/nothing"], ["nothing", "neither a run folder"]),
+        (["report", "{tmp}/nothing"], ["nothing: no such folder"]),
+        (["generate", "--model", "llama3-8b", "--prompt", "hi"], ["'llama3-8b'", "tiny, tiny-draft, smollm2",
+                                                "preset:NAME (", "did you mean preset:llama3-8b?"]),
+        (["generate", "--model", "tinny", "--prompt", "hi"], ["did you mean tiny?"]),
     ],
 )  # fmt: skip
 def test_a_users_error_is_one_line_with_exit_status_2(tmp_path, capsys, argv, fragments):
@@ -224,3 +229,22 @@ def test_every_entry_point_resolves_one_default_dtype_float32_on_cpu(monkeypatch
     monkeypatch.undo()  # and the engine runs in what it resolved
     tiny = llm_mod.LLM("tiny", warmup=False, num_pages=8, max_model_len=64)
     assert tiny.engine.config.dtype == "float32" and tiny.engine.model_config.dtype == "float32"
+
+
+@pytest.mark.parametrize(
+    ("argv", "orig_argv", "by_module", "command"),
+    [
+        (["/src/jaxinfer/cli.py", "run", "c.yaml"], ["python", "-m", "jaxinfer.cli", "run", "c.yaml"],
+         True, "python -m jaxinfer.cli run c.yaml"),
+        (["/venv/bin/jaxinfer", "run", "c.yaml"], ["/venv/bin/python", "/venv/bin/jaxinfer", "run",
+         "c.yaml"], False, "jaxinfer run c.yaml"),
+    ],
+)  # fmt: skip
+def test_env_records_the_command_as_typed(monkeypatch, argv, orig_argv, by_module, command):
+    from jaxinfer.provenance import provenance
+
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setattr(sys, "orig_argv", orig_argv)
+    main_module = types.SimpleNamespace(__spec__=object() if by_module else None)
+    monkeypatch.setitem(sys.modules, "__main__", main_module)
+    assert provenance()["command"] == command

@@ -3,9 +3,12 @@ CPU-trained reference models) and pretrained ones installed from the package reg
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
+
+from jaxinfer.checkpoint.errors import CheckpointError
 
 ASSETS = Path(__file__).resolve().parent
 REFERENCE_MODELS = ("tiny", "tiny-draft")
@@ -61,4 +64,20 @@ def model_path(name: str) -> str:
         return str(reference_model_dir(name))
     if name in REGISTRY_MODELS:
         return str(registry_model_path(name))
+    if not name.startswith("preset:") and not Path(name).exists():
+        raise CheckpointError(unknown_model(name))
     return name
+
+
+def unknown_model(name: str) -> str:
+    """Why `name` names no model: the names known, and the closest of them."""
+    from jaxinfer.models.presets import PRESETS
+
+    names = {**{n: f"preset:{n}" for n in PRESETS}, **{n: n for n in KNOWN_MODELS}}
+    close = difflib.get_close_matches(name.removeprefix("preset:"), names, n=1)
+    hint = f"; did you mean {names[close[0]]}?" if close else ""
+    return (
+        f"model {name!r}: no such file or directory, nor a known model; known: "
+        f"{', '.join(KNOWN_MODELS)}, preset:NAME ({', '.join(PRESETS)}), a Hugging Face model "
+        f"directory or a .gguf file{hint}"
+    )

@@ -153,6 +153,8 @@ def load_points(paths: list[Path]) -> tuple[list[Point], list[str]]:
     from jaxinfer.experiment.sweep import read_metrics
 
     for path in map(Path, paths):
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: no such folder")
         sweep_files = [f for f in ("sweep.json", "results.parquet") if (path / f).is_file()]
         if sweep_files and (path / "metrics.json").is_file():  # which of the two is meant?
             raise ValueError(

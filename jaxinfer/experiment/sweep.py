@@ -57,7 +57,6 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 import traceback
@@ -74,7 +73,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from jaxinfer.experiment.run import RunConfig, load_run_config, run_experiment
-from jaxinfer.provenance import provenance
+from jaxinfer.provenance import provenance, typed_command
 
 SWEEP_FILE = "sweep.json"
 RESULTS_FILE = "results.parquet"
@@ -810,7 +809,7 @@ def _sweep_provenance(workers: int) -> dict:
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
-    command = [sys.executable, *sys.argv]
+    command = typed_command()
     with (
         _environ(XLA_PYTHON_CLIENT_PREALLOCATE="false"),
         ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool,

@@ -83,8 +83,15 @@ def expand(s: jax.Array, axis: int, size: int, n: int) -> jax.Array:
 
 
 def safe_scale(amax: jax.Array, qmax: float) -> jax.Array:
-    """amax / qmax, or 1 where the block is all zeros (so values stay 0, never NaN)."""
-    return jnp.where(amax > 0, amax / qmax, 1.0).astype(jnp.float32)
+    """amax / qmax, a correctly rounded float32 division, or 1 where the block is all zeros (so
+    values stay 0, never NaN).
+
+    XLA rewrites a division by a constant into a multiplication by its rounded reciprocal, which
+    can land one ulp off amax / qmax; the optimization barrier hides the divisor's value from it.
+    """
+    amax = jnp.asarray(amax, jnp.float32)
+    s = amax / jax.lax.optimization_barrier(jnp.full_like(amax, qmax))
+    return jnp.where(amax > 0, s, 1.0)
 
 
 def to_e4m3(x: jax.Array) -> jax.Array:

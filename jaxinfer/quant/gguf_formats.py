@@ -9,10 +9,12 @@ them transposed to the model's [*in, *out] orientation (K = prod(in), G = K/32 b
            (two quants a byte along the input, input 2i in the low nibble: `intq.pack_nibbles`,
            not GGUF's in-block order, which `from_gguf_components` converts from)
 
-`quantize` follows llama.cpp's reference quantizers (`quantize_row_q8_0_ref`: d = amax/127,
-q = roundf(x / d), ties away from zero; `quantize_row_q4_1_ref`: d = (max - min)/15, m = min,
-q = min(15, trunc((x - min) / d + 0.5))), both with `1/d` taken as 0 for an all-equal block, and
-d, m rounded to float16 after the quants are computed from the float32 d, as llama.cpp does.
+`quantize` is bit-exact with llama.cpp's reference quantizers, all in float32:
+`quantize_row_q8_0_ref`: d = amax / 127 (a division), id = 1.0f / d (0 where d is 0),
+q = roundf(x * id), ties away from zero; `quantize_row_q4_1_ref`: d = (max - min) / 15,
+id = 1.0f / d (0 where d is 0), q = min(15, (int8_t)((x - min) * id + 0.5f)), truncating.
+The stored d and m are GGML_FP32_TO_FP16 (round to nearest even) of the float32 d and min; the
+quants use the float32 id, not one from the rounded d.
 `from_gguf_components` makes a stored GGUF tensor one of these formats without dequantizing it.
 """
 
@@ -28,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.quant import QuantizedWeight, WeightFormat, register_format
-from jaxinfer.quant.fp8 import blocks_of, check_finite
+from jaxinfer.quant.fp8 import blocks_of, check_finite, safe_scale
 from jaxinfer.quant.ggml import GGML_TYPES, Components
 from jaxinfer.quant.intq import group_spec, k_major, pack_nibbles, packed_spec, unpack_nibbles
 
@@ -63,16 +65,21 @@ class GgufBlocks(WeightFormat):
         b = blocks_of(k_major(w.astype(jnp.float32), in_dims), 0, QK)  # [G, 32, *out]
         if self._min:
             lo, hi = b.min(axis=1), b.max(axis=1)
-            d = (hi - lo) / 15
-            inv = jnp.where(d != 0, 1 / jnp.where(d != 0, d, 1), 0.0)[:, None]
+            d, inv = self._scale(hi - lo, 15.0)
             q = jnp.minimum(15, jnp.trunc((b - lo[:, None]) * inv + 0.5)).reshape(w.shape)
-            return {"values": pack_nibbles(q, in_dims - 1), "d": d.astype(jnp.float16),
-                    "m": lo.astype(jnp.float16)}  # fmt: skip
-        d = jnp.max(jnp.abs(b), axis=1) / 127
-        inv = jnp.where(d != 0, 1 / jnp.where(d != 0, d, 1), 0.0)[:, None]
+            return {"values": pack_nibbles(q, in_dims - 1), "d": d, "m": lo.astype(jnp.float16)}
+        d, inv = self._scale(jnp.max(jnp.abs(b), axis=1), 127.0)
         v = b * inv
-        q = jnp.sign(v) * jnp.floor(jnp.abs(v) + 0.5)  # C's roundf: ties away from zero
-        return {"values": q.astype(jnp.int8).reshape(w.shape), "d": d.astype(jnp.float16)}
+        t = jnp.trunc(v)  # C's roundf, ties away from zero (floor(|v| + 0.5) rounds 0.49999997 up)
+        q = t + jnp.sign(v) * (jnp.abs(v - t) >= 0.5)
+        return {"values": q.astype(jnp.int8).reshape(w.shape), "d": d}
+
+    @staticmethod
+    def _scale(span: jax.Array, qmax: float) -> tuple[jax.Array, jax.Array]:
+        """(float16(d), 1/d [G, 1, *out]) for the float32 d = span / qmax (0 for a flat block)."""
+        d = safe_scale(span, qmax)  # 1 where span is 0: never divides by 0
+        inv = jnp.where(span > 0, 1 / d, 0.0)[:, None]
+        return jnp.where(span > 0, d, 0.0).astype(jnp.float16), inv
 
     def dequantize(self, qw: QuantizedWeight) -> jax.Array:
         values = qw.arrays["values"]

@@ -22,7 +22,7 @@ import json
 import re
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -81,6 +81,9 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     return "; ".join(parts), (fields[0] if fields else None)
 
 
+SHUTDOWN = object()  # put in a stream's queue: the server is stopping
+
+
 @dataclass
 class ServeState:
     llm: LLM
@@ -88,6 +91,13 @@ class ServeState:
     max_queue: int
     engine_loop: EngineLoop | None = None
     metrics: ServerMetrics | None = None
+    streams: set[asyncio.Queue] = field(default_factory=set)  # the open streams' event queues
+
+    def end_streams(self) -> int:
+        """Shutdown: each open stream sends an error event and [DONE] and ends; how many."""
+        for q in self.streams:
+            q.put_nowait(SHUTDOWN)
+        return len(self.streams)
 
     @property
     def max_model_len(self) -> int:
@@ -423,12 +433,17 @@ class _Handlers:
             offsets = dict.fromkeys(texts, 0)
             ended, n_out = 0, 0
             queue = subs[0].events
+            self.state.streams.add(queue)
             try:
                 if chat:
                     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                   "logprobs": None, "finish_reason": None} for i in range(n)])  # fmt: skip
                 while ended < len(subs):
                     ev = await queue.get()
+                    if ev is SHUTDOWN:
+                        yield _sse(_error_body(503, "the server is shutting down",
+                                               kind="server_error"))  # fmt: skip
+                        break
                     if isinstance(ev, Submission):  # that prompt is done
                         ended += 1
                         out = ev.final.result()
@@ -446,6 +461,7 @@ class _Handlers:
                         yield _sse({**head, "choices": [], "usage": self._usage(prompts, n_out)})
                 yield _sse("[DONE]")
             finally:  # (a client that left: the response task is cancelled here)
+                self.state.streams.discard(queue)
                 loop.abort(subs)
 
         return StreamingResponse(events(), media_type="text/event-stream",

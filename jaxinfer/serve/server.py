@@ -109,7 +109,17 @@ class Server:
         config = uvicorn.Config(BodyLimit(self.app, self.options.max_body_bytes),
                                 log_level=self.options.log_level, timeout_graceful_shutdown=2,
                                 lifespan="on")  # fmt: skip
-        self.uvicorn = uvicorn.Server(config)
+        server, state = self, self.state
+        self.streams_ended = 0
+
+        class _Uvicorn(uvicorn.Server):
+            async def shutdown(self, sockets=None):
+                # SIGINT/SIGTERM: end the open streams first, so that they finish within the
+                # graceful timeout rather than being cancelled mid-stream
+                server.streams_ended = state.end_streams()
+                await super().shutdown(sockets)
+
+        self.uvicorn = _Uvicorn(config)
         self._thread: threading.Thread | None = None
 
     @property
