@@ -358,7 +358,9 @@ def test_compiler_options_reach_each_kinds_compile(model, prompts):
 
 def test_max_model_len_past_the_models_positions_is_refused(model):
     cfg, params = model
-    too_long = EngineConfig(model="preset:tiny", **{**SMALL, "max_model_len": 4096})
+    # (a pool that holds one request of 4096 tokens: the position check is the one under test)
+    too_long = EngineConfig(model="preset:tiny",
+                            **{**SMALL, "max_model_len": 4096, "num_pages": 4096 // 8 + 1})  # fmt: skip
     with pytest.raises(
         ValueError, match=r"max_model_len=4096 exceeds .*max_position_embeddings=2048"
     ):
