@@ -9,6 +9,14 @@ truncated model): they are refused unless `allow_unused_layers=True`.
 Every loaded param is checked for NaN/inf on the device (one scalar to the host per param); a
 non-finite weight is refused with the HF tensor's name.
 
+What a load checks, and what it cannot: each tensor's presence, shape, dtype and finiteness, and
+the config's keys. A tensor with the right shape but wrong contents loads silently: a square
+projection stored transposed (`q_proj` of an E x E model), rows permuted (q/k for another RoPE
+convention), another layer's tensor under this one's name. Nothing in a safetensors file says how
+its values were laid out, so only a forward pass against outputs the checkpoint's authors made can
+catch these; `tests/test_checkpoint_loading.py`, `test_hf_parity.py` and `test_smollm2.py` do that against `transformers`
+for the architectures we load, and a new architecture needs the same test before it is trusted.
+
 Memory: tensors are read one at a time from memory-mapped files, sent to the device(s) in their HF
 layout and dtype, and transposed/reshaped/cast there by a small jitted program, so the host holds
 at most one tensor (and no transposed copy of it) at any moment. We wait for each tensor's device
