@@ -23,6 +23,19 @@ TINY_SHAPE = [
 ]
 
 
+def interrupted_at(n: int, step):
+    """`step` that raises KeyboardInterrupt (a Ctrl-C) on its n-th call instead of running."""
+    calls = []
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        return step(*args, **kwargs)
+
+    return wrapped
+
+
 def test_corpus_split_is_deterministic_disjoint_and_by_file():
     a, b = stdlib_corpus(), stdlib_corpus()
     assert a.train == b.train and a.heldout == b.heldout
@@ -85,16 +98,9 @@ def test_interrupted_run_resumes_to_the_same_weights(tmp_path, monkeypatch):
         load_train_config(None, [*overrides, f"out_dir={tmp_path / 'a'}"]), show_progress=False
     )
 
-    real_step, calls = trainer.train_step, []
-
-    def crash_on_fifth(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 5:
-            raise KeyboardInterrupt
-        return real_step(*args, **kwargs)
-
+    real_step = trainer.train_step
     tc = load_train_config(None, [*overrides, f"out_dir={tmp_path / 'b'}"])
-    monkeypatch.setattr(trainer, "train_step", crash_on_fifth)
+    monkeypatch.setattr(trainer, "train_step", interrupted_at(5, real_step))
     with pytest.raises(KeyboardInterrupt):
         trainer.train(tc, show_progress=False)
     monkeypatch.setattr(trainer, "train_step", real_step)
@@ -111,15 +117,7 @@ def test_ctrl_c_during_train_says_in_one_line_where_it_stopped_and_keeps_the_che
 ):
     from jaxinfer.cli import main
 
-    real_step, calls = trainer.train_step, []
-
-    def interrupt_fifth(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 5:
-            raise KeyboardInterrupt
-        return real_step(*args, **kwargs)
-
-    monkeypatch.setattr(trainer, "train_step", interrupt_fifth)
+    monkeypatch.setattr(trainer, "train_step", interrupted_at(5, trainer.train_step))
     config = tmp_path / "train.yaml"
     config.write_text("name: r\n")
     out = tmp_path / "run"
