@@ -34,6 +34,8 @@ NUM_REQUESTS=${NUM_REQUESTS:-256}
 DECODE_FORMATS=${DECODE_FORMATS-"none fp8_tensor fp8_channel fp8_block int8 int4_g128_sym nvfp4"}
 THROUGHPUT_FORMATS=${THROUGHPUT_FORMATS-"none fp8_tensor fp8_channel"}
 DECODE_BATCHES=${DECODE_BATCHES:-"1 64"}
+BENCH_ARGS=${BENCH_ARGS:-}  # more bench_e2e.py arguments for every run, e.g. --xla-options ...
+read -r -a EXTRA <<<"$BENCH_ARGS"
 read -r -a BATCHES <<<"$DECODE_BATCHES"
 MAX_BATCH=$(printf '%s\n' "${BATCHES[@]}" 64 | sort -n | tail -n 1)
 CACHE=${COMPILE_CACHE:-/tmp/jaxinfer_jax_cache}
@@ -58,7 +60,7 @@ fi
 
 mkdir -p "$OUT_DIR"
 COMMAND="DECODE_FORMATS=\"$DECODE_FORMATS\" THROUGHPUT_FORMATS=\"$THROUGHPUT_FORMATS\" \
-DECODE_BATCHES=\"$DECODE_BATCHES\" NUM_REQUESTS=$NUM_REQUESTS RUN_TIMEOUT_S=$RUN_TIMEOUT_S \
+DECODE_BATCHES=\"$DECODE_BATCHES\" BENCH_ARGS=\"$BENCH_ARGS\" NUM_REQUESTS=$NUM_REQUESTS RUN_TIMEOUT_S=$RUN_TIMEOUT_S \
 HARD_LIMIT_S=$HARD_LIMIT_S bash experiments/quant_xla_h200.sh $OUT_DIR"
 "$PYTHON" -c 'import json, sys; print(json.dumps({"command": sys.argv[1]}))' "$COMMAND" \
     >"$OUT_DIR/driver.json"  # (merge_quant_xla.py records it)
@@ -89,7 +91,7 @@ run_one() {  # part format budget_s out_json bench-args...
     local t0=$SECONDS rc=0
     timeout --signal=TERM --kill-after=10 "$limit" \
         "$PYTHON" "$BENCH" "${MODEL[@]}" --quant "$fmt" --compile-cache "$CACHE" \
-        --out "$out" "$@" >"${out%.json}.log" 2>&1 || rc=$?
+        --out "$out" "$@" "${EXTRA[@]}" >"${out%.json}.log" 2>&1 || rc=$?
     local status=ok
     if ((rc == 124 || rc == 137)); then
         status=timeout
