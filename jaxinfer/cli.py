@@ -142,6 +142,7 @@ def generate(args: argparse.Namespace) -> int:
     """Continuations of prompts through the engine, with vLLM's sampling flags."""
     from jaxinfer.engine.llm import LLM
     from jaxinfer.engine.request import SamplingParams
+    from jaxinfer.progress import announce_if_slow
 
     prompts = list(args.prompt or [])
     for path in args.prompts_file or []:
@@ -157,14 +158,18 @@ def generate(args: argparse.Namespace) -> int:
     rows = (
         1 << max(0, len(prompts or args.chat) - 1).bit_length()
     )  # one decode bucket holding them all
-    llm = LLM(str(args.model), dtype=args.dtype, max_num_seqs=rows, decode_buckets=[rows],
-              max_num_batched_tokens=max(512, rows), max_model_len=args.max_model_len,
-              penalties=sampling.uses_penalties, warmup=False)  # fmt: skip
+    with announce_if_slow(f"jaxinfer generate: loading {args.model}..."):
+        llm = LLM(str(args.model), dtype=args.dtype, max_num_seqs=rows, decode_buckets=[rows],
+                  max_num_batched_tokens=max(512, rows), max_model_len=args.max_model_len,
+                  penalties=sampling.uses_penalties, warmup=False)  # fmt: skip
+    # (no warm-up: only the steps these prompts use compile, on first use)
+    generating = announce_if_slow("jaxinfer generate: generating (the first step compiles)...")
     cfg = llm.engine.model_config
     if args.chat:  # each message a conversation of its own, under the model's chat template
         system = [{"role": "system", "content": args.system}] if args.system else []
         conversations = [[*system, {"role": "user", "content": m}] for m in args.chat]
-        outs = llm.chat(conversations, sampling)
+        with generating:
+            outs = llm.chat(conversations, sampling)
         for message, out in zip(args.chat, outs, strict=True):
             if args.json:
                 print(json.dumps({"message": message, "text": out.text,
@@ -189,7 +194,8 @@ def generate(args: argparse.Namespace) -> int:
         if add_bos and (not toks or toks[0] != cfg.bos_token_id):
             toks = [cfg.bos_token_id, *toks]
         ids.append(toks)
-    outs = llm.generate(ids, sampling)
+    with generating:
+        outs = llm.generate(ids, sampling)
     for prompt, out in zip(prompts, outs, strict=True):
         if args.json:
             print(json.dumps({"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
@@ -337,8 +343,11 @@ def serve(args: argparse.Namespace) -> int:
 
         follow(sc.engine)
         return 0
-    print(f"jaxinfer serve: loading {sc.engine.model} and compiling every batch shape...")
-    llm = build_llm(sc)
+    from jaxinfer.progress import CompileProgress
+
+    print(f"jaxinfer serve: loading {sc.engine.model} and compiling every batch shape...",
+          flush=True)  # fmt: skip
+    llm = build_llm(sc, progress=CompileProgress("jaxinfer serve"))
     try:
         server = Server(llm, sc.serve)
         print(f"jaxinfer serve: {sc.engine.model} at {server.base_url} (Ctrl-C stops)",

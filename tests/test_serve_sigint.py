@@ -67,6 +67,9 @@ def test_sigint_ends_open_streams_with_an_error_and_done_and_exits_quietly():
     finally:
         proc.kill()
     assert proc.returncode == 130, err
+    compiled = [x.split()[3] for x in err.splitlines() if x.startswith("jaxinfer serve: compiled")]
+    done, total = compiled[-1].split("/") if compiled else ("", "?")
+    assert done == total, err  # the warm-up's progress lines, the last with every one compiled
     assert "Traceback" not in err and "CancelledError" not in err, err
     assert err.strip().splitlines()[-1] == (
         "jaxinfer serve: stopped on Ctrl-C; 1 open stream(s) ended with an error event"

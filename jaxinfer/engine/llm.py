@@ -106,10 +106,11 @@ class LLM:
     dtype="bfloat16")`, `LLM("/path/to/hf_dir", max_num_seqs=64)`, `LLM("model.gguf")`; keyword
     arguments are `EngineConfig` fields."""
 
-    def __init__(self, model: str = "tiny", *, warmup: bool = True, setup=None,
+    def __init__(self, model: str = "tiny", *, warmup: bool = True, setup=None, progress=None,
                  **engine_kwargs) -> None:  # fmt: skip
         """`setup(engine)` (optional, picklable for the process backend) runs on every engine
-        before warm-up."""
+        before warm-up; `progress(done, total)` (optional, e.g. `jaxinfer.progress.
+        CompileProgress`) is called as the warm-up's executables finish compiling."""
         known = {f.name for f in fields(EngineConfig)}
         unknown = sorted(set(engine_kwargs) - known)
         if unknown:
@@ -135,7 +136,7 @@ class LLM:
         if setup is not None:
             setup(self.engine)
         if warmup:
-            self.engine.warmup()
+            self.engine.warmup(progress=progress)
 
     def close(self) -> None:
         """End the other processes of a multi-host engine (`Engine.close`); nothing else."""

@@ -71,14 +71,15 @@ def load_serve_config(path: str | Path | None, overrides: Seq[str] = ()) -> Serv
     return sc
 
 
-def build_llm(sc: ServeConfig) -> LLM:
-    """The model and its engine, warmed up (every batch shape compiled: none compiles later)."""
+def build_llm(sc: ServeConfig, progress=None) -> LLM:
+    """The model and its engine, warmed up (every batch shape compiled: none compiles later);
+    `progress(done, total)` as the executables compile."""
     e = sc.engine
     if e.data_parallel > 1 or e.data_parallel_backend == "process":
         raise ValueError(f"engine.data_parallel={e.data_parallel}: the server drives one engine "
                          f"in this process (run one server per replica behind a load balancer)")  # fmt: skip
     kwargs = {f.name: getattr(e, f.name) for f in dataclasses.fields(e) if f.name != "model"}
-    llm = LLM(e.model, **kwargs)
+    llm = LLM(e.model, progress=progress, **kwargs)
     if sc.serve.chat_template is not None:
         llm.chat_template = Path(sc.serve.chat_template).read_text()
     return llm
