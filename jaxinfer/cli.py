@@ -213,7 +213,13 @@ def train(args: argparse.Namespace) -> int:
     from jaxinfer.train.eagle import is_eagle_config, load_eagle_config, train_eagle
 
     if is_eagle_config(args.config, args.overrides):  # an EAGLE draft head (train/eagle.py)
-        summary = train_eagle(load_eagle_config(args.config, args.overrides))
+        tc = load_eagle_config(args.config, args.overrides)
+        try:
+            summary = train_eagle(tc)
+        except KeyboardInterrupt:  # a head trains in minutes and keeps no checkpoint
+            print(f"jaxinfer train: interrupted; {tc.out_dir}/log.jsonl keeps the held-out "
+                  "evaluations so far, and rerunning starts the head over", file=sys.stderr)  # fmt: skip
+            return 130
         print(json.dumps({k: summary[k] for k in ("name", "head_params", "heldout_agreement")}))
         return 0
     tc = load_train_config(args.config, args.overrides)

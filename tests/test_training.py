@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -131,6 +133,28 @@ def test_ctrl_c_during_train_says_in_one_line_where_it_stopped_and_keeps_the_che
     assert err.startswith("jaxinfer train: interrupted after step 4 of 6: the checkpoint of step 4")
     assert str(out / "checkpoints") in err and "rerunning the same command resumes" in err
     assert trainer.ocp.CheckpointManager(out / "checkpoints").latest_step() == 4  # work kept
+
+
+def test_ctrl_c_during_eagle_head_training_is_one_line_and_keeps_its_log(
+    tmp_path, monkeypatch, capsys
+):
+    from jaxinfer.cli import main
+    from jaxinfer.train import eagle
+
+    monkeypatch.setattr(eagle, "train_step", interrupted_at(3, eagle.train_step))
+    config = tmp_path / "eagle.yaml"
+    config.write_text("kind: eagle\nname: e\ntarget: tiny\n")
+    out = tmp_path / "run"
+    overrides = [
+        "max_files=4", "seq_len=32", "batch_size=2", "steps=4", "warmup_steps=1",
+        "eval_every=1", "eval_windows=2", f"out_dir={out}", f"head={tmp_path / 'h.safetensors'}",
+    ]  # fmt: skip
+    assert main(["train", str(config), *overrides]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    assert err.startswith("jaxinfer train: interrupted;") and "starts the head over" in err, err
+    rows = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]  # the evaluations before the Ctrl-C, kept
 
 
 def test_builtin_tokenizer_is_shipped():
