@@ -256,7 +256,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--decode-steps", type=int, default=None, help="tokens per decode scan")
     ap.add_argument("--page-size", type=int, default=64,
                     help="64: a 64-key tile of the attention kernel is one TMA copy; decode steps "
-                         "were 2-4%% faster than with 16 (results/h200/e2e_llama3_8b_page64.json)")  # fmt: skip
+                         "were 2-4%% faster than with 16 (results/h200/archive/e2e_llama3_8b_page64.json)")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--min-timed-s", type=float, default=None,
                     help="decode: scans per timing grow until one timing lasts this long")  # fmt: skip

@@ -71,7 +71,7 @@ CLAIMS = (
     )),
 )  # fmt: skip
 # The claim-3 workload. HF eager `generate` is slow (1.9-2.8k tok/s at batch 128 on the H200,
-# results/h200/e2e_llama3_8b_cc4f4be.json and earlier): one batch of all 128 requests, its best
+# results/h200/archive/e2e_llama3_8b_cc4f4be.json and earlier): one batch of all 128 requests, its best
 # case offline.
 VS_ARGS = (
     "--num-requests", "128", "--prompt-lo", "64", "--prompt-hi", "512", "--output-lo", "16",
