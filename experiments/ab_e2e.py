@@ -1,6 +1,6 @@
 """Back-to-back A/B of `bench_e2e.py` variants on one machine, merged into one results file.
 
-The same benchmark command moves by up to ~4% between machines (`docs/performance.md`), more
+The same benchmark command moves by up to ~4% between machines (`docs/decisions.md`), more
 than most of the effects an ablation looks for, so variants are only comparable when they run
 back to back on one machine, and interleaved (A B A B ...) so that drift lands on all of them. This runs
 `bench_e2e.py` once per (round, variant), each in a process of its own (its own engine and

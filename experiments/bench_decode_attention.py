@@ -5,9 +5,9 @@ What it is for: tuning the kernel's decode launch (`num_splits`, `num_stages`, `
 `block_kv`, `token_major_decode`) on the GPU, where `bench_paged_attention.py` compares whole
 implementations. Each row is timed with `bench_paged_attention`'s loop (K/V sets rotated past the
 L2, `TIMING_METHOD`) and checked against the XLA reference (`rel_err`). Until 23f5bb9 this was
-`experiments/scratch/probe_decode_attention.py`, which wrote `decode_attention_page_size_probe`,
+`experiments/scratch/probe_decode_attention.py`, which wrote `archive/decode_attention_page_size_probe`,
 `_tuning_probe`, `_stages_probe`, `_context_sweep` and `_persistent_probe.json` (the last with
-options since removed: docs/performance.md, "Kernel options measured and removed").
+options since removed: docs/decisions.md, "Paged attention kernel").
 
     PYTHONPATH=. python3 experiments/bench_decode_attention.py --out $OUT/decode_attention.json
     PYTHONPATH=. python3 experiments/bench_decode_attention.py --out $OUT/probe.json \
