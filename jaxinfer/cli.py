@@ -590,7 +590,7 @@ USER_ERRORS = (OmegaConfBaseException, CheckpointError, ValueError, FileNotFound
 
 def _one_line(e: BaseException) -> str:
     if isinstance(e, OmegaConfBaseException):
-        from jaxinfer.experiment.run import config_error_message
+        from jaxinfer.config_file import config_error_message
 
         return config_error_message(e)
     return " ".join(str(e).split()) or type(e).__name__
@@ -600,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if getattr(args, "overrides", None):
-            from jaxinfer.experiment.run import check_overrides
+            from jaxinfer.config_file import check_overrides
 
             check_overrides(args.overrides)
         return args.func(args)

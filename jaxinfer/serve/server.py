@@ -16,9 +16,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
+from jaxinfer.config_file import load_config
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.llm import LLM
 from jaxinfer.serve.app import BodyLimit, ServeState, create_app
@@ -46,22 +44,8 @@ class ServeConfig:
 def load_serve_config(path: str | Path | None, overrides: Seq[str] = ()) -> ServeConfig:
     """Schema <- the YAML's `engine` and `serve` sections <- dotted overrides; a ValueError
     names the key."""
-    from jaxinfer.experiment.run import check_overrides, config_error_message
-
-    check_overrides(overrides)
-    try:
-        cfg = OmegaConf.structured(ServeConfig)
-        if path is not None:
-            file_cfg = OmegaConf.load(path)
-            if not isinstance(file_cfg, DictConfig):
-                raise ValueError(f"config {path} is not a YAML mapping")
-            sections = {k: file_cfg[k] for k in ("engine", "serve") if k in file_cfg}
-            cfg = OmegaConf.merge(cfg, sections)
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
-        sc = OmegaConf.to_object(cfg)
-    except OmegaConfBaseException as e:
-        where = f" {path}" if path is not None else ""
-        raise ValueError(f"invalid serve config{where}: {config_error_message(e)}") from e
+    sc = load_config(ServeConfig, path, overrides, what="serve",
+                     select=lambda f: {k: f[k] for k in ("engine", "serve") if k in f})  # fmt: skip
     o = sc.serve
     for key in ("max_queue", "max_body_bytes"):
         if getattr(o, key) < (0 if key == "max_queue" else 1024):

@@ -1,12 +1,14 @@
-"""Typed training config: YAML file + dotted `key=value` overrides, merged and checked by omegaconf."""
+"""Typed training config: YAML file + dotted `key=value` overrides, merged and checked by
+`jaxinfer.config_file`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omegaconf import MISSING, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import MISSING
+
+from jaxinfer.config_file import load_config, to_yaml
 
 BUILTIN_TOKENIZER = Path(__file__).resolve().parent.parent / "assets" / "tokenizer.json"
 
@@ -75,15 +77,8 @@ class TrainConfig:
 
 def load_train_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
     """Schema <- YAML file <- `key=value` overrides; errors name the offending key."""
-    try:
-        cfg = OmegaConf.structured(TrainConfig)
-        if path is not None:
-            cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
-        return OmegaConf.to_object(cfg)
-    except OmegaConfBaseException as e:
-        raise ValueError(f"invalid train config ({path}): {e}") from e
+    return load_config(TrainConfig, path, overrides, what="train")
 
 
 def config_yaml(tc: TrainConfig) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(tc))
+    return to_yaml(tc)

@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from omegaconf import MISSING, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
+from jaxinfer.config_file import load_config
 from jaxinfer.engine.eagle import (
     SHARED_KEYS,
     head_forward_dense,
@@ -109,14 +109,7 @@ def is_eagle_config(path: str | Path | None, overrides=()) -> bool:
 
 def load_eagle_config(path: str | Path | None, overrides=()) -> EagleTrainConfig:
     """Schema <- YAML <- `key=value` overrides; errors name the offending key."""
-    try:
-        cfg = OmegaConf.structured(EagleTrainConfig)
-        if path is not None:
-            cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
-        return OmegaConf.to_object(cfg)
-    except OmegaConfBaseException as e:
-        raise ValueError(f"invalid train config ({path}): {e}") from e
+    return load_config(EagleTrainConfig, path, overrides, what="train")
 
 
 def text_stream(tokenizer, tc: EagleTrainConfig, eos: int, split: str) -> np.ndarray:
