@@ -1,16 +1,20 @@
-"""Typed configs from YAML: every command's schema (a dataclass) <- a YAML file <- dotted
-`key=value` overrides, merged by omegaconf. Imports nothing of jaxinfer, so that any module can
-load its config through it."""
+"""Typed configs: every command's schema (a dataclass) <- a YAML file <- dotted `key=value`
+overrides, merged by omegaconf (`load_config`); `schema` makes a dataclass check its own values
+with pydantic. Imports nothing of jaxinfer, so that any module can use it."""
 
 from __future__ import annotations
 
+import functools
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+import pydantic
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+from pydantic_core import PydanticCustomError
 
 T = TypeVar("T")
 
@@ -70,3 +74,58 @@ def config_error_message(e: OmegaConfBaseException) -> str:
     msg = (getattr(e, "msg", None) or str(e)).strip().splitlines()[0]
     key = getattr(e, "full_key", None)
     return f"{key}: {msg}" if key else msg
+
+
+def schema(prefix: str) -> Callable[[type[T]], type[T]]:
+    """A dataclass decorator: a pydantic dataclass (still a dataclass to omegaconf and
+    `dataclasses`) whose construction checks its fields' types and `Field`/`one_of`
+    constraints, then its validators. Its ValueError has a clause per error: "KEY=VALUE is
+    invalid: must be ..." for a field, "KEY is unknown: the keys are ..." for an unknown key
+    (KEY dotted, after `prefix`, e.g. "engine."), and a validator's own ValueError as it is (a
+    cross-field check names its keys)."""
+
+    def decorate(cls: type[T]) -> type[T]:
+        cls = pydantic.dataclasses.dataclass(cls, config=pydantic.ConfigDict(extra="forbid"))
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def __init__(self, *args, **kwargs) -> None:
+            try:
+                init(self, *args, **kwargs)
+            except pydantic.ValidationError as e:
+                errors = [_clause(cls, prefix, err) for err in e.errors(include_url=False)]
+                raise ValueError("; ".join(errors)) from None
+
+        cls.__init__ = __init__
+        return cls
+
+    return decorate
+
+
+def one_of(*allowed: Any) -> pydantic.AfterValidator:
+    """A field constraint (`Annotated[str, one_of("a", "b")]`): the value is one of `allowed`."""
+
+    def check(value: Any) -> Any:
+        if value not in allowed:
+            raise invalid(f"must be one of {', '.join(map(str, allowed))}")
+        return value
+
+    return pydantic.AfterValidator(check)
+
+
+def invalid(why: str) -> PydanticCustomError:
+    """The error a field validator raises for a wrong value: "KEY=VALUE is invalid: {why}"."""
+    return PydanticCustomError("invalid", "{why}", {"why": why})
+
+
+def _clause(cls: type, prefix: str, err: dict) -> str:
+    """One pydantic error of `cls` as a clause that names its dotted key."""
+    loc = [str(part) for part in err["loc"]]
+    key = prefix + ".".join(loc)
+    if err["type"] == "value_error":  # a validator's own message
+        return str(err["ctx"]["error"])
+    if err["type"] == "unexpected_keyword_argument":
+        for part in loc[:-1]:  # the nested dataclass that has no such field
+            cls = typing.get_type_hints(cls)[part]
+        return f"{key} is unknown: the keys are {', '.join(sorted(cls.__dataclass_fields__))}"
+    return f"{key}={err['input']!r} is invalid: {err['msg'].replace('Input should be', 'must be')}"
