@@ -138,6 +138,22 @@ def _read_prompts(path: Path) -> list[str]:
     return prompts
 
 
+# `generate` flags that are SamplingParams and EngineConfig fields: those given are passed on
+SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
+                  "presence_penalty", "frequency_penalty")  # fmt: skip
+ENGINE_FLAGS = ("dtype", "max_model_len")
+
+
+def _engine_overrides(overrides: list[str]) -> dict:
+    """`engine.KEY=VALUE` overrides as EngineConfig keyword arguments (nested for dotted keys)."""
+    from omegaconf import OmegaConf
+
+    for o in overrides:
+        if not o.startswith("engine."):
+            raise ValueError(f"override {o!r}: generate takes engine.KEY=VALUE overrides")
+    return OmegaConf.to_container(OmegaConf.from_dotlist(overrides)).get("engine", {})
+
+
 def generate(args: argparse.Namespace) -> int:
     """Continuations of prompts through the engine, with vLLM's sampling flags."""
     from jaxinfer.engine.llm import LLM
@@ -149,17 +165,16 @@ def generate(args: argparse.Namespace) -> int:
     if bool(prompts) == bool(args.chat):
         print("jaxinfer generate: error: give --prompt/--prompts-file or --chat", file=sys.stderr)
         return 2
-    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                              top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                              seed=args.seed, repetition_penalty=args.repetition_penalty,
-                              presence_penalty=args.presence_penalty,
-                              frequency_penalty=args.frequency_penalty)  # fmt: skip
+    given = vars(args)  # (flags not given are absent: their classes' defaults apply)
+    sampling = SamplingParams(max_tokens=args.max_tokens,
+                              **{k: given[k] for k in SAMPLING_FLAGS if k in given})  # fmt: skip
     rows = (
         1 << max(0, len(prompts or args.chat) - 1).bit_length()
     )  # one decode bucket holding them all
-    llm = LLM(str(args.model), dtype=args.dtype, max_num_seqs=rows, decode_buckets=[rows],
-              max_num_batched_tokens=max(512, rows), max_model_len=args.max_model_len,
-              penalties=sampling.uses_penalties, warmup=False)  # fmt: skip
+    engine = dict(max_num_seqs=rows, decode_buckets=[rows], max_num_batched_tokens=max(512, rows),
+                  penalties=sampling.uses_penalties)  # fmt: skip
+    engine |= {k: given[k] for k in ENGINE_FLAGS if k in given} | _engine_overrides(args.overrides)
+    llm = LLM(str(args.model), warmup=False, **engine)
     cfg = llm.engine.model_config
     if args.chat:  # each message a conversation of its own, under the model's chat template
         system = [{"role": "system", "content": args.system}] if args.system else []
@@ -482,19 +497,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts, one per line (or JSON lines in a .jsonl file)")  # fmt: skip
     g.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=32,
                    help="tokens to generate per prompt")  # fmt: skip
-    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass kept (1: off)")
-    g.add_argument("--top-k", type=int, default=0, help="tokens kept (0 or -1: off)")
-    g.add_argument("--min-p", type=float, default=0.0, help="min probability / top's (0: off)")
-    g.add_argument("--seed", type=int, default=None, help="per-request seed (default: random)")
-    g.add_argument("--repetition-penalty", type=float, default=1.0,
+    # SAMPLING_FLAGS and ENGINE_FLAGS: absent unless given (SamplingParams' and EngineConfig's
+    # defaults apply, and check the values)
+    unset = argparse.SUPPRESS
+    g.add_argument("--temperature", type=float, default=unset, help="0 (default): greedy")
+    g.add_argument("--top-p", type=float, default=unset, help="nucleus mass kept (1: off)")
+    g.add_argument("--top-k", type=int, default=unset, help="tokens kept (0 or -1: off)")
+    g.add_argument("--min-p", type=float, default=unset, help="min probability / top's (0: off)")
+    g.add_argument("--seed", type=int, default=unset, help="per-request seed (default: random)")
+    g.add_argument("--repetition-penalty", type=float, default=unset,
                    help="on the prompt's and output's tokens (1: off)")  # fmt: skip
-    g.add_argument("--presence-penalty", type=float, default=0.0, help="per output token (0: off)")
-    g.add_argument("--frequency-penalty", type=float, default=0.0,
+    g.add_argument("--presence-penalty", type=float, default=unset,
+                   help="per output token (0: off)")  # fmt: skip
+    g.add_argument("--frequency-penalty", type=float, default=unset,
                    help="per occurrence in the output (0: off)")  # fmt: skip
-    g.add_argument("--max-model-len", type=int, default=1024, help="prompt + output tokens")
-    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                   help="weights and activations (auto: float32 on a CPU, else bfloat16)")  # fmt: skip
+    g.add_argument("--max-model-len", type=int, default=unset,
+                   help="engine.max_model_len: prompt + output tokens")  # fmt: skip
+    g.add_argument("--dtype", default=unset, help="engine.dtype: weights and activations (auto, "
+                   "the default: float32 on a CPU, else bfloat16)")  # fmt: skip
+    g.add_argument("overrides", nargs="*", help="engine.KEY=VALUE overrides (EngineConfig, "
+                   "jaxinfer/engine/config.py), as in engine.kv_dtype=float8_e4m3fn")  # fmt: skip
     g.add_argument("--json", action="store_true",
                    help="one JSON object per prompt: prompt, text, token_ids, finish_reason, error")  # fmt: skip
     g.set_defaults(func=generate)
