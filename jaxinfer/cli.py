@@ -29,6 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from jaxinfer import __version__
 from jaxinfer.checkpoint.errors import CheckpointError
+from jaxinfer.config_file import check_overrides, config_error_message, to_yaml
 from jaxinfer.generate import greedy_generate
 from jaxinfer.models.dense import forward
 from jaxinfer.models.presets import preset
@@ -277,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
 
     rc = runs.load_run_config(args.config, args.overrides)
     if args.print_config:
-        print(runs.config_yaml(rc), end="")
+        print(to_yaml(rc), end="")
         return 0
     if _join_multihost():  # another host's process of a multi-host engine: process 0 runs it
         from jaxinfer.engine.follower import follow
@@ -612,8 +613,6 @@ USER_ERRORS = (OmegaConfBaseException, CheckpointError, ValueError, FileNotFound
 
 def _one_line(e: BaseException) -> str:
     if isinstance(e, OmegaConfBaseException):
-        from jaxinfer.config_file import config_error_message
-
         return config_error_message(e)
     return " ".join(str(e).split()) or type(e).__name__
 
@@ -622,8 +621,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if getattr(args, "overrides", None):
-            from jaxinfer.config_file import check_overrides
-
             check_overrides(args.overrides)
         return args.func(args)
     except USER_ERRORS as e:

@@ -8,7 +8,7 @@ import functools
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import pydantic
 import yaml
@@ -17,6 +17,10 @@ from omegaconf.errors import OmegaConfBaseException
 from pydantic_core import PydanticCustomError
 
 T = TypeVar("T")
+# Field types whose values are checked (omegaconf sees the plain int or bool)
+Count = Annotated[int, pydantic.Strict(), pydantic.Field(ge=1)]
+NonNegative = Annotated[int, pydantic.Strict(), pydantic.Field(ge=0)]
+Flag = Annotated[bool, pydantic.Strict()]
 
 
 def load_config(

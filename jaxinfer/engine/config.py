@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, Field, Strict, field_validator, model_validator
 
-from jaxinfer.config_file import invalid, one_of, schema
+from jaxinfer.config_file import Count, Flag, NonNegative, invalid, one_of, schema
 from jaxinfer.engine.block_manager import ALLOCATION_POLICIES
 from jaxinfer.engine.scheduler import POLICIES
 from jaxinfer.kv.cache import KV_DTYPES
@@ -22,10 +22,6 @@ from jaxinfer.models.moe import MOE_BACKENDS
 
 DATA_PARALLEL_BACKENDS = ("auto", "process")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# Field types whose values are checked (omegaconf sees the plain int or bool)
-Count = Annotated[int, Strict(), Field(ge=1)]
-NonNegative = Annotated[int, Strict(), Field(ge=0)]
-Flag = Annotated[bool, Strict()]
 # Models from this hidden size decode without CUDA graphs under decode_cuda_graphs "auto".
 GRAPHS_OFF_FROM_HIDDEN = 4096
 # Which warm-up executables an entry of `compiler_options` applies to ("all": every one).
@@ -192,8 +188,8 @@ def resolve_dtype(dtype: str) -> str:
 
 
 def _pages(num_pages: int | str) -> int | str:
-    if num_pages != "auto" and (isinstance(num_pages, bool) or not isinstance(num_pages, int)
-                                or num_pages < 2):  # fmt: skip
+    """engine.num_pages' own check (against max_model_len: `EngineConfig.check_pages`)."""
+    if num_pages != "auto" and (not isinstance(num_pages, int) or num_pages < 2):
         raise invalid('must be an int >= 2 (page 0 is the scratch page) or "auto"')
     return num_pages
 
@@ -205,11 +201,10 @@ class EngineConfig:
     # preset:llama3-8b); a path ending in .gguf: a GGUF file; anything else: a Hugging Face
     # model directory.
     model: str = "tiny"
-    dtype: Annotated[str, one_of(*DTYPES)] = "auto"  # weights and activations; "auto":
-    # `resolve_dtype` (float32 on a CPU)
-    kv_dtype: Annotated[str, one_of(*KV_DTYPES)] = (
-        "auto"  # KV cache pools: "auto" = dtype; float8_e4m3fn adds per-page scales
-    )
+    # Weights and activations; "auto" (every entry point's default): `resolve_dtype`
+    dtype: Annotated[str, one_of(*DTYPES)] = "auto"
+    # KV cache pools: "auto" = dtype; float8_e4m3fn adds per-page scales
+    kv_dtype: Annotated[str, one_of(*KV_DTYPES)] = "auto"
     seed: int = 0
     page_size: Count = 16
     # KV pages, including the scratch page; "auto": as many as fit in `memory_budget_gb` once the
@@ -268,9 +263,8 @@ class EngineConfig:
     # e2e_llama3_8b_command_buffers.json). Off is `xla_gpu_enable_command_buffer: ""` under the
     # decode kind's compiler_options, which may override it.
     decode_cuda_graphs: Annotated[bool | str, one_of(True, False, "auto")] = "auto"
-    num_logprobs: NonNegative = (
-        0  # top-k logprobs computed on device (static; requests may ask <= this)
-    )
+    # Top-k logprobs computed on device (static; requests may ask <= this)
+    num_logprobs: NonNegative = 0
     # Repetition / presence / frequency penalties and logit biases (SamplingParams): the engine's
     # sampling then counts each row's context on the device (an extra [rows, vocab] pass per
     # step, and each mixed step is read before the next is built); off, requests that ask for

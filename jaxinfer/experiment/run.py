@@ -161,11 +161,6 @@ def load_run_config(path: str | Path | None, overrides: Seq[str] = ()) -> RunCon
     return rc
 
 
-def config_yaml(rc: RunConfig) -> str:
-    """The resolved config as YAML (`config.yaml` of a results folder, `--print-config`)."""
-    return to_yaml(rc)
-
-
 def _sampling_params(s: SamplingDefaults, max_tokens: int, eos_after: int | None = None):
     return SamplingParams(
         max_tokens=max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
@@ -292,7 +287,7 @@ def run_experiment(rc: RunConfig, *, show_progress: bool = True, console: Consol
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.json").unlink(missing_ok=True)  # an earlier run's: the folder is this run's
     tables = TableAppender(out)  # (removes an earlier run's tables)
-    (out / "config.yaml").write_text(config_yaml(rc))
+    (out / "config.yaml").write_text(to_yaml(rc))
     env = provenance()  # every results file says where, on what and how it was made
     (out / "env.json").write_text(json.dumps(env, indent=2))
 
