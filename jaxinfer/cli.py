@@ -140,6 +140,7 @@ def _read_prompts(path: Path) -> list[str]:
 
 
 # `generate` flags that are SamplingParams and EngineConfig fields: those given are passed on
+# (the others are absent from the parsed arguments, and the classes' own defaults apply)
 SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
                   "presence_penalty", "frequency_penalty")  # fmt: skip
 ENGINE_FLAGS = ("dtype", "max_model_len")
@@ -166,7 +167,7 @@ def generate(args: argparse.Namespace) -> int:
     if bool(prompts) == bool(args.chat):
         print("jaxinfer generate: error: give --prompt/--prompts-file or --chat", file=sys.stderr)
         return 2
-    given = vars(args)  # (flags not given are absent: their classes' defaults apply)
+    given = vars(args)
     sampling = SamplingParams(max_tokens=args.max_tokens,
                               **{k: given[k] for k in SAMPLING_FLAGS if k in given})  # fmt: skip
     rows = (
@@ -498,9 +499,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts, one per line (or JSON lines in a .jsonl file)")  # fmt: skip
     g.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=32,
                    help="tokens to generate per prompt")  # fmt: skip
-    # SAMPLING_FLAGS and ENGINE_FLAGS: absent unless given (SamplingParams' and EngineConfig's
-    # defaults apply, and check the values)
-    unset = argparse.SUPPRESS
+    unset = argparse.SUPPRESS  # (SAMPLING_FLAGS and ENGINE_FLAGS: their classes' defaults)
     g.add_argument("--temperature", type=float, default=unset, help="0 (default): greedy")
     g.add_argument("--top-p", type=float, default=unset, help="nucleus mass kept (1: off)")
     g.add_argument("--top-k", type=int, default=unset, help="tokens kept (0 or -1: off)")
@@ -508,8 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=unset, help="per-request seed (default: random)")
     g.add_argument("--repetition-penalty", type=float, default=unset,
                    help="on the prompt's and output's tokens (1: off)")  # fmt: skip
-    g.add_argument("--presence-penalty", type=float, default=unset,
-                   help="per output token (0: off)")  # fmt: skip
+    g.add_argument("--presence-penalty", type=float, default=unset, help="per token (0: off)")
     g.add_argument("--frequency-penalty", type=float, default=unset,
                    help="per occurrence in the output (0: off)")  # fmt: skip
     g.add_argument("--max-model-len", type=int, default=unset,

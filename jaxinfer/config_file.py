@@ -31,10 +31,9 @@ def load_config(
     what: str,
     select: Callable[[DictConfig], Mapping[str, Any]] | None = None,
 ) -> T:
-    """A `schema` instance: its defaults <- the YAML at `path` (None: no file) <- `overrides`.
-    `select` picks what of the file is merged (default: all of it; it may raise to refuse the
-    file). Errors are one-line ValueErrors, "invalid {what} config PATH: KEY: what is wrong"
-    (the schema's own checks raise their own, which name the key)."""
+    """A `schema` instance: its defaults <- the YAML at `path` (None: no file), or the part of
+    it `select` picks (it may raise to refuse the file) <- `overrides`. Errors are one-line
+    ValueErrors, "invalid {what} config PATH: KEY: what is wrong" (or the schema's own)."""
     check_overrides(overrides)
     where = f" {path}" if path is not None else ""
     try:
@@ -82,11 +81,9 @@ def config_error_message(e: OmegaConfBaseException) -> str:
 
 def schema(prefix: str) -> Callable[[type[T]], type[T]]:
     """A dataclass decorator: a pydantic dataclass (still a dataclass to omegaconf and
-    `dataclasses`) whose construction checks its fields' types and `Field`/`one_of`
-    constraints, then its validators. Its ValueError has a clause per error: "KEY=VALUE is
-    invalid: must be ..." for a field, "KEY is unknown: the keys are ..." for an unknown key
-    (KEY dotted, after `prefix`, e.g. "engine."), and a validator's own ValueError as it is (a
-    cross-field check names its keys)."""
+    `dataclasses`) that checks its fields' types and constraints, then its validators. Its
+    ValueError has a clause per error: "KEY=VALUE is invalid: must be ...", "KEY is unknown: the
+    keys are ..." (KEY dotted after `prefix`, e.g. "engine."), or a validator's own message."""
 
     def decorate(cls: type[T]) -> type[T]:
         cls = pydantic.dataclasses.dataclass(cls, config=pydantic.ConfigDict(extra="forbid"))
