@@ -29,6 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from jaxinfer import __version__
 from jaxinfer.checkpoint.errors import CheckpointError
+from jaxinfer.config_file import check_overrides, config_error_message, to_yaml
 from jaxinfer.generate import greedy_generate
 from jaxinfer.models.dense import forward
 from jaxinfer.models.presets import preset
@@ -138,6 +139,23 @@ def _read_prompts(path: Path) -> list[str]:
     return prompts
 
 
+# `generate` flags that are SamplingParams and EngineConfig fields: those given are passed on
+# (the others are absent from the parsed arguments, and the classes' own defaults apply)
+SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
+                  "presence_penalty", "frequency_penalty")  # fmt: skip
+ENGINE_FLAGS = ("dtype", "max_model_len")
+
+
+def _engine_overrides(overrides: list[str]) -> dict:
+    """`engine.KEY=VALUE` overrides as EngineConfig keyword arguments (nested for dotted keys)."""
+    from omegaconf import OmegaConf
+
+    for o in overrides:
+        if not o.startswith("engine."):
+            raise ValueError(f"override {o!r}: generate takes engine.KEY=VALUE overrides")
+    return OmegaConf.to_container(OmegaConf.from_dotlist(overrides)).get("engine", {})
+
+
 def generate(args: argparse.Namespace) -> int:
     """Continuations of prompts through the engine, with vLLM's sampling flags."""
     from jaxinfer.engine.llm import LLM
@@ -150,18 +168,17 @@ def generate(args: argparse.Namespace) -> int:
     if bool(prompts) == bool(args.chat):
         print("jaxinfer generate: error: give --prompt/--prompts-file or --chat", file=sys.stderr)
         return 2
-    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                              top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                              seed=args.seed, repetition_penalty=args.repetition_penalty,
-                              presence_penalty=args.presence_penalty,
-                              frequency_penalty=args.frequency_penalty)  # fmt: skip
+    given = vars(args)
+    sampling = SamplingParams(max_tokens=args.max_tokens,
+                              **{k: given[k] for k in SAMPLING_FLAGS if k in given})  # fmt: skip
     rows = (
         1 << max(0, len(prompts or args.chat) - 1).bit_length()
     )  # one decode bucket holding them all
+    engine = dict(max_num_seqs=rows, decode_buckets=[rows], max_num_batched_tokens=max(512, rows),
+                  penalties=sampling.uses_penalties)  # fmt: skip
+    engine |= {k: given[k] for k in ENGINE_FLAGS if k in given} | _engine_overrides(args.overrides)
     with announce_if_slow(f"jaxinfer generate: loading {args.model}..."):
-        llm = LLM(str(args.model), dtype=args.dtype, max_num_seqs=rows, decode_buckets=[rows],
-                  max_num_batched_tokens=max(512, rows), max_model_len=args.max_model_len,
-                  penalties=sampling.uses_penalties, warmup=False)  # fmt: skip
+        llm = LLM(str(args.model), warmup=False, **engine)
     # (no warm-up: only the steps these prompts use compile, on first use)
     generating = announce_if_slow("jaxinfer generate: generating (the first step compiles)...")
     cfg = llm.engine.model_config
@@ -274,7 +291,7 @@ def run(args: argparse.Namespace) -> int:
 
     rc = runs.load_run_config(args.config, args.overrides)
     if args.print_config:
-        print(runs.config_yaml(rc), end="")
+        print(to_yaml(rc), end="")
         return 0
     if _join_multihost():  # another host's process of a multi-host engine: process 0 runs it
         from jaxinfer.engine.follower import follow
@@ -497,19 +514,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts, one per line (or JSON lines in a .jsonl file)")  # fmt: skip
     g.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=32,
                    help="tokens to generate per prompt")  # fmt: skip
-    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass kept (1: off)")
-    g.add_argument("--top-k", type=int, default=0, help="tokens kept (0 or -1: off)")
-    g.add_argument("--min-p", type=float, default=0.0, help="min probability / top's (0: off)")
-    g.add_argument("--seed", type=int, default=None, help="per-request seed (default: random)")
-    g.add_argument("--repetition-penalty", type=float, default=1.0,
+    unset = argparse.SUPPRESS  # (SAMPLING_FLAGS and ENGINE_FLAGS: their classes' defaults)
+    g.add_argument("--temperature", type=float, default=unset, help="0 (default): greedy")
+    g.add_argument("--top-p", type=float, default=unset, help="nucleus mass kept (1: off)")
+    g.add_argument("--top-k", type=int, default=unset, help="tokens kept (0 or -1: off)")
+    g.add_argument("--min-p", type=float, default=unset, help="min probability / top's (0: off)")
+    g.add_argument("--seed", type=int, default=unset, help="per-request seed (default: random)")
+    g.add_argument("--repetition-penalty", type=float, default=unset,
                    help="on the prompt's and output's tokens (1: off)")  # fmt: skip
-    g.add_argument("--presence-penalty", type=float, default=0.0, help="per output token (0: off)")
-    g.add_argument("--frequency-penalty", type=float, default=0.0,
+    g.add_argument("--presence-penalty", type=float, default=unset, help="per token (0: off)")
+    g.add_argument("--frequency-penalty", type=float, default=unset,
                    help="per occurrence in the output (0: off)")  # fmt: skip
-    g.add_argument("--max-model-len", type=int, default=1024, help="prompt + output tokens")
-    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                   help="weights and activations (auto: float32 on a CPU, else bfloat16)")  # fmt: skip
+    g.add_argument("--max-model-len", type=int, default=unset,
+                   help="engine.max_model_len: prompt + output tokens")  # fmt: skip
+    g.add_argument("--dtype", default=unset, help="engine.dtype: weights and activations (auto, "
+                   "the default: float32 on a CPU, else bfloat16)")  # fmt: skip
+    g.add_argument("overrides", nargs="*", help="engine.KEY=VALUE overrides (EngineConfig, "
+                   "jaxinfer/engine/config.py), as in engine.kv_dtype=float8_e4m3fn")  # fmt: skip
     g.add_argument("--json", action="store_true",
                    help="one JSON object per prompt: prompt, text, token_ids, finish_reason, error")  # fmt: skip
     g.set_defaults(func=generate)
@@ -605,8 +626,6 @@ USER_ERRORS = (OmegaConfBaseException, CheckpointError, ValueError, FileNotFound
 
 def _one_line(e: BaseException) -> str:
     if isinstance(e, OmegaConfBaseException):
-        from jaxinfer.experiment.run import config_error_message
-
         return config_error_message(e)
     return " ".join(str(e).split()) or type(e).__name__
 
@@ -615,8 +634,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if getattr(args, "overrides", None):
-            from jaxinfer.experiment.run import check_overrides
-
             check_overrides(args.overrides)
         return args.func(args)
     except USER_ERRORS as e:

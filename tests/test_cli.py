@@ -210,7 +210,7 @@ def test_every_entry_point_resolves_one_default_dtype_float32_on_cpu(monkeypatch
     class Captured(Exception):
         pass
 
-    def fake_llm(model, **kwargs):
+    def fake_llm(model, warmup=True, **kwargs):
         given.update(kwargs)
         raise Captured
 
@@ -219,8 +219,9 @@ def test_every_entry_point_resolves_one_default_dtype_float32_on_cpu(monkeypatch
         cli.generate(
             cli.build_parser().parse_args(["generate", "--model", "tiny", "--prompt", "x"])
         )
+    assert "dtype" not in given  # (left to EngineConfig's default)
     defaults = {
-        "jaxinfer generate": given["dtype"],
+        "jaxinfer generate": EngineConfig(**given).dtype,
         "LLM() / EngineConfig": EngineConfig().dtype,
         "jaxinfer run": runs.load_run_config(None).engine.dtype,
         "jaxinfer serve": load_serve_config(None).engine.dtype,

@@ -48,3 +48,13 @@ def test_no_prompt_is_a_one_line_error(capsys):
     assert "give --prompt/--prompts-file or --chat" in capsys.readouterr().err
     assert main(["generate", "--model", "tiny", "--prompt", "a", "--chat", "b"]) == 2  # not both
     assert "give --prompt/--prompts-file or --chat" in capsys.readouterr().err
+
+
+def test_engine_overrides_reach_the_engine_and_other_keys_are_refused(capsys):
+    rc, rows = run(capsys, "--prompt", "x", "engine.speculative.method=ngram", "--max-model-len",
+                   "64", "engine.num_pages=8")  # fmt: skip
+    assert rc == 0 and rows[0]["error"] is None and len(rows[0]["token_ids"]) == 6
+    assert main(["generate", "--model", "tiny", "--prompt", "x", "max_num_seqs=3"]) == 2
+    assert "generate takes engine.KEY=VALUE overrides" in capsys.readouterr().err
+    assert main(["generate", "--model", "tiny", "--prompt", "x", "engine.page_size=0"]) == 2
+    assert "engine.page_size=0 is invalid" in capsys.readouterr().err

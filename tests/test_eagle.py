@@ -188,7 +188,7 @@ def test_eagle_config_errors_name_the_key(tmp_path):
     path = save_head(tmp_path / "h.safetensors", init_head(other, jax.random.key(0)), other)
     with pytest.raises(ValueError, match=r"engine\.speculative\.eagle_head=.*hidden_size="):
         load_head(path, LLM("tiny", warmup=False, num_pages=4, max_model_len=48).engine.runner.cfg)
-    with pytest.raises(ValueError, match="distill must be one of soft, argmax"):
+    with pytest.raises(ValueError, match="distill='kl' is invalid: must be one of soft, argmax"):
         load_eagle_config(None, ["name=x", "target=tiny", "distill=kl"])
     with pytest.raises(ValueError, match="feature_wieght"):
         load_eagle_config(None, ["name=x", "target=tiny", "feature_wieght=1"])

@@ -184,7 +184,7 @@ def test_calibration_sets_each_input_scale_to_its_inputs_amax_over_every_batch(t
 
 
 def test_engine_quant_values_are_refused_naming_their_key():
-    with pytest.raises(ValueError, match=r"engine.quant.weights='fp3' is unknown: must be one of "
+    with pytest.raises(ValueError, match=r"engine.quant.weights='fp3' is invalid: must be one of "
                                          r"none, gguf, .*fp8_block"):  # fmt: skip
         EngineConfig(quant={"weights": "fp3"})
     with pytest.raises(ValueError, match=r"engine.quant.recipe.layers.0.wo='int3' is unknown"):
@@ -214,7 +214,7 @@ def test_run_config_takes_engine_quant_from_yaml_and_dotted_overrides(tmp_path):
     assert rc.engine.num_pages == "auto" and rc.engine.memory_budget_gb == 2.0
     assert rc.engine.quant.weights == "fp8_block"
     assert rc.engine.quant.recipe == {"layers.0.*": None, "layers.*.w_down": "int8"}
-    with pytest.raises(ValueError, match=r"engine.quant.weights='int3' is unknown"):
+    with pytest.raises(ValueError, match=r"engine.quant.weights='int3' is invalid"):
         load_run_config(file, ["engine.quant.weights=int3"])
 
 

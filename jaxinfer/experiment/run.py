@@ -34,12 +34,12 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import DictConfig
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from jaxinfer.config_file import load_config, to_yaml
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.loading import load_model, model_config
@@ -148,50 +148,17 @@ class RunConfig:
 def load_run_config(path: str | Path | None, overrides: Seq[str] = ()) -> RunConfig:
     """Schema <- YAML <- dotted overrides, then the sampling and workload values checked (before
     any model is loaded). One-line ValueErrors name the key, the value and what is allowed."""
-    check_overrides(overrides)
-    try:
-        cfg = OmegaConf.structured(RunConfig)
-        if path is not None:
-            file_cfg = OmegaConf.load(path)
-            if isinstance(file_cfg, DictConfig) and "sweep" in file_cfg:
-                raise SweepConfigError(
-                    f"config {path} has a `sweep:` section: run it with `jaxinfer sweep {path}`"
-                )
-            cfg = OmegaConf.merge(cfg, file_cfg)
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
-        rc = OmegaConf.to_object(cfg)
-    except OmegaConfBaseException as e:
-        where = f" {path}" if path is not None else ""
-        raise ValueError(f"invalid run config{where}: {config_error_message(e)}") from e
+
+    def no_sweep(file_cfg: DictConfig) -> DictConfig:
+        if "sweep" in file_cfg:
+            raise SweepConfigError(
+                f"config {path} has a `sweep:` section: run it with `jaxinfer sweep {path}`"
+            )
+        return file_cfg
+
+    rc = load_config(RunConfig, path, overrides, what="run", select=no_sweep)
     _check_values(rc)
     return rc
-
-
-def config_yaml(rc: RunConfig) -> str:
-    """The resolved config as YAML (`config.yaml` of a results folder, `--print-config`)."""
-    return OmegaConf.to_yaml(OmegaConf.structured(rc))
-
-
-def check_overrides(overrides: Seq[str]) -> None:
-    """Every override is `dotted.key=value` (omegaconf reads a bare `key` as key=None, and the
-    error then says "Incompatible value 'None'"); a ValueError shows the first that is not."""
-    for i, arg in enumerate(overrides):
-        key, sep, _ = arg.partition("=")
-        if sep and key.strip():
-            continue
-        after = overrides[i + 1] if i + 1 < len(overrides) else None
-        guess = sep == "" and after and "=" not in after
-        hint = f"; did you mean {arg}={after}?" if guess else ", as in engine.scheduler=static"
-        raise ValueError(
-            f"override {arg!r} is not key=value: overrides are dotted key=value pairs{hint}"
-        )
-
-
-def config_error_message(e: OmegaConfBaseException) -> str:
-    """One line for an omegaconf error (its text adds lines of reference and object types)."""
-    msg = (getattr(e, "msg", None) or str(e)).strip().splitlines()[0]
-    key = getattr(e, "full_key", None)
-    return f"{key}: {msg}" if key else msg
 
 
 def _sampling_params(s: SamplingDefaults, max_tokens: int, eos_after: int | None = None):
@@ -320,7 +287,7 @@ def run_experiment(rc: RunConfig, *, show_progress: bool = True, console: Consol
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.json").unlink(missing_ok=True)  # an earlier run's: the folder is this run's
     tables = TableAppender(out)  # (removes an earlier run's tables)
-    (out / "config.yaml").write_text(config_yaml(rc))
+    (out / "config.yaml").write_text(to_yaml(rc))
     env = provenance()  # every results file says where, on what and how it was made
     (out / "env.json").write_text(json.dumps(env, indent=2))
 

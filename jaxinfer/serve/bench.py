@@ -37,9 +37,9 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import DictConfig
 
+from jaxinfer.config_file import load_config, to_yaml
 from jaxinfer.metrics import SLO, summarize, write_tables
 from jaxinfer.workload import WorkloadSpec, build_workload
 
@@ -82,26 +82,15 @@ class BenchConfig:
 def load_bench_config(path: str | Path | None, overrides: Seq[str] = ()) -> BenchConfig:
     """Schema <- YAML <- dotted overrides. A run config works too: its `workload` and `slo`
     are used, its `engine` (the server's business) ignored, `sampling` read where it matches."""
-    from jaxinfer.experiment.run import check_overrides, config_error_message
 
-    check_overrides(overrides)
-    try:
-        cfg = OmegaConf.structured(BenchConfig)
-        if path is not None:
-            file_cfg = OmegaConf.load(path)
-            if not isinstance(file_cfg, DictConfig):
-                raise ValueError(f"config {path} is not a YAML mapping")
-            known = {f for f in BenchConfig.__dataclass_fields__}
-            keep = {k: file_cfg[k] for k in file_cfg if k in known and k != "sampling"}
-            if "sampling" in file_cfg:
-                fields = BenchSampling.__dataclass_fields__
-                keep["sampling"] = {k: v for k, v in file_cfg.sampling.items() if k in fields}
-            cfg = OmegaConf.merge(cfg, keep)
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
-        bc = OmegaConf.to_object(cfg)
-    except OmegaConfBaseException as e:
-        where = f" {path}" if path is not None else ""
-        raise ValueError(f"invalid bench config{where}: {config_error_message(e)}") from e
+    def select(file_cfg: DictConfig) -> dict:
+        keep = {k: v for k, v in file_cfg.items() if k in BenchConfig.__dataclass_fields__}
+        if "sampling" in keep:
+            fields = BenchSampling.__dataclass_fields__
+            keep["sampling"] = {k: v for k, v in keep["sampling"].items() if k in fields}
+        return keep
+
+    bc = load_config(BenchConfig, path, overrides, what="bench", select=select)
     if bc.endpoint not in ENDPOINTS:
         raise ValueError(f"endpoint={bc.endpoint!r} is invalid: must be one of {ENDPOINTS}")
     if bc.endpoint == "chat" and bc.tokenizer is None and bc.workload.kind != "trace":
@@ -312,7 +301,7 @@ def run_bench(bc: BenchConfig, *, show_progress: bool = True) -> dict:
     out = Path(bc.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.json").unlink(missing_ok=True)
-    (out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(bc)))
+    (out / "config.yaml").write_text(to_yaml(bc))
     env = provenance()
     env["device"] = f"client of {bc.base_url}"  # (the server's device is its own)
     (out / "env.json").write_text(json.dumps(env, indent=2))

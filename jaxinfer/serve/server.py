@@ -15,24 +15,25 @@ import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from pydantic import Field
 
+from jaxinfer.config_file import NonNegative, load_config, schema
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.llm import LLM
 from jaxinfer.serve.app import BodyLimit, ServeState, create_app
 
 
-@dataclass
+@schema("serve.")
 class ServeOptions:
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: Annotated[int, Field(ge=0, lt=65536)] = 8000
     served_model_name: str | None = None  # default: engine.model
     # Requests accepted beyond the engine's batch (in sequences: n samples count n) before
     # the server answers 429 (Retry-After); the queue never grows past it.
-    max_queue: int = 256
-    max_body_bytes: int = 4 * 1024 * 1024
+    max_queue: NonNegative = 256
+    max_body_bytes: Annotated[int, Field(ge=1024)] = 4 * 1024 * 1024
     chat_template: str | None = None  # a Jinja file; default: the model's own
     log_level: str = "info"
 
@@ -46,28 +47,8 @@ class ServeConfig:
 def load_serve_config(path: str | Path | None, overrides: Seq[str] = ()) -> ServeConfig:
     """Schema <- the YAML's `engine` and `serve` sections <- dotted overrides; a ValueError
     names the key."""
-    from jaxinfer.experiment.run import check_overrides, config_error_message
-
-    check_overrides(overrides)
-    try:
-        cfg = OmegaConf.structured(ServeConfig)
-        if path is not None:
-            file_cfg = OmegaConf.load(path)
-            if not isinstance(file_cfg, DictConfig):
-                raise ValueError(f"config {path} is not a YAML mapping")
-            sections = {k: file_cfg[k] for k in ("engine", "serve") if k in file_cfg}
-            cfg = OmegaConf.merge(cfg, sections)
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
-        sc = OmegaConf.to_object(cfg)
-    except OmegaConfBaseException as e:
-        where = f" {path}" if path is not None else ""
-        raise ValueError(f"invalid serve config{where}: {config_error_message(e)}") from e
-    o = sc.serve
-    for key in ("max_queue", "max_body_bytes"):
-        if getattr(o, key) < (0 if key == "max_queue" else 1024):
-            raise ValueError(f"serve.{key}={getattr(o, key)} is invalid: too small")
-    if not 0 <= o.port < 65536:
-        raise ValueError(f"serve.port={o.port} is invalid: must be in [0, 65536)")
+    sc = load_config(ServeConfig, path, overrides, what="serve",
+                     select=lambda f: {k: f[k] for k in ("engine", "serve") if k in f})  # fmt: skip
     return sc
 
 

@@ -1,14 +1,26 @@
-"""Typed training config: YAML file + dotted `key=value` overrides, merged and checked by omegaconf."""
+"""Typed training config: YAML file + dotted `key=value` overrides, merged and checked by
+`jaxinfer.config_file`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
-from omegaconf import MISSING, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import MISSING
+from pydantic import Field, model_validator
+
+from jaxinfer.config_file import Count, load_config, one_of, schema
 
 BUILTIN_TOKENIZER = Path(__file__).resolve().parent.parent / "assets" / "tokenizer.json"
+
+
+def warmup_in_range(tc):
+    """A train config's warmup_steps, checked against its steps."""
+    if not 0 <= tc.warmup_steps < tc.steps:
+        raise ValueError(f"warmup_steps={tc.warmup_steps} is invalid: must be in [0, steps="
+                         f"{tc.steps})")  # fmt: skip
+    return tc
 
 
 @dataclass
@@ -24,7 +36,7 @@ class ModelShape:
     max_position_embeddings: int = 2048
 
 
-@dataclass
+@schema("")
 class TrainConfig:
     name: str = MISSING
     model: ModelShape = field(default_factory=ModelShape)
@@ -35,38 +47,24 @@ class TrainConfig:
     vocab_size: int = 4096
     heldout_fraction: float = 0.05
     corpus_include_tests: bool = False  # add the stdlib test suites to the train split
-    seq_len: int = 256
-    batch_size: int = 16
-    steps: int = 1000
-    lr: float = 3e-3
+    seq_len: Count = 256
+    batch_size: Count = 16
+    steps: Count = 1000
+    lr: Annotated[float, Field(gt=0)] = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 100
     weight_decay: float = 0.1
     b1: float = 0.9
     b2: float = 0.95
     grad_clip: float = 1.0
-    compute_dtype: str = "bfloat16"  # master weights and optimizer state are always fp32
-    eval_every: int = 200
+    # master weights and optimizer state are always fp32
+    compute_dtype: Annotated[str, one_of("float32", "bfloat16")] = "bfloat16"
+    eval_every: Count = 200
     eval_windows: int = 64
-    checkpoint_every: int = 200
+    checkpoint_every: Count = 200
     seed: int = 0
 
-    def __post_init__(self) -> None:
-        positive = ("seq_len", "batch_size", "steps", "eval_every", "checkpoint_every")
-        for key in positive:
-            if getattr(self, key) <= 0:
-                raise ValueError(f"train config: {key} must be > 0, got {getattr(self, key)}")
-        if not 0 <= self.warmup_steps < self.steps:
-            raise ValueError(
-                f"train config: warmup_steps must be in [0, steps={self.steps}), "
-                f"got {self.warmup_steps}"
-            )
-        if self.compute_dtype not in ("float32", "bfloat16"):
-            raise ValueError(
-                f"train config: compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}"
-            )
-        if self.lr <= 0:
-            raise ValueError(f"train config: lr must be > 0, got {self.lr}")
+    _warmup = model_validator(mode="after")(warmup_in_range)
 
     @property
     def tokenizer_path(self) -> Path:
@@ -75,15 +73,4 @@ class TrainConfig:
 
 def load_train_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
     """Schema <- YAML file <- `key=value` overrides; errors name the offending key."""
-    try:
-        cfg = OmegaConf.structured(TrainConfig)
-        if path is not None:
-            cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
-        return OmegaConf.to_object(cfg)
-    except OmegaConfBaseException as e:
-        raise ValueError(f"invalid train config ({path}): {e}") from e
-
-
-def config_yaml(tc: TrainConfig) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(tc))
+    return load_config(TrainConfig, path, overrides, what="train")

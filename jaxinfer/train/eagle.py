@@ -20,17 +20,19 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import field
 from functools import partial
 from pathlib import Path
+from typing import Annotated
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from omegaconf import MISSING, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from pydantic import Field, model_validator
 
+from jaxinfer.config_file import Count, load_config, one_of, schema
 from jaxinfer.engine.eagle import (
     SHARED_KEYS,
     head_forward_dense,
@@ -40,13 +42,14 @@ from jaxinfer.engine.eagle import (
 )
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.dense import compute_logits, forward_hidden
+from jaxinfer.train.config import warmup_in_range
 from jaxinfer.train.corpus import stdlib_corpus
 from jaxinfer.train.data import eval_windows, train_batch
 
 DISTILL = ("soft", "argmax")
 
 
-@dataclass
+@schema("")
 class EagleTrainConfig:
     kind: str = "eagle"  # selects this schema in `load_train_config`
     name: str = MISSING
@@ -54,49 +57,30 @@ class EagleTrainConfig:
     target_dtype: str = "float32"
     out_dir: str = "runs/train/${name}"
     head: str = "${out_dir}/head.safetensors"  # the head file `engine.speculative.eagle_head` loads
-    intermediate_size: int | None = None  # the head's MLP width (None: the target's)
-    head_dtype: str = "float32"  # of the saved head (trained in fp32; bfloat16 halves the file)
+    intermediate_size: Count | None = None  # the head's MLP width (None: the target's)
+    # of the saved head (trained in fp32; bfloat16 halves the file)
+    head_dtype: Annotated[str, one_of("float32", "bfloat16")] = "float32"
     heldout_fraction: float = 0.05
     # stdlib modules left out of the training text (e.g. the ones experiments/speculative/run.py
     # builds its prompts from, so its measurement is on text the head never saw)
     exclude_modules: list[str] = field(default_factory=list)
     max_files: int | None = None  # only the first train files (tests; None: all)
-    seq_len: int = 256
-    batch_size: int = 8
-    steps: int = 500
-    lr: float = 1e-3
+    seq_len: Count = 256
+    batch_size: Count = 8
+    steps: Count = 500
+    lr: Annotated[float, Field(gt=0)] = 1e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    distill: str = "soft"
-    feature_weight: float = 1.0
-    feature_noise: float = 0.0
-    eval_every: int = 100
-    eval_windows: int = 16
+    distill: Annotated[str, one_of(*DISTILL)] = "soft"
+    feature_weight: Annotated[float, Field(ge=0)] = 1.0
+    feature_noise: Annotated[float, Field(ge=0)] = 0.0
+    eval_every: Count = 100
+    eval_windows: Count = 16
     seed: int = 0
 
-    def __post_init__(self) -> None:
-        for key in ("seq_len", "batch_size", "steps", "eval_every", "eval_windows"):
-            if getattr(self, key) <= 0:
-                raise ValueError(f"train config: {key} must be > 0, got {getattr(self, key)}")
-        if not 0 <= self.warmup_steps < self.steps:
-            raise ValueError(f"train config: warmup_steps must be in [0, steps={self.steps}), "
-                             f"got {self.warmup_steps}")  # fmt: skip
-        if self.head_dtype not in ("float32", "bfloat16"):
-            raise ValueError("train config: head_dtype must be float32 or bfloat16, got "
-                             f"{self.head_dtype!r}")  # fmt: skip
-        if self.distill not in DISTILL:
-            raise ValueError(f"train config: distill must be one of {', '.join(DISTILL)}, got "
-                             f"{self.distill!r}")  # fmt: skip
-        if self.lr <= 0:
-            raise ValueError(f"train config: lr must be > 0, got {self.lr}")
-        for key in ("feature_weight", "feature_noise"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"train config: {key} must be >= 0, got {getattr(self, key)}")
-        if self.intermediate_size is not None and self.intermediate_size < 1:
-            raise ValueError("train config: intermediate_size must be >= 1 or null, got "
-                             f"{self.intermediate_size}")  # fmt: skip
+    _warmup = model_validator(mode="after")(warmup_in_range)
 
 
 def is_eagle_config(path: str | Path | None, overrides=()) -> bool:
@@ -109,14 +93,7 @@ def is_eagle_config(path: str | Path | None, overrides=()) -> bool:
 
 def load_eagle_config(path: str | Path | None, overrides=()) -> EagleTrainConfig:
     """Schema <- YAML <- `key=value` overrides; errors name the offending key."""
-    try:
-        cfg = OmegaConf.structured(EagleTrainConfig)
-        if path is not None:
-            cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
-        return OmegaConf.to_object(cfg)
-    except OmegaConfBaseException as e:
-        raise ValueError(f"invalid train config ({path}): {e}") from e
+    return load_config(EagleTrainConfig, path, overrides, what="train")
 
 
 def text_stream(tokenizer, tc: EagleTrainConfig, eos: int, split: str) -> np.ndarray:

@@ -29,10 +29,11 @@ from rich.progress import (
 )
 from tokenizers import Tokenizer
 
+from jaxinfer.config_file import to_yaml
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.dense import forward
 from jaxinfer.models.spec import Params, init_params
-from jaxinfer.train.config import TrainConfig, config_yaml
+from jaxinfer.train.config import TrainConfig
 from jaxinfer.train.corpus import stdlib_corpus
 from jaxinfer.train.data import encode_stream, eval_windows, train_batch
 from jaxinfer.train.tokenizer import EOS, train_bpe_tokenizer
@@ -170,12 +171,12 @@ def train(tc: TrainConfig, *, show_progress: bool = True) -> tuple[ModelConfig, 
     out = Path(tc.out_dir).absolute()
     out.mkdir(parents=True, exist_ok=True)
     saved = out / "train_config.yaml"
-    if saved.exists() and saved.read_text() != config_yaml(tc):
+    if saved.exists() and saved.read_text() != to_yaml(tc):
         raise ValueError(
             f"{out} holds a run with a different config ({saved}); use another out_dir to "
             "start a new run"
         )
-    saved.write_text(config_yaml(tc))
+    saved.write_text(to_yaml(tc))
 
     loading = (SpinnerColumn(finished_text="[green]✓"), TextColumn(f"[bold]{tc.name}"),
                TextColumn("{task.description}"), TimeElapsedColumn())  # fmt: skip
