@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxinfer.models.moe import combine, expert_ffn, sort_rows, unsort
+from jaxinfer.models.experts import combine, expert_ffn, sort_rows, unsort
 
 AXIS = "expert"
 
