@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxinfer.engine.block_manager import ALLOCATION_POLICIES
-from jaxinfer.engine.scheduler import POLICIES
+from jaxinfer.engine.policies import POLICIES
 from jaxinfer.kv.cache import KV_DTYPES
 from jaxinfer.models.attention import ATTENTION_BACKENDS, ATTENTION_OPTIONS
 from jaxinfer.models.moe import MOE_BACKENDS

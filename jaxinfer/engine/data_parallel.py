@@ -19,6 +19,7 @@ import jax
 
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.engine.request import SamplingParams
 from jaxinfer.engine.request import Sequence as Request
 
@@ -32,8 +33,6 @@ def _serve(engine: Engine, requests, tokenizer) -> tuple[list, dict]:
     """Worker side of one run: pull from the shared queue while holding < max_num_seqs, step while
     anything is unfinished, stop after this worker's end-of-run marker once all it took is done."""
     from queue import Empty
-
-    from jaxinfer.engine.llm import RequestOutput
 
     taken: dict[int, Request] = {}
     sched, cap = engine.scheduler, engine.config.max_num_seqs
