@@ -19,6 +19,7 @@ import jax
 
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.loading import load_model
 from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.engine.request import SamplingParams
 from jaxinfer.engine.request import Sequence as Request
@@ -99,8 +100,6 @@ def _worker(rank: int, config: dict, setup, control, requests, results, parent_p
 
     _exit_with_parent(parent_pid, death_signal=death_signal)
     try:
-        from jaxinfer.engine.loading import load_model
-
         engine_config = EngineConfig(**{**config, "data_parallel": 1})
         cfg, params, tokenizer = load_model(engine_config.model, engine_config.dtype,
                                             engine_config.seed, quant=engine_config.quant)  # fmt: skip
