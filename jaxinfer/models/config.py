@@ -356,9 +356,9 @@ class ModelConfig:
         if self.weight_format is not None and self.weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"ModelConfig.weight_format={self.weight_format!r} is unknown; "
                              f"known: {sorted(WEIGHT_FORMATS)} or None")  # fmt: skip
-        self._check_weight_formats(WEIGHT_FORMATS)
+        self._check_weight_formats()
 
-    def _check_weight_formats(self, known) -> None:
+    def _check_weight_formats(self) -> None:
         """Each recipe entry is (pattern, known format or None); that each pattern matches a
         linear weight of the layers is `spec.param_specs`'s check (the layers' weights are its)."""
         entries = []
@@ -368,9 +368,10 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.weight_formats[{i}]={entry!r} must be a "
                                  "(pattern, format or None) pair")  # fmt: skip
             pattern, fmt = entry
-            if fmt is not None and fmt not in known:
+            if fmt is not None and fmt not in WEIGHT_FORMATS:
                 raise ValueError(f"ModelConfig.weight_formats[{i}]: pattern {pattern!r} names "
-                                 f"format {fmt!r}, unknown; known: {sorted(known)} or None")  # fmt: skip
+                                 f"format {fmt!r}, unknown; known: {sorted(WEIGHT_FORMATS)} "
+                                 "or None")  # fmt: skip
             entries.append((pattern, fmt))
         object.__setattr__(self, "weight_formats", tuple(entries))
 
