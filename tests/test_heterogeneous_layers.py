@@ -114,4 +114,4 @@ def test_engine_honours_per_layer_attention_types():
 )
 def test_bad_layer_kinds_are_refused_by_name(overrides, match):
     with pytest.raises(ValueError, match=match):
-        preset("tiny", **overrides)
+        param_specs(preset("tiny", **overrides))  # (FFN kinds: checked by the specs)

@@ -442,12 +442,12 @@ def _bf16_moe_layer(fresh_seed: int):
 def test_moe_block_through_the_pallas_kernel_matches_xla(fresh_seed, monkeypatch):
     """backend "pallas" (the Mosaic GPU kernel, interpreted on CPU) in the MoE block, with padding
     tokens and a shared expert: the kernel runs (a spy counts it) and gives XLA's output."""
-    import jaxinfer.models.moe as moe
+    import jaxinfer.models.experts as experts
 
     calls = []
-    kernel = moe.grouped_matmul_mgpu
+    kernel = experts.grouped_matmul_mgpu
     monkeypatch.setattr(
-        moe, "grouped_matmul_mgpu", lambda *a, **k: calls.append(1) or kernel(*a, **k)
+        experts, "grouped_matmul_mgpu", lambda *a, **k: calls.append(1) or kernel(*a, **k)
     )
     cfg, p = _bf16_moe_layer(fresh_seed)
     x = jax.random.normal(jax.random.key(fresh_seed + 3), (24, cfg.hidden_size), jnp.bfloat16)
@@ -490,18 +490,18 @@ def test_engine_steps_pass_the_moe_backend_to_the_grouped_matmul(monkeypatch):
     """The engine's resolved moe_backend reaches every MoE layer of its mixed steps and decode
     scans (a spy records the backend each grouped matmul is traced with and runs XLA's)."""
     import jaxinfer.engine.model_runner as model_runner
-    import jaxinfer.models.moe as moe
+    import jaxinfer.models.experts as experts
     from jaxinfer.engine.llm import LLM
     from jaxinfer.engine.request import SamplingParams
 
     seen = set()
-    reference = moe.grouped_matmul
+    reference = experts.grouped_matmul
 
     def spy(lhs, rhs, sizes, backend="xla"):
         seen.add(backend)
         return reference(lhs, rhs, sizes)
 
-    monkeypatch.setattr(moe, "grouped_matmul", spy)
+    monkeypatch.setattr(experts, "grouped_matmul", spy)
     monkeypatch.setattr(model_runner, "resolve_moe_backend", lambda *a: "pallas")
     llm = LLM("preset:tiny-moe", max_num_seqs=2, max_num_batched_tokens=16, num_pages=16,
               page_size=16, max_model_len=64, decode_steps=2, warmup=False)  # fmt: skip

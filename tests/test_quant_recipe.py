@@ -107,7 +107,7 @@ def test_packed_4bit_values_count_one_byte_per_pair():
 )  # fmt: skip
 def test_a_recipe_entry_the_model_cannot_take_is_refused_naming_the_pattern(entry, message):
     with pytest.raises(ValueError, match=r"ModelConfig.weight_formats.*" + message):
-        preset("tiny", weight_formats=[entry])
+        param_specs(preset("tiny", weight_formats=[entry]))  # (patterns: checked by the specs)
 
 
 def test_quantize_returns_the_recipes_config_and_refuses_what_it_cannot_do(tiny):

@@ -27,7 +27,13 @@ import numpy as np
 
 from jaxinfer.checkpoint.errors import CheckpointError, UnsupportedModelError
 from jaxinfer.checkpoint.hf_config import config_from_hf
+from jaxinfer.checkpoint.hf_loader import layer_parts, load_params_from
 from jaxinfer.models.config import ModelConfig
+from jaxinfer.models.spec import layer_specs, param_shardings, param_specs
+from jaxinfer.quant import QuantizedWeight, ggml
+from jaxinfer.quant.ggml import GGML_TYPES, dequantize
+from jaxinfer.quant.gguf_formats import format_of_type, from_gguf_components
+from jaxinfer.quant.transform import quantize_params
 
 PathLike = str | os.PathLike[str]
 
@@ -241,8 +247,6 @@ class GgufFile:
     def read(self, name: str, expected_shape: tuple[int, ...], param: str) -> np.ndarray:
         """The tensor in HF layout as a host array: float types as stored, block types
         dequantized to float32; Q and K rows un-permuted for `llama` files."""
-        from jaxinfer.quant.ggml import GGML_TYPES, dequantize
-
         t = self._tensors.get(name)
         if t is None:
             raise CheckpointError(f"tensor {name!r} (for param {param}) not found in {self.path}")
@@ -293,9 +297,6 @@ class GgufFile:
         """The weight format storing layer `layer`'s linear param `key` (plain spec `spec`) as
         this file does: every tensor behind it (q, k and v for `w_qkv`) of one GGML type that a
         format stores bit for bit (`gguf_formats.format_of_type`); None otherwise."""
-        from jaxinfer.checkpoint.hf_loader import layer_parts
-        from jaxinfer.quant.gguf_formats import format_of_type
-
         parts, _ = layer_parts(key, spec)
         names = [f"model.layers.{layer}.{rule.hf_name}" for rule, _ in parts]
         formats = {format_of_type(self.type_of(name)) for name in names}
@@ -308,8 +309,6 @@ class GgufFile:
         """(weight_format, weight_formats) storing each linear weight of the layers of the plain
         `cfg` in the file's own format (`native_format`), or plain where it has none: one
         `weight_format` when every weight has the same, else an entry per weight."""
-        from jaxinfer.models.spec import layer_specs
-
         entries = [
             (f"layers.{i}.{key}", self.native_format(i, key, spec))
             for i in range(cfg.num_layers)
@@ -327,10 +326,6 @@ class GgufFile:
         over as stored (`gguf_formats.from_gguf_components`), fused parts joined along their
         axis, Q and K rows un-permuted for `llama` files; it dequantizes to `read`'s values."""
         import jax.numpy as jnp
-
-        from jaxinfer.checkpoint.hf_loader import layer_parts
-        from jaxinfer.quant import QuantizedWeight, ggml
-        from jaxinfer.quant.gguf_formats import from_gguf_components
 
         parts, axis = layer_parts(key, spec)
         pieces = []
@@ -374,8 +369,6 @@ def load_gguf_model(
     allow_unused_layers: bool = False,
 ):
     """(config, params) of a GGUF file; block types are dequantized to `param_dtype`."""
-    from jaxinfer.checkpoint.hf_loader import load_params_from
-
     file = open_gguf(path)
     cfg = file.model_config(dtype=dtype, param_dtype=param_dtype)
     return cfg, load_params_from(file, cfg, mesh, allow_unused_layers=allow_unused_layers)
@@ -391,11 +384,6 @@ def load_gguf_params(file: GgufFile, cfg: ModelConfig, mesh: Any = None, *,
     The plain model is loaded first (every param checked finite, on `mesh`), so the load's peak
     memory is a plain load's; what stays on the device is the formatted model.
     """
-    from jaxinfer.checkpoint.hf_loader import load_params_from
-    from jaxinfer.models.spec import param_shardings, param_specs
-    from jaxinfer.quant import QuantizedWeight
-    from jaxinfer.quant.transform import quantize_params
-
     plain_cfg = cfg.plain()
     params = load_params_from(file, plain_cfg, mesh, allow_unused_layers=allow_unused_layers)
     if not cfg.has_formats:

@@ -20,7 +20,7 @@ from typing import Any
 
 from jaxinfer.checkpoint.errors import CheckpointError, UnsupportedModelError
 from jaxinfer.checkpoint.hf_quantized import checkpoint_weight_format
-from jaxinfer.models.config import ROPE_SCALINGS, ModelConfig
+from jaxinfer.models.config import ROPE_SCALINGS, ModelConfig, MoeConfig
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
@@ -293,8 +293,6 @@ def _moe(hf: Mapping[str, Any], arch: str, num_layers: int, source: str):
     shared = (
         _get(hf, "shared_expert_intermediate_size", 5632) if arch == "Qwen2MoeForCausalLM" else 0
     )
-    from jaxinfer.models.config import MoeConfig
-
     try:
         moe = MoeConfig(
             num_experts=num_experts,

@@ -66,6 +66,7 @@ from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.spec import Params, ParamSpec, param_specs
 from jaxinfer.parallel.sharding import named_sharding, put_global
 from jaxinfer.quant import QuantizedWeight
+from jaxinfer.quant.transform import quantize_params
 
 PathLike = str | os.PathLike[str]
 
@@ -496,8 +497,6 @@ def load_params_from(
     them as stored (its format must be `cfg.weight_format`)."""
     prequantized = prequantized_linears(files, cfg, mesh)
     if cfg.has_formats and prequantized is None:
-        from jaxinfer.quant.transform import quantize_params
-
         plain_cfg = cfg.plain()
         plain = load_params_from(files, plain_cfg, mesh, allow_unused_layers=allow_unused_layers)
         return quantize_params(cfg, plain, mesh)

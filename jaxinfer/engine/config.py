@@ -15,7 +15,7 @@ from pydantic import AfterValidator, Field, Strict, field_validator, model_valid
 
 from jaxinfer.config_file import Count, Flag, NonNegative, invalid, one_of, schema
 from jaxinfer.engine.block_manager import ALLOCATION_POLICIES
-from jaxinfer.engine.scheduler import POLICIES
+from jaxinfer.engine.policies import POLICIES
 from jaxinfer.kv.cache import KV_DTYPES
 from jaxinfer.models.attention import ATTENTION_BACKENDS, ATTENTION_OPTIONS
 from jaxinfer.models.moe import MOE_BACKENDS

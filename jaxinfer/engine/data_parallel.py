@@ -19,6 +19,8 @@ import jax
 
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.loading import load_model
+from jaxinfer.engine.outputs import RequestOutput
 from jaxinfer.engine.request import SamplingParams
 from jaxinfer.engine.request import Sequence as Request
 
@@ -32,8 +34,6 @@ def _serve(engine: Engine, requests, tokenizer) -> tuple[list, dict]:
     """Worker side of one run: pull from the shared queue while holding < max_num_seqs, step while
     anything is unfinished, stop after this worker's end-of-run marker once all it took is done."""
     from queue import Empty
-
-    from jaxinfer.engine.llm import RequestOutput
 
     taken: dict[int, Request] = {}
     sched, cap = engine.scheduler, engine.config.max_num_seqs
@@ -100,8 +100,6 @@ def _worker(rank: int, config: dict, setup, control, requests, results, parent_p
 
     _exit_with_parent(parent_pid, death_signal=death_signal)
     try:
-        from jaxinfer.engine.loading import load_model
-
         engine_config = EngineConfig(**{**config, "data_parallel": 1})
         cfg, params, tokenizer = load_model(engine_config.model, engine_config.dtype,
                                             engine_config.seed, quant=engine_config.quant)  # fmt: skip

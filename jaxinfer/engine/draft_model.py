@@ -38,6 +38,7 @@ from jaxinfer.engine.sampler import DRAFT_STREAM, draw_from, filtered_probs
 from jaxinfer.models.batch import rows_batch
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.dense import compute_logits, forward_paged
+from jaxinfer.models.spec import layer_weight_paths
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,6 @@ def early_exit_draft(cfg: ModelConfig, params, num_layers: int):
     """(config, params) of the target's first `num_layers` layers with its own final norm and
     head (self-speculative decoding, LayerSkip-style early exit, Elhoushi et al. 2024): the
     arrays are the target's, not copies."""
-    from jaxinfer.models.spec import layer_weight_paths
-
     plain = cfg.plain().replace(num_layers=num_layers, layer_types=cfg.layer_types[:num_layers],
                                 ffn_kinds=cfg.ffn_kinds[:num_layers])  # fmt: skip
     # each linear weight keeps the target's format (the target's recipe may name later layers)

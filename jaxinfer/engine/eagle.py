@@ -52,6 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.assets import ASSETS
 from jaxinfer.engine.draft_model import DraftState
 from jaxinfer.engine.request import Sequence
 from jaxinfer.engine.sampler import DRAFT_STREAM, draw_from, filtered_probs
@@ -167,8 +168,6 @@ def load_head(path: str | Path, target: ModelConfig, key: str = "engine.speculat
     (`jaxinfer/assets/models/NAME/head.safetensors`: eagle-tiny), checked against the target;
     errors name `key`."""
     from safetensors import safe_open
-
-    from jaxinfer.assets import ASSETS
 
     shipped = ASSETS / "models" / str(path) / "head.safetensors"  # e.g. "eagle-tiny"
     path = shipped if "/" not in str(path) and shipped.is_file() else Path(path)

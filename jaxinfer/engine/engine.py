@@ -27,8 +27,12 @@ from jaxinfer.engine.adaptive import AdaptiveSpeculation
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.compile_counter import compile_count
 from jaxinfer.engine.config import EngineConfig, resolve_dtype
+from jaxinfer.engine.draft_model import DraftModelProposer, early_exit_draft
+from jaxinfer.engine.eagle import EagleProposer, init_head, load_head
 from jaxinfer.engine.inflight import UnreadMixed, UnreadScan, add_placeholder, fill_placeholder
+from jaxinfer.engine.loading import load_model, quantize_for_engine
 from jaxinfer.engine.model_runner import ModelRunner, pick_bucket
+from jaxinfer.engine.ngram import NgramProposer
 from jaxinfer.engine.proposer import Proposer
 from jaxinfer.engine.request import (
     SamplingParams,
@@ -40,9 +44,13 @@ from jaxinfer.engine.request import (
 )
 from jaxinfer.engine.sampler import SamplingBatch
 from jaxinfer.engine.scheduler import ScheduledSeq, Scheduler
+from jaxinfer.kv.cache import kv_page_bytes
 from jaxinfer.metrics import StepRecord
 from jaxinfer.models.config import ModelConfig
+from jaxinfer.models.spec import param_bytes, param_shardings
+from jaxinfer.parallel.multihost import Leader
 from jaxinfer.parallel.sharding import EngineShardings
+from jaxinfer.parallel.tensor import fit_kv_heads_to_mesh
 
 
 def _message(e: Exception) -> str:
@@ -65,9 +73,6 @@ def pages_in_budget(config: EngineConfig, cfg: ModelConfig, budget_bytes: int | 
     `bytes_limit`) per device, times the devices of the mesh's "model" axis (which shards both
     params and pages), after the stored params (`param_bytes`: a quantized model's are fewer)
     and `workspace_bytes`, in pages of `kv_page_bytes`."""
-    from jaxinfer.kv.cache import kv_page_bytes
-    from jaxinfer.models.spec import param_bytes
-
     if budget_bytes is None and config.memory_budget_gb is not None:
         budget_bytes = int(config.memory_budget_gb * 1e9)
     device = jax.devices()[0]
@@ -127,9 +132,6 @@ def make_proposer(config: EngineConfig, model_config: ModelConfig, params=None,
                          "to the draft's distribution: with engine.penalties use "
                          "draft_sampling: greedy")  # fmt: skip
     if spec.method == "draft":
-        from jaxinfer.engine.draft_model import DraftModelProposer
-        from jaxinfer.engine.loading import load_model
-
         try:
             cfg, params, _ = load_model(spec.draft_model, config.dtype, config.seed, mesh)
         except (OSError, ValueError) as e:  # (a CheckpointError is a ValueError)
@@ -143,24 +145,18 @@ def make_proposer(config: EngineConfig, model_config: ModelConfig, params=None,
                              f"model's {cfg.describe_context()}")  # fmt: skip
         return DraftModelProposer(cfg, params, spec.num_draft_tokens, rejection)
     if spec.method == "self":
-        from jaxinfer.engine.draft_model import DraftModelProposer, early_exit_draft
-
         if spec.draft_layers >= model_config.num_layers:
             raise ValueError(f"engine.speculative.draft_layers={spec.draft_layers} must be fewer "
                              f"than the model's {model_config.num_layers} layers")  # fmt: skip
         cfg, params = early_exit_draft(model_config, params, spec.draft_layers)
         return DraftModelProposer(cfg, params, spec.num_draft_tokens, rejection)
     if spec.method == "eagle":
-        from jaxinfer.engine.eagle import EagleProposer, init_head, load_head
-
         if spec.eagle_head == "random":
             head = init_head(model_config, jax.random.key(config.seed))
         else:
             head, _ = load_head(spec.eagle_head, model_config)
         return EagleProposer(model_config, head, spec.num_draft_tokens, rejection)
     if spec.method == "ngram":
-        from jaxinfer.engine.ngram import NgramProposer
-
         return NgramProposer(spec.num_draft_tokens, spec.ngram_max, spec.ngram_min,
                              config.max_model_len)  # fmt: skip
     return None
@@ -194,16 +190,11 @@ class Engine:
                 f"{model_config.describe_context()}"
             )
         self.shardings = EngineShardings.for_config(config.mesh)
-        from jaxinfer.models.spec import param_shardings
-        from jaxinfer.parallel.tensor import fit_kv_heads_to_mesh
-
         # fewer KV heads than the mesh's model axis: each replicated (parallel/tensor.py)
         model_config, params = fit_kv_heads_to_mesh(model_config, params, self.shardings.mesh)
         self.model_config = model_config
 
         if config.quant.active and not model_config.has_formats:
-            from jaxinfer.engine.loading import quantize_for_engine
-
             model_config, params = quantize_for_engine(config, model_config, params, tokenizer,
                                                        self.shardings.mesh)  # fmt: skip
             self.model_config = model_config
@@ -222,8 +213,6 @@ class Engine:
         if jax.process_count() > 1 and jax.process_index() == 0:
             # a multi-host engine: this process schedules; the others follow its device calls
             # (parallel/multihost.py; they built this engine too, `engine/follower.py`)
-            from jaxinfer.parallel.multihost import Leader
-
             self.runner.driver = Leader()
         self.proposer = proposer
         # adaptive speculation: the policy, and when the host last read a scan (a chained scan's

@@ -31,7 +31,9 @@ from jaxinfer.checkpoint.gguf_io import (
 from jaxinfer.engine.config import CalibrationConfig, QuantConfig, resolve_dtype
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.presets import preset
-from jaxinfer.models.spec import Params, init_params
+from jaxinfer.models.spec import Params, check_recipe, init_params
+from jaxinfer.quant.calibrate import calibrate, static_paths
+from jaxinfer.quant.transform import quantize_params
 
 
 def load_model(model: str, dtype: str = "auto", seed: int = 0, mesh=None,
@@ -75,9 +77,6 @@ def quantize_model(quant: QuantConfig, model: str, cfg: ModelConfig, params: Par
 def _quantized(quant: QuantConfig, cfg: ModelConfig, params: Params, tokenizer, seed: int, mesh):
     """params (plain, or partly in `cfg`'s formats) in `cfg`'s formats: rounded to nearest on the
     device, `fp8_static` activation scales calibrated on `quant.calibration`'s tokens."""
-    from jaxinfer.quant.calibrate import calibrate, static_paths
-    from jaxinfer.quant.transform import quantize_params
-
     if static_paths(cfg):
         batches = calibration_batches(quant.calibration, cfg, tokenizer, seed)
         params = calibrate(cfg, params, batches)
@@ -112,7 +111,9 @@ def quantized_config(quant: QuantConfig, model: str, cfg: ModelConfig, file=None
         weights, native = file.native_recipe(cfg)
         entries += native
     try:
-        return cfg.replace(weight_format=weights, weight_formats=entries)
+        qcfg = cfg.replace(weight_format=weights, weight_formats=entries)
+        check_recipe(qcfg)
+        return qcfg
     except ValueError as e:
         reason = str(e).split(": ", 1)[-1]
         raise ValueError(f"engine.quant.recipe (engine.model={model!r}): {reason}") from None

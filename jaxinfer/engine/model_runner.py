@@ -50,6 +50,7 @@ from jaxinfer.models.batch import RaggedBatch, build_ragged_batch
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.dense import compute_logits, forward_paged
 from jaxinfer.models.moe import resolve_moe_backend
+from jaxinfer.models.spec import param_shardings
 from jaxinfer.parallel import vocab
 from jaxinfer.parallel.multihost import mirrored
 from jaxinfer.parallel.sharding import EngineShardings
@@ -327,8 +328,6 @@ class ModelRunner:
         self.draft_cfg = getattr(proposer, "draft_cfg", None)
         self.draft_params = self.draft_kv = None
         if self.draft_cfg is not None:
-            from jaxinfer.models.spec import param_shardings
-
             self.draft_params = jax.device_put(
                 proposer.params, param_shardings(self.draft_cfg, shardings.mesh)
             )

@@ -29,40 +29,12 @@ deadlock: `add` rejects up front any sequence that could not fit in the cache al
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from jaxinfer.engine.block_manager import BlockManager
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.policies import POLICIES
 from jaxinfer.engine.request import SeqStatus, Sequence
-
-if TYPE_CHECKING:  # (the config module imports this one's policy table)
-    from jaxinfer.engine.config import EngineConfig
-
-
-@dataclass(frozen=True)
-class Policy:
-    """A scheduling policy: an order (smaller key first) and whether it admits while others run."""
-
-    key: Callable[[Sequence], tuple]
-    admits_while_running: bool = True
-    # admit the waiting sequences with the longest cached prefix first (SGLang's LPM), ties in
-    # `key` order; needs engine.prefix_caching
-    prefix_first: bool = False
-
-
-def _arrival(seq: Sequence) -> tuple:
-    return (seq.arrival_time, seq.seq_id)
-
-
-POLICIES: dict[str, Policy] = {
-    "fcfs": Policy(_arrival),
-    "priority": Policy(lambda s: (s.priority, *_arrival(s))),
-    "shortest_first": Policy(lambda s: (s.num_prompt_tokens, *_arrival(s))),
-    # The naive baseline: a batch is admitted only when nothing runs, then runs to completion.
-    "static": Policy(_arrival, admits_while_running=False),
-    "lpm": Policy(_arrival, prefix_first=True),
-}
 
 
 @dataclass(frozen=True)

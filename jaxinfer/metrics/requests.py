@@ -1,4 +1,5 @@
-"""Per-request latency metrics from finished Sequences (engine clock, seconds).
+"""Per-request latency metrics from finished requests (engine clock, seconds): any record with
+the fields of `FinishedRequest`, such as the engine's `Sequence`.
 
     ttft       = first_token_time - arrival_time
     e2e        = finish_time - arrival_time
@@ -7,15 +8,15 @@
     queue_time = scheduled_time - arrival_time
 
 A metric whose timestamps are missing (e.g. a request that failed before its first token) is None.
-`failed` is True for status FAILED or finish_reason "error".
+`failed` is True for status "failed" or finish_reason "error".
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
-
-from jaxinfer.engine.request import SeqStatus, Sequence
+from enum import Enum
+from typing import Protocol
 
 REQUEST_COLUMNS = (
     "seq_id",
@@ -38,11 +39,30 @@ REQUEST_COLUMNS = (
 )
 
 
+class FinishedRequest(Protocol):
+    """What `request_row` reads of a request."""
+
+    seq_id: int
+    status: Enum  # its value: "finished" or "failed" once finished
+    is_finished: bool
+    num_prompt_tokens: int
+    output_token_ids: list[int]
+    arrival_time: float
+    scheduled_time: float | None
+    first_token_time: float | None
+    finish_time: float | None
+    token_times: list[float]  # when each output token was produced
+    num_preemptions: int
+    num_cached_tokens: int
+    finish_reason: str | None
+    error: str | None
+
+
 def _diff(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else float(a) - float(b)
 
 
-def request_row(seq: Sequence) -> dict:
+def request_row(seq: FinishedRequest) -> dict:
     """The metrics of one finished (or failed) sequence, keyed by REQUEST_COLUMNS."""
     if not seq.is_finished:
         raise ValueError(
@@ -72,11 +92,11 @@ def request_row(seq: Sequence) -> dict:
         "num_preemptions": seq.num_preemptions,
         "cached_tokens": seq.num_cached_tokens,  # prefill skipped by prefix-cache hits
         "finish_reason": seq.finish_reason,
-        "failed": seq.status is SeqStatus.FAILED or seq.finish_reason == "error",
+        "failed": seq.status.value == "failed" or seq.finish_reason == "error",
         "error": seq.error,
     }
 
 
-def request_rows(seqs: Iterable[Sequence]) -> list[dict]:
+def request_rows(seqs: Iterable[FinishedRequest]) -> list[dict]:
     """One row per sequence (see `request_row`), in the given order."""
     return [request_row(s) for s in seqs]

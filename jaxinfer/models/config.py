@@ -16,6 +16,8 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
+from jaxinfer.quant import WEIGHT_FORMATS
+
 ATTENTION_TYPES = ("full_attention", "sliding_attention")  # transformers' `layer_types` names
 
 
@@ -279,7 +281,8 @@ class ModelConfig:
     # A quantization recipe: (pattern, format or None = plain) pairs, fnmatch patterns over a
     # layer weight's path "layers.{i}.{name}" (e.g. "layers.*.w_qkv", "layers.0.*"); the first
     # pattern that matches a weight gives its format, `weight_format` the format of the rest
-    # (`weight_format_of`). Every pattern must match a linear weight of the model.
+    # (`weight_format_of`). Every pattern must match a linear weight of the model
+    # (`spec.param_specs` refuses one that does not).
     weight_formats: tuple[tuple[str, str | None], ...] = ()
     # Numerics: weights stored in `param_dtype`, activations computed in `dtype`; softmax, norms
     # and accumulations always in fp32.
@@ -326,9 +329,6 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.sliding_window must be positive or None, got {self.sliding_window}"
             )
-        from jaxinfer.models.ffn import FFN_BLOCKS  # (registries import this module)
-        from jaxinfer.quant import WEIGHT_FORMATS
-
         if isinstance(self.moe, dict):  # (JSON and YAML give a mapping)
             try:
                 object.__setattr__(self, "moe", MoeConfig(**self.moe))
@@ -338,15 +338,16 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.moe must be a MoeConfig, a mapping or None, "
                              f"got {self.moe!r}")  # fmt: skip
 
-        for name, allowed in (("layer_types", ATTENTION_TYPES), ("ffn_kinds", tuple(FFN_BLOCKS))):
+        for name in ("layer_types", "ffn_kinds"):  # (the FFN kinds: `spec.layer_specs` checks)
             value = getattr(self, name)
             object.__setattr__(self, name, tuple(value))  # (JSON gives lists)
             if value and len(value) != self.num_layers:
                 raise ValueError(f"ModelConfig.{name} has {len(value)} entries for "
                                  f"{self.num_layers} layers (or leave it empty)")  # fmt: skip
-            bad = sorted(set(value) - set(allowed))
-            if bad:
-                raise ValueError(f"ModelConfig.{name}: {bad} unknown; allowed: {list(allowed)}")
+        bad = sorted(set(self.layer_types) - set(ATTENTION_TYPES))
+        if bad:
+            raise ValueError(f"ModelConfig.layer_types: {bad} unknown; allowed: "
+                             f"{list(ATTENTION_TYPES)}")  # fmt: skip
         if self.moe is None and "moe" in self.ffn_kinds:
             raise ValueError("ModelConfig.ffn_kinds has moe layers but moe is None")
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
@@ -355,11 +356,11 @@ class ModelConfig:
         if self.weight_format is not None and self.weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"ModelConfig.weight_format={self.weight_format!r} is unknown; "
                              f"known: {sorted(WEIGHT_FORMATS)} or None")  # fmt: skip
-        self._check_weight_formats(WEIGHT_FORMATS)
+        self._check_weight_formats()
 
-    def _check_weight_formats(self, known) -> None:
-        """Each recipe entry is (pattern, known format or None) and matches a linear weight of the
-        layers; one that names only always-plain weights (embedding, head, norms, biases) says so."""
+    def _check_weight_formats(self) -> None:
+        """Each recipe entry is (pattern, known format or None); that each pattern matches a
+        linear weight of the layers is `spec.param_specs`'s check (the layers' weights are its)."""
         entries = []
         for i, entry in enumerate(self.weight_formats):  # (JSON gives lists of lists)
             if (not isinstance(entry, list | tuple) or len(entry) != 2
@@ -367,34 +368,12 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.weight_formats[{i}]={entry!r} must be a "
                                  "(pattern, format or None) pair")  # fmt: skip
             pattern, fmt = entry
-            if fmt is not None and fmt not in known:
+            if fmt is not None and fmt not in WEIGHT_FORMATS:
                 raise ValueError(f"ModelConfig.weight_formats[{i}]: pattern {pattern!r} names "
-                                 f"format {fmt!r}, unknown; known: {sorted(known)} or None")  # fmt: skip
+                                 f"format {fmt!r}, unknown; known: {sorted(WEIGHT_FORMATS)} "
+                                 "or None")  # fmt: skip
             entries.append((pattern, fmt))
         object.__setattr__(self, "weight_formats", tuple(entries))
-        if not entries:
-            return
-        from jaxinfer.models.spec import layer_weight_paths  # (spec imports this module)
-
-        linear, plain = layer_weight_paths(self.plain())
-        for i, (pattern, _) in enumerate(entries):
-            if any(fnmatch.fnmatchcase(p, pattern) for p in linear):
-                continue
-            named = [p for p in plain if fnmatch.fnmatchcase(p, pattern)]
-            if named:
-                shown = ", ".join(named[:3]) + (", ..." if len(named) > 3 else "")
-                raise ValueError(
-                    f"ModelConfig.weight_formats[{i}]: pattern {pattern!r} names only weights "
-                    f"that always stay plain ({shown}: the embedding, LM head, norms and biases "
-                    "are never quantized); formats apply to the layers' linear weights, e.g. "
-                    "layers.*.w_qkv"
-                )
-            names = sorted({p.split(".", 2)[2] for p in linear})
-            raise ValueError(
-                f"ModelConfig.weight_formats[{i}]: pattern {pattern!r} matches no linear weight "
-                f"of the model (they are layers.{{0..{self.num_layers - 1}}}.{{"
-                f"{', '.join(names)}}})"
-            )
 
     def weight_format_of(self, layer: int, name: str) -> str | None:
         """The format of linear weight `name` of layer `layer`: the first `weight_formats`

@@ -20,7 +20,7 @@ import jax
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.layers import linear, scale_rows
 from jaxinfer.models.moe import moe_ffn, moe_ffn_specs
-from jaxinfer.models.spec import ParamSpec, linear_spec
+from jaxinfer.models.param_spec import ParamSpec, linear_spec
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,9 @@ Weights (`moe_ffn_specs`), experts stacked on a leading axis with logical axis "
 - with a shared expert: `w_shared_gate_up` [E, 2, S], `w_shared_down` [S, E] and, gated,
   `w_shared_gate` [E, 1].
 
-Dispatch on one device (`routed_experts`) is dropless with static shapes: the T * k (token,
+Dispatch on one device (`experts.routed_experts`) is dropless with static shapes: the T * k (token,
 choice) rows are sorted by expert, the experts run as two grouped matmuls over those rows
-(`grouped_matmul`, whose group sizes are data: no capacity, no bucket, no token dropped), and the
+(`experts.grouped_matmul`, whose group sizes are data: no capacity, no bucket, no token dropped), and the
 rows are unsorted and summed with their weights. The grouped matmul has two backends
 (`MOE_BACKENDS`): `xla` (`lax.ragged_dot`, runs anywhere) and `pallas` (the Mosaic GPU kernel of
 `pallas_kernels.moe`, Hopper only; 5.6x ragged_dot on a prefill expert GEMM and 3-18x at decode
@@ -27,11 +27,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxinfer.models.config import ModelConfig, MoeConfig
+from jaxinfer.models.experts import routed_experts
 from jaxinfer.models.layers import linear, scale_rows
-from jaxinfer.models.spec import ParamSpec, linear_spec
+from jaxinfer.models.param_spec import ParamSpec, linear_spec
+from jaxinfer.parallel.expert import expert_parallel_experts
 from pallas_kernels.moe.grouped_mgpu import DTYPES as KERNEL_DTYPES
-from pallas_kernels.moe.grouped_mgpu import grouped_matmul_mgpu
-from pallas_kernels.moe.reference import grouped_matmul_ref
 
 MOE_BACKENDS = ("auto", "xla", "pallas")
 
@@ -112,63 +112,6 @@ def resolve_moe_backend(name: str, cfg: ModelConfig, device: jax.Device | None =
     return name
 
 
-def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
-                   backend: str = "xla") -> jax.Array:  # fmt: skip
-    """lhs [R, K] (rows sorted by group) @ rhs [G, K, N] per group -> [R, N] in lhs's dtype, fp32
-    accumulation; rows past sum(group_sizes) are zero. `backend`: "xla" or "pallas" (the
-    kernel; interpreted off a GPU)."""
-    rhs = rhs.astype(lhs.dtype)
-    if backend == "pallas":
-        return grouped_matmul_mgpu(lhs, rhs, group_sizes)
-    return grouped_matmul_ref(lhs, rhs, group_sizes).astype(lhs.dtype)
-
-
-def expert_ffn(xs: jax.Array, sizes: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
-               backend: str = "xla") -> jax.Array:  # fmt: skip
-    """SwiGLU of rows xs [R, E] sorted by expert (sizes [X] rows each) with stacked weights
-    w_gate_up [X, E, 2, F], w_down [X, F, E] -> [R, E]; `backend` of the grouped matmuls."""
-    x, e, _, f = w_gate_up.shape
-    gate_up = grouped_matmul(xs, w_gate_up.reshape(x, e, 2 * f), sizes, backend)
-    act = jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:]
-    return grouped_matmul(act, w_down, sizes, backend)
-
-
-def sort_rows(experts: jax.Array, num_experts: int):
-    """(order, sorted expert ids, sizes [X]) of the flattened (token, choice) rows of experts
-    [T, k]; an id of `num_experts` (no expert) sorts last and is in no group."""
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    return order, flat[order], jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-
-
-def unsort(y_sorted: jax.Array, order: jax.Array) -> jax.Array:
-    """Rows y_sorted[i] = y[order[i]] back in their first order: y. The inverse permutation is
-    an int scatter of one id per row, then the rows move by a gather: XLA:GPU runs a scatter of
-    whole rows far slower than a gather (the row scatter took 16% of the 30B-A3B shape's mixed
-    step device time, e2e_qwen3_30b_a3b_profile.json)."""
-    n = order.shape[0]
-    inverse = jnp.zeros(n, jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
-    return y_sorted[inverse]
-
-
-def combine(y_sorted: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Array:
-    """Rows y_sorted [T * k, E] in `order` back to tokens: sum_j weights[t, j] * y[t, j] -> [T, E]
-    fp32."""
-    t, k = weights.shape
-    y = unsort(y_sorted, order).reshape(t, k, -1)
-    return jnp.einsum("tk,tke->te", weights, y.astype(jnp.float32))
-
-
-def routed_experts(h: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up: jax.Array,
-                   w_down: jax.Array, backend: str = "xla") -> tuple[jax.Array, jax.Array]:  # fmt: skip
-    """(sum of each token's experts' outputs, weighted [T, E] fp32, rows per expert [X] int32)
-    on one device; experts [T, k] may hold X (no expert) for padding tokens."""
-    k = experts.shape[1]
-    order, _, sizes = sort_rows(experts, w_gate_up.shape[0])
-    y = expert_ffn(h[order // k], sizes, w_gate_up, w_down, backend)
-    return combine(y, order, weights), sizes
-
-
 def moe_ffn(cfg: ModelConfig, p: dict, x: jax.Array, row_scale: jax.Array | None = None,
             ctx=None) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     """(output [..., E], rows per expert [X] int32) of the MoE FFN on x [..., E] (times
@@ -183,8 +126,6 @@ def moe_ffn(cfg: ModelConfig, p: dict, x: jax.Array, row_scale: jax.Array | None
     mesh = None if ctx is None else ctx.expert_mesh
     backend = "xla" if ctx is None else ctx.moe_backend
     if mesh is not None:
-        from jaxinfer.parallel.expert import expert_parallel_experts
-
         out, sizes = expert_parallel_experts(h, weights, experts, p["w_expert_gate_up"],
                                              p["w_expert_down"], mesh, backend)  # fmt: skip
     else:

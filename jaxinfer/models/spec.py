@@ -12,51 +12,23 @@ embedding, LM head, norms and biases are always plain arrays.
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import math
 import zlib
-from dataclasses import dataclass
 from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jaxinfer.models.config import ModelConfig
+from jaxinfer.models.ffn import FFN_BLOCKS
+from jaxinfer.models.param_spec import ParamSpec, is_spec, linear_spec
 from jaxinfer.parallel.sharding import DEFAULT_RULES, named_sharding
 from jaxinfer.quant import WEIGHT_FORMATS, QuantizedWeight
 
-Init = Literal["normal", "ones", "zeros"]
 Params = dict[str, Any]
-
-
-@dataclass(frozen=True)
-class ParamSpec:
-    shape: tuple[int, ...]
-    dtype: jnp.dtype
-    axes: tuple[str | None, ...]
-    init: Init = "normal"
-    # Standard deviation for "normal": 1/sqrt(fan_in) keeps activations O(1) through random layers.
-    scale: float = 1.0
-    # A linear weight [*in, *out] (y = x @ w over its first `in_dims` axes, `layers.linear`) has
-    # in_dims >= 1; other arrays 0. Weight formats quantize only linear weights.
-    in_dims: int = 0
-
-    def __post_init__(self) -> None:
-        if len(self.shape) != len(self.axes):
-            raise ValueError(f"ParamSpec: shape {self.shape} and axes {self.axes} differ in rank")
-        if not 0 <= self.in_dims < max(len(self.shape), 1):
-            raise ValueError(f"ParamSpec: in_dims={self.in_dims} for a {len(self.shape)}-d array")
-
-
-def is_spec(x: object) -> bool:
-    return isinstance(x, ParamSpec)
-
-
-def linear_spec(shape: tuple[int, ...], dtype, axes, in_dims: int = 1) -> ParamSpec:
-    """A random-normal linear weight [*in, *out], scaled 1/sqrt(fan_in)."""
-    fan_in = math.prod(shape[:in_dims])
-    return ParamSpec(shape, dtype, axes, "normal", 1.0 / math.sqrt(fan_in), in_dims)
 
 
 def layer_specs(cfg: ModelConfig, layer: int) -> dict[str, ParamSpec]:
@@ -72,8 +44,6 @@ def layer_specs(cfg: ModelConfig, layer: int) -> dict[str, ParamSpec]:
     mixed step needs no runtime concatenation of q/k/v weights (`experiments/results/h200/
     fused_projections.json`). The checkpoint loader and saver split and join HF's tensors.
     """
-    from jaxinfer.models.ffn import FFN_BLOCKS  # (the blocks declare their specs with ours)
-
     e, d = cfg.hidden_size, cfg.head_dim
     hq, hkv = cfg.num_heads, cfg.num_kv_heads
     g = cfg.q_per_kv
@@ -91,7 +61,10 @@ def layer_specs(cfg: ModelConfig, layer: int) -> dict[str, ParamSpec]:
     if cfg.qk_norm:
         specs["q_norm"] = ParamSpec((d,), w, ("head_dim",), "ones")
         specs["k_norm"] = ParamSpec((d,), w, ("head_dim",), "ones")
-    specs.update(FFN_BLOCKS[cfg.layer(layer).ffn].specs(cfg))
+    kind = cfg.layer(layer).ffn
+    if kind not in FFN_BLOCKS:
+        raise ValueError(f"ModelConfig.ffn_kinds: [{kind!r}] unknown; allowed: {list(FFN_BLOCKS)}")
+    specs.update(FFN_BLOCKS[kind].specs(cfg))
     if cfg.has_formats:
         specs = {k: _formatted(cfg, layer, k, s) for k, s in specs.items()}
     return specs
@@ -136,8 +109,35 @@ def formatted_spec(fmt, spec: ParamSpec) -> QuantizedWeight:
     return QuantizedWeight(fmt.part_specs(spec), fmt, spec.in_dims)
 
 
+def check_recipe(cfg: ModelConfig) -> None:
+    """Each pattern of `cfg.weight_formats` matches a linear weight of the layers; one that names
+    only always-plain weights (embedding, head, norms, biases) says so."""
+    linear, plain = layer_weight_paths(cfg.plain())
+    for i, (pattern, _) in enumerate(cfg.weight_formats):
+        if any(fnmatch.fnmatchcase(p, pattern) for p in linear):
+            continue
+        named = [p for p in plain if fnmatch.fnmatchcase(p, pattern)]
+        if named:
+            shown = ", ".join(named[:3]) + (", ..." if len(named) > 3 else "")
+            raise ValueError(
+                f"ModelConfig.weight_formats[{i}]: pattern {pattern!r} names only weights "
+                f"that always stay plain ({shown}: the embedding, LM head, norms and biases "
+                "are never quantized); formats apply to the layers' linear weights, e.g. "
+                "layers.*.w_qkv"
+            )
+        names = sorted({p.split(".", 2)[2] for p in linear})
+        raise ValueError(
+            f"ModelConfig.weight_formats[{i}]: pattern {pattern!r} matches no linear weight "
+            f"of the model (they are layers.{{0..{cfg.num_layers - 1}}}.{{"
+            f"{', '.join(names)}}})"
+        )
+
+
 def param_specs(cfg: ModelConfig) -> Params:
-    """The whole parameter tree as ParamSpecs; `layers` is a tuple of per-layer dicts."""
+    """The whole parameter tree as ParamSpecs; `layers` is a tuple of per-layer dicts. A recipe
+    pattern that matches no linear weight is refused here (`check_recipe`)."""
+    if cfg.weight_formats:
+        check_recipe(cfg)
     e, v = cfg.hidden_size, cfg.vocab_size
     tree: Params = {
         # Tied: the embedding is also the output head, so scale it like one (logits O(1)).

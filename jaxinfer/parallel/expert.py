@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxinfer.models.moe import combine, expert_ffn, sort_rows, unsort
+from jaxinfer.models.experts import combine, expert_ffn, sort_rows, unsort
 
 AXIS = "expert"
 
@@ -58,8 +58,8 @@ def capacity_buckets(rows: int, n: int) -> tuple[int, ...]:
 
 
 def expert_parallel_experts(h, weights, experts, w_gate_up, w_down, mesh, backend="xla"):
-    """`moe.routed_experts` with the experts sharded over `mesh`'s "expert" axis: (outputs [T, E]
-    fp32, rows per expert [X] int32), replicated. experts [T, k] may hold X (no expert)."""
+    """`experts.routed_experts` with the experts sharded over `mesh`'s "expert" axis: (outputs
+    [T, E] fp32, rows per expert [X] int32), replicated. experts [T, k] may hold X (no expert)."""
     n = expert_axis_size(mesh)
     num_experts = w_gate_up.shape[0]
     if num_experts % n:

@@ -23,9 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.models.config import ModelConfig
+from jaxinfer.models.dense import forward
 from jaxinfer.models.spec import Params, param_specs
 from jaxinfer.quant import QuantizedWeight, WeightFormat
 from jaxinfer.quant.fp8 import E4M3_MAX, Fp8Static, safe_scale
+from jaxinfer.quant.params import quantize_params
 
 
 @dataclass(eq=False)
@@ -71,9 +73,6 @@ def calibrate(cfg: ModelConfig, params: Params, token_batches: Iterable[Any]) ->
     zeros). `params` may be plain (`cfg.plain()`'s) or already in cfg's formats; plain weights
     are quantized here (`quantize_params`). Dynamic formats need no calibration: their weights
     pass through."""
-    from jaxinfer.models.dense import forward  # (the models import this package)
-    from jaxinfer.quant.transform import quantize_params
-
     targets = static_paths(cfg)
     if not targets:
         return quantize_params(cfg, params)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.quant import QuantizedWeight, WeightFormat, register_format
+from jaxinfer.quant.format import QuantizedWeight, WeightFormat, register_format
 from jaxinfer.quant.fp8 import E4M3, E4M3_MAX, blocks_of, check_finite, expand, safe_scale, to_e4m3
 from jaxinfer.quant.intq import group_spec, k_major, pack_nibbles, packed_spec, unpack_nibbles
 

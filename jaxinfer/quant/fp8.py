@@ -43,7 +43,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.quant import QuantizedWeight, WeightFormat, register_format
+from jaxinfer.quant.format import QuantizedWeight, WeightFormat, register_format
 
 E4M3 = jnp.float8_e4m3fn
 E4M3_MAX = 448.0

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.quant import QuantizedWeight, WeightFormat, register_format
+from jaxinfer.quant.format import QuantizedWeight, WeightFormat, register_format
 from jaxinfer.quant.fp8 import blocks_of, check_finite, safe_scale
 from jaxinfer.quant.ggml import GGML_TYPES, Components
 from jaxinfer.quant.intq import group_spec, k_major, pack_nibbles, packed_spec, unpack_nibbles

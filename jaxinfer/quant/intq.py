@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.quant import QuantizedWeight, WeightFormat, register_format
+from jaxinfer.quant.format import QuantizedWeight, WeightFormat, register_format
 from jaxinfer.quant.fp8 import blocks_of, check_finite, expand, safe_scale
 
 GROUP = 128

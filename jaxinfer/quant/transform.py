@@ -19,21 +19,20 @@ weight is quantized on the device by its format's `quantize` (round to nearest, 
 program per format, shape and placement); the static activation scales are the only values
 fitted to data (no GPTQ/AWQ-style rounding).
 
-`quantize_params(cfg, params)` is the step below: the params of a config that already names its
-formats, from plain params (or ones partly in those formats already).
+`quantize_params(cfg, params)` (`jaxinfer.quant.params`) is the step below: the params of a config
+that already names its formats, from plain params (or ones partly in those formats already).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import jax
-
 from jaxinfer.models.config import ModelConfig
-from jaxinfer.models.spec import Params, is_spec, param_specs, spec_shardings
-from jaxinfer.quant import WEIGHT_FORMATS, QuantizedWeight
+from jaxinfer.models.spec import Params
+from jaxinfer.quant import WEIGHT_FORMATS
+from jaxinfer.quant.calibrate import calibrate, static_paths
+from jaxinfer.quant.params import quantize_params
 
 Recipe = Mapping[str, Any] | Iterable[tuple[str, str | None]]
 
@@ -59,8 +58,6 @@ def quantize(
         raise ValueError(f"quantize: weights={weights!r} is unknown; known: "
                          f"{sorted(WEIGHT_FORMATS)} or None")  # fmt: skip
     qcfg = cfg.replace(weight_format=weights, weight_formats=recipe_entries(recipe or {}))
-    from jaxinfer.quant.calibrate import calibrate, static_paths
-
     if static_paths(qcfg):
         if calibration is None:
             raise ValueError("quantize: fp8_static weights need calibration token batches "
@@ -73,7 +70,8 @@ def recipe_entries(recipe: Recipe, key: str = "recipe") -> tuple[tuple[str, str 
     """A recipe as `ModelConfig.weight_formats` pairs, in order: a mapping {pattern: format}
     (nested mappings join their keys with ".", as a dotted command-line override writes
     "layers.*.w_down" into nested keys) or (pattern, format) pairs; format None or "none" keeps
-    the weight plain. Formats are checked here, patterns against the model by ModelConfig."""
+    the weight plain. Formats are checked here, patterns against the model by
+    `models.spec.param_specs`."""
     if isinstance(recipe, Mapping):
         pairs: list[tuple[Any, Any]] = []
 
@@ -99,31 +97,3 @@ def recipe_entries(recipe: Recipe, key: str = "recipe") -> tuple[tuple[str, str 
                              f"{', '.join(sorted(WEIGHT_FORMATS))} or none")  # fmt: skip
         entries.append((pattern, fmt))
     return tuple(entries)
-
-
-def quantize_params(cfg: ModelConfig, params: Params, mesh: Any = None) -> Params:
-    """The params of `cfg` from plain ones (those of `cfg.plain()`): every weight whose spec is a
-    `QuantizedWeight` is quantized by its format, on the device (placed on `mesh` by its arrays'
-    logical axes when given); a weight already in its spec's format and the rest pass through."""
-
-    def one(spec, w):
-        if not isinstance(spec, QuantizedWeight):
-            return w
-        if isinstance(w, QuantizedWeight):
-            if (w.format, w.in_dims) != (spec.format, spec.in_dims):
-                raise ValueError(f"a weight stored as {w.format.name} cannot be quantized to "
-                                 f"{spec.format.name}: pass plain params")  # fmt: skip
-            return w
-        shardings = None if mesh is None else tuple(spec_shardings(spec.arrays, mesh).items())
-        return QuantizedWeight(_quantizer(spec.format, spec.in_dims, shardings)(w), spec.format,
-                               spec.in_dims)  # fmt: skip
-
-    leaf = lambda x: is_spec(x) or isinstance(x, QuantizedWeight)  # noqa: E731
-    return jax.tree.map(one, param_specs(cfg), params, is_leaf=leaf)
-
-
-@functools.lru_cache(maxsize=256)
-def _quantizer(fmt, in_dims: int, shardings: tuple | None):
-    """One jitted quantize per (format, in_dims, placement): the layers' weights share them."""
-    out = None if shardings is None else dict(shardings)
-    return jax.jit(functools.partial(fmt.quantize, in_dims=in_dims), out_shardings=out)

@@ -26,7 +26,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from jaxinfer.engine.engine import Engine
-from jaxinfer.engine.llm import RequestOutput, sequence_text
+from jaxinfer.engine.outputs import RequestOutput, sequence_text
 from jaxinfer.engine.request import SamplingParams, Sequence
 from jaxinfer.serve.metrics import ServerMetrics
 

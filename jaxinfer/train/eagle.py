@@ -40,6 +40,7 @@ from jaxinfer.engine.eagle import (
     save_head,
     shifted_features,
 )
+from jaxinfer.engine.loading import load_model
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.dense import compute_logits, forward_hidden
 from jaxinfer.train.config import warmup_in_range
@@ -163,8 +164,6 @@ def eval_step(head, target_params, tokens, *, cfg, distill):
 def train_eagle(tc: EagleTrainConfig, *, log=print) -> dict:
     """Train the head of `tc`, save it at `tc.head`; returns the run's summary (also written to
     `<out_dir>/metrics.json`, with a log of held-out agreement in `<out_dir>/log.jsonl`)."""
-    from jaxinfer.engine.loading import load_model
-
     t_start = time.perf_counter()
     cfg, params, tokenizer = load_model(tc.target, tc.target_dtype, tc.seed)
     if tokenizer is None:

@@ -21,6 +21,7 @@ from rich.progress import (
 )
 from tokenizers import Tokenizer
 
+from jaxinfer.engine.loading import load_model
 from jaxinfer.train.corpus import english_texts, stdlib_corpus
 from jaxinfer.train.data import encode_stream, eval_windows
 from jaxinfer.train.trainer import heldout_loss
@@ -67,8 +68,6 @@ def heldout_perplexity(
     tokens of context. The uniform baseline's perplexity is the vocabulary size. Progress (the
     load, then windows scored of N) goes to stderr: stdout carries the results.
     """
-    from jaxinfer.engine.loading import load_model
-
     if text not in TEXTS:
         raise ValueError(f"text={text!r} is not one of {list(TEXTS)}")
     # `jaxinfer train` exports to <out_dir>/hf: name the run, not "hf".

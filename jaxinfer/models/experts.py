@@ -1,0 +1,69 @@
+"""The routed experts over rows: sort the (token, choice) rows by expert, run the experts'
+SwiGLU as grouped matmuls, unsort and sum each token's rows with their weights. The MoE block
+(`jaxinfer.models.moe`) runs them on one device (`routed_experts`), expert parallelism
+(`jaxinfer.parallel.expert`) on each device's share of the rows."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.moe.grouped_mgpu import grouped_matmul_mgpu
+from pallas_kernels.moe.reference import grouped_matmul_ref
+
+
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
+                   backend: str = "xla") -> jax.Array:  # fmt: skip
+    """lhs [R, K] (rows sorted by group) @ rhs [G, K, N] per group -> [R, N] in lhs's dtype, fp32
+    accumulation; rows past sum(group_sizes) are zero. `backend`: "xla" or "pallas" (the
+    kernel; interpreted off a GPU)."""
+    rhs = rhs.astype(lhs.dtype)
+    if backend == "pallas":
+        return grouped_matmul_mgpu(lhs, rhs, group_sizes)
+    return grouped_matmul_ref(lhs, rhs, group_sizes).astype(lhs.dtype)
+
+
+def expert_ffn(xs: jax.Array, sizes: jax.Array, w_gate_up: jax.Array, w_down: jax.Array,
+               backend: str = "xla") -> jax.Array:  # fmt: skip
+    """SwiGLU of rows xs [R, E] sorted by expert (sizes [X] rows each) with stacked weights
+    w_gate_up [X, E, 2, F], w_down [X, F, E] -> [R, E]; `backend` of the grouped matmuls."""
+    x, e, _, f = w_gate_up.shape
+    gate_up = grouped_matmul(xs, w_gate_up.reshape(x, e, 2 * f), sizes, backend)
+    act = jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:]
+    return grouped_matmul(act, w_down, sizes, backend)
+
+
+def sort_rows(experts: jax.Array, num_experts: int):
+    """(order, sorted expert ids, sizes [X]) of the flattened (token, choice) rows of experts
+    [T, k]; an id of `num_experts` (no expert) sorts last and is in no group."""
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    return order, flat[order], jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+
+
+def unsort(y_sorted: jax.Array, order: jax.Array) -> jax.Array:
+    """Rows y_sorted[i] = y[order[i]] back in their first order: y. The inverse permutation is
+    an int scatter of one id per row, then the rows move by a gather: XLA:GPU runs a scatter of
+    whole rows far slower than a gather (the row scatter took 16% of the 30B-A3B shape's mixed
+    step device time, e2e_qwen3_30b_a3b_profile.json)."""
+    n = order.shape[0]
+    inverse = jnp.zeros(n, jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
+    return y_sorted[inverse]
+
+
+def combine(y_sorted: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Array:
+    """Rows y_sorted [T * k, E] in `order` back to tokens: sum_j weights[t, j] * y[t, j] -> [T, E]
+    fp32."""
+    t, k = weights.shape
+    y = unsort(y_sorted, order).reshape(t, k, -1)
+    return jnp.einsum("tk,tke->te", weights, y.astype(jnp.float32))
+
+
+def routed_experts(h: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_up: jax.Array,
+                   w_down: jax.Array, backend: str = "xla") -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """(sum of each token's experts' outputs, weighted [T, E] fp32, rows per expert [X] int32)
+    on one device; experts [T, k] may hold X (no expert) for padding tokens."""
+    k = experts.shape[1]
+    order, _, sizes = sort_rows(experts, w_gate_up.shape[0])
+    y = expert_ffn(h[order // k], sizes, w_gate_up, w_down, backend)
+    return combine(y, order, weights), sizes
