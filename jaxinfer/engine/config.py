@@ -247,9 +247,8 @@ class EngineConfig:
     # bucketed kinds, by bucket size ("decode>=64": decode scans of >= 64 rows; "mixed>=N": mixed
     # steps of >= N tokens): XLA_FLAGS per executable, values as on the XLA_FLAGS command line;
     # null drops an option (XLA's own default). Precedence: `decode_cuda_graphs`' choice, "all",
-    # then the kind's entry, then its size entries that apply, smallest bound first. The defaults
-    # are measured on the H200 (docs/performance.md): no split-K GEMMs in decode scans of 64-255
-    # rows (e2e_llama3_8b_split_k.json).
+    # then the kind's entry, then its size entries that apply, smallest bound first. The default, no
+    # split-K GEMMs in decode scans of 64-255 rows, is measured (docs/decisions.md).
     compiler_options: dict[str, dict[str, Any]] = field(
         default_factory=lambda: {
             "decode>=64": {"xla_gpu_experimental_force_split_k": 1},
@@ -257,10 +256,8 @@ class EngineConfig:
         }
     )
     # Decode scans captured as CUDA graphs (XLA command buffers): true, false, or "auto": on for
-    # models of hidden size < 4096, whose steps are many small kernels (SmolLM2-135M 2x faster
-    # at batch 1, Qwen3-30B-A3B 26%: ab_smollm2_command_buffers.json, ab_moe_command_buffers
-    # .json), off from 4096 (Llama-3-8B 0.5-2.4% slower with them:
-    # e2e_llama3_8b_command_buffers.json). Off is `xla_gpu_enable_command_buffer: ""` under the
+    # models of hidden size < 4096, whose steps are many small kernels, off from 4096, where the
+    # graphs made steps slower (docs/decisions.md). Off is `xla_gpu_enable_command_buffer: ""` under the
     # decode kind's compiler_options, which may override it.
     decode_cuda_graphs: Annotated[bool | str, one_of(True, False, "auto")] = "auto"
     # Top-k logprobs computed on device (static; requests may ask <= this)

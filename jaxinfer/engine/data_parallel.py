@@ -6,7 +6,7 @@ in a process that sees one GPU, so replicas' host work runs in parallel. Replica
 requests from the shared queue while they hold fewer than `max_num_seqs` (running + waiting), so a
 replica that runs ahead takes more work: load balances by progress, not by a guess at arrival.
 Replicas as threads of one process scaled worse, their host work sharing one GIL, and were removed
-(experiments/results/h200x2/data_parallel_threads.json; docs/performance.md).
+(docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def _serve(engine: Engine, requests, tokenizer) -> tuple[list, dict]:
 
 def _exit_with_parent(parent_pid: int, *, death_signal: bool) -> None:
     """A worker never outlives the process that started it: its control queue would block forever
-    (the workers of a killed test lived on for 43 minutes, issue 35). On Linux the kernel kills it
+    (an orphaned worker would hold its GPU indefinitely). On Linux the kernel kills it
     when the thread that started it ends (PR_SET_PDEATHSIG; only asked for when that thread is the
     main one, which ends with its process); a thread that polls the parent pid covers the rest
     (other systems, engines built off the main thread, a parent gone before prctl)."""

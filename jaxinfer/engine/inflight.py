@@ -2,7 +2,7 @@
 
 Async dispatch (`engine.async_schedule`, `engine.async_decode`) builds and dispatches step N+1
 before the host reads step N, so host scheduling and post-processing overlap device work. What
-makes that safe, and the invariants a change must keep (picture: docs/architecture.md):
+makes that safe, and the invariants a change must keep (picture: docs/engine.md):
 
 1. Between `Engine.step` calls at most one step is unread: a mixed step (`UnreadMixed`) or a
    decode scan (`UnreadScan`). Inside a call a second may be dispatched before the first is read;

@@ -29,8 +29,8 @@ from pallas_kernels.paged_attention.mosaic_gpu import fused_kv_write_reason
 ATTENTION_BACKENDS = BACKENDS
 ATTENTION_OPTIONS = KERNEL_OPTIONS
 # Decode steps of at most this many tokens write their K/V in the attention kernel (option
-# `fused_kv_write`: true = this limit, an int = another, false = never): faster up to batch 64 on
-# the H200, not beyond (experiments/results/h200/e2e_llama3_8b_fused_kv_write.json).
+# `fused_kv_write`: true = this limit, an int = another, false = never): measured faster up to
+# batch 64, not beyond (docs/decisions.md).
 FUSED_KV_WRITE_MAX_TOKENS = 64
 
 

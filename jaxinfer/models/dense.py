@@ -53,8 +53,7 @@ def apply_layers(cfg: ModelConfig, layers: tuple[dict, ...], x: jax.Array, carry
 
     The loop is unrolled over per-layer weight buffers, which the matmuls read directly: each
     weight is read once per step. A `lax.scan` over layer-stacked weights made XLA copy each
-    layer's slice first (about 2x the weight traffic, slower 8B decode steps on the H200:
-    `experiments/results/h200/layer_loop.json`) and was removed. Each layer runs as a nested jit
+    layer's slice first (about 2x the weight traffic; docs/decisions.md) and was removed. Each layer runs as a nested jit
     with its index as data and its `LayerKind` static, so layers of one kind (and param structure)
     are traced and lowered once, not once per layer; XLA inlines the calls.
     """

@@ -11,8 +11,8 @@ choice) rows are sorted by expert, the experts run as two grouped matmuls over t
 (`experts.grouped_matmul`, whose group sizes are data: no capacity, no bucket, no token dropped), and the
 rows are unsorted and summed with their weights. The grouped matmul has two backends
 (`MOE_BACKENDS`): `xla` (`lax.ragged_dot`, runs anywhere) and `pallas` (the Mosaic GPU kernel of
-`pallas_kernels.moe`, Hopper only; 5.6x ragged_dot on a prefill expert GEMM and 3-18x at decode
-in `experiments/results/h200/grouped_matmul.json`); `resolve_moe_backend` picks. Padding tokens
+`pallas_kernels.moe`, Hopper only, several times ragged_dot's speed: docs/decisions.md);
+`resolve_moe_backend` picks. Padding tokens
 (past the batch's real tokens) route to no expert: their rows sort last and fall outside every
 group, so they cost no expert compute and do not count in the load. With an expert-parallel mesh the same rows travel to the
 devices holding their experts and back (`jaxinfer.parallel.expert`).

@@ -41,8 +41,7 @@ def layer_specs(cfg: ModelConfig, layer: int) -> dict[str, ParamSpec]:
       keeps every group's q, k and v together under tensor parallelism.
     - the dense FFN's `w_gate_up` [E, 2, F] (`ffn.dense_ffn_specs`).
     Fused, a decode step's gate/up is one matmul of N = 2F (one launch, more tiles per wave) and the
-    mixed step needs no runtime concatenation of q/k/v weights (`experiments/results/h200/
-    fused_projections.json`). The checkpoint loader and saver split and join HF's tensors.
+    mixed step needs no runtime concatenation of q/k/v weights (docs/decisions.md). The checkpoint loader and saver split and join HF's tensors.
     """
     e, d = cfg.hidden_size, cfg.head_dim
     hq, hkv = cfg.num_heads, cfg.num_kv_heads
@@ -216,7 +215,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, mesh=None, rules=DEFAULT_RULES
 
     Layer i gets `fold_in(key, i)`, and one jitted initialiser serves every layer of the same
     spec, so compile time does not grow with depth (one program for all of an 8B model's weights
-    compiled for minutes: `experiments/results/h200/layer_loop.json`).
+    compiled for minutes).
     """
     specs = param_specs(cfg)
     top_specs = {k: v for k, v in specs.items() if k != "layers"}

@@ -22,7 +22,7 @@ replaced by
 The channel is `jax.experimental.multihost_utils.broadcast_one_to_all`, public jax API (the
 distributed runtime's key-value store is not public). It is a device collective, ordered on each
 device after the work already queued there, so process 0 waits for the step in flight before it
-dispatches the next one; its cost is in docs/architecture.md.
+dispatches the next one; its cost is in docs/parallel.md.
 """
 
 from __future__ import annotations

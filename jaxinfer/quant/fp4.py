@@ -95,8 +95,7 @@ class Fp4(WeightFormat):
                       "tensor_scale": tensor_scale}  # fmt: skip
         # The codes must divide by the scales as stored: without the barrier XLA:GPU (excess
         # precision allowed) skips the f32 -> e4m3 -> f32 round trip of the block scales and
-        # rounds by the unrounded ones (4.8% of codes a step off on the H200, results/h200/
-        # gpu_tests_quant.json).
+        # rounds by the unrounded ones (a few % of codes a step off on the H200).
         arrays = jax.lax.optimization_barrier(arrays)
         block, tensor = self._scales(arrays, wk.shape[0])
         scale = block * tensor

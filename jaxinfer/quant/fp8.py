@@ -16,9 +16,7 @@ fp32 `scales` with w[i, o] ~= values[o, i] * scale:
 K = prod(in) is the flattened input (row-major, as HF's `in_features`), N the last output axis.
 K-major is the layout Hopper's FP8 tensor cores read (fp8 wgmma takes both operands K-minor), so
 cuBLASLt's FP8 GEMM and our block-scaled kernel read the stored array as it is: with [K, N]
-storage XLA moved the whole weight on every call at decode sizes (the 8B shape's fp8_tensor
-decode step at batch 1: 9.67 ms stored [K, N], 4.34 ms K-major, bf16 4.26; `experiments/
-results/h200/quant_xla.json`, `e2e_llama3_8b_fp8.json`).
+storage XLA moved the whole weight on every call at decode sizes (docs/decisions.md).
 A fused weight's leading output axes index its logical outputs (w_qkv [E, Hkv, G + 2, D]: each
 query, key and value head; w_gate_up [E, 2, F]: gate and up), so no scale is shared across q/k/v
 or gate/up: fp8_tensor keeps one scale per logical output (one per weight when unfused, out =
@@ -204,9 +202,7 @@ class Fp8Block(WeightFormat):
     products of at least `KERNEL_MIN_ROWS` tokens wherever it applies (128-wide blocks, K and the
     last output axis multiples of 128) on a process with one GPU, XLA elsewhere. Below 64 rows
     the kernel pads to a 64-row tile and runs N/128 programs each walking all of K, and XLA's
-    dots were faster at 1 and 8 rows on 7 of Llama-3-8B's 8 (linear, rows) pairs; from 64 rows
-    the kernel was 1.4-3.1x faster than XLA on all 5 measured (`experiments/results/h200/
-    fp8_matmul_llama3_8b.json`). GSPMD cannot partition a Mosaic GPU call, so a sharded model
+    dots measured faster; from 64 rows the kernel is (docs/decisions.md). GSPMD cannot partition a Mosaic GPU call, so a sharded model
     keeps XLA's product until its linears run under `shard_map`."""
 
     block: int = BLOCK

@@ -16,8 +16,7 @@ from pallas_kernels.paged_attention.reference import ragged_paged_attention
 
 BACKENDS = ("auto", "xla", "pallas", "cudnn")
 # Tuning keywords of the Pallas kernel (`mosaic_gpu.ragged_paged_attention_mgpu`); other backends
-# ignore them. Options measured on the H200 and removed: docs/performance.md, "Kernel options
-# measured and removed".
+# ignore them. Options measured and removed: docs/decisions.md, "Paged attention kernel".
 KERNEL_OPTIONS = ("split_decode_rows", "num_splits", "num_stages", "warp_specialized", "block_kv",
                   "num_consumers", "token_major_decode", "fused_kv_write")  # fmt: skip
 # Options the caller acts on, not the kernel: `fused_kv_write` (true, false or a token limit) lets

@@ -46,25 +46,18 @@ How the work is cut
   bytes), converted to bf16 in shared memory, and the scales are applied to the columns of the
   scores (K) and of the probabilities (V), so dequantization is one multiply per score.
 
-Pipelines (defaults chosen on the H200 design probes, `experiments/results/h200/
-paged_attention_probe{1,2}.json`):
+Pipelines (defaults chosen by measurement: docs/decisions.md):
 - bf16 decode: one warpgroup that both issues the TMA copies and computes, 2 stages: 80 KB of
-  shared memory, so two programs share an SM and one computes while the other waits (3.48 TB/s at
-  B64 L2048 against 2.69 with 3 stages, one program per SM; a warp-specialised producer gave 3.30).
+  shared memory, so two programs share an SM and one computes while the other waits (more stages
+  or a warp-specialised producer were slower).
 - fp8 decode: a producer warpgroup issues the copies *and* converts each landed tile to f16 (Hopper
   has no e4m3 -> bf16 conversion; q and P are f16 on this path), handing f16 tiles to the consumer.
 - prefill: two consumer warpgroups (128 query rows) and a producer, 128-key tiles.
 Tiles every row of a consumer sees whole skip the masking.
 
-Measured (`experiments/results/h200/paged_attention.json`, H200, bf16, GQA 32/8, d128, page 16;
-TB/s of K/V read, ours / cuDNN paged in the same run): B64 L2048 3.46 / 3.26; B1 L32768 2.24 /
-1.79; B8 L8192 2.39 / 2.36; B256 L2048 4.05 / 4.07; fp8 B64 L2048 1.10 TB/s (0.245 ms, slower than
-bf16's 0.155 ms: the shared-memory fp8 -> f16 round trip, not HBM, is the limit); causal prefill
-4 x 4096: 405 TFLOP/s (cuDNN dense 470, jax's `attention_mgpu` 472 on contiguous f16 K/V). A mixed
-step (`mixed_attention.json`: 500 decode rows, 12 prompt chunks): 0.238 ms with the decode launch,
-0.409 ms without it. Variants measured and removed (a persistent launch, per-call split counts,
-early K refills, page ids read ahead, early exit; an fp8 load through the 8-bit wgmma layout,
-never timed): `docs/performance.md`, "Kernel options measured and removed".
+The fp8 path is slower than bf16: the shared-memory fp8 -> f16 round trip, not HBM, is the
+limit. Current numbers: docs/kernels.md; variants measured and removed: docs/decisions.md,
+"Paged attention kernel".
 
 Reading the kernel
 ------------------
