@@ -23,7 +23,7 @@ the all-gather of step 5 is where an attention data-parallel over the group woul
 Why `all_to_all` of padded buckets and not `lax.ragged_all_to_all` (which moves only the rows):
 on 8xB200, ragged_all_to_all was measured at about 2% of NVLink bandwidth
 (openxla/xla#33386), and a bucketed all_to_all is a plain NCCL all-to-all. We have not yet
-measured either on several H200s (the multi-GPU issue's job).
+measured either on several H200s.
 """
 
 from __future__ import annotations

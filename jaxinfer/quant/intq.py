@@ -12,7 +12,7 @@ G = ceil(K/128) groups of 128 consecutive inputs (the last one may be partial); 
 along the input, so fused outputs (q/k/v, gate/up) never share a scale. Rounding is to nearest,
 ties to even. Nibble order (`pack_nibbles`): byte i of the packed axis holds input 2i in its low
 nibble and input 2i+1 in its high nibble. The product dequantizes in the graph to the
-activation's dtype and runs a plain dot (the fast kernels are a later issue).
+activation's dtype and runs a plain dot (the 4-bit Pallas kernel is in `pallas_kernels/matmul/w4_mgpu.py`).
 """
 
 from __future__ import annotations
