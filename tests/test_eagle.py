@@ -195,3 +195,15 @@ def test_eagle_config_errors_name_the_key(tmp_path):
         load_eagle_config(None, ["name=x", "target=tiny", "feature_wieght=1"])
     with pytest.raises(ValueError, match="target"):
         load_eagle_config(None, ["name=x"])
+
+
+def test_engines_of_one_head_configuration_share_compiled_steps(engines):
+    """The proposer, a static argument of the jitted steps, is equal across heads of one
+    configuration (its weights are arguments), so the random head's engine reuses the trained
+    one's compiles; another draft length is another configuration."""
+    from jaxinfer.engine.eagle import EagleProposer
+
+    trained, rand = (engines[name].engine.runner.eagle for name in ("trained", "random"))
+    assert trained is not rand and trained == rand and hash(trained) == hash(rand)
+    longer = EagleProposer(trained.target, trained.head, GAMMA + 1, rejection=trained.rejection)
+    assert longer != trained
