@@ -1,8 +1,7 @@
 """The decode-attention benchmark starts on the CPU (the kernel interpreted) and writes a checked,
 timed row with provenance on its tiniest shape (one sequence, one page, the kernel's default
 options: each more shape or config is another interpreted compile and timing loop; the kernel's
-options and shapes are tests/test_paged_attention_kernel.py's), and its configs name only the
-kernel's surviving tuning options."""
+options and shapes are tests/test_paged_attention_kernel.py's)."""
 
 from __future__ import annotations
 
@@ -29,16 +28,3 @@ def test_smoke_run_writes_a_checked_timed_row_with_provenance(bench, tmp_path):
     assert "error" not in row, row
     assert row["rel_err"] < 1e-2, row  # bf16 kernel vs the fp32 reference
     assert row["time_us"] > 0 and row["kv_TBps"] > 0
-
-
-def test_configs_name_only_surviving_kernel_options(bench):
-    assert bench.parse_config("auto") == {}
-    assert bench.parse_config("num_stages=3,warp_specialized=1") == {
-        "num_stages": 3,
-        "warp_specialized": True,
-    }
-    for removed in ("persistent=2", "early_exit=1", "fused_kv_write=1", "num_splits"):
-        with pytest.raises(ValueError, match="name one of"):
-            bench.parse_config(removed)
-    with pytest.raises(SystemExit):  # rejected before anything runs
-        bench.parse_args(["--out", "x.json", "--configs", "dynamic_splits=1"])

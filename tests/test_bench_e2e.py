@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxinfer.engine.config import EngineConfig
 from jaxinfer.metrics.device_trace import hlo_category, summarize_trace
 from jaxinfer.models.presets import preset
 from jaxinfer.models.spec import is_spec, param_specs
@@ -78,15 +77,6 @@ def test_smoke_run_writes_schema_with_zero_compiles_after_warmup(bench, tmp_path
     assert kinds["matmul"] > 0 and "idle" in kinds
     busy = sum(v for k, v in kinds.items() if k != "idle")
     assert busy == pytest.approx(pd["device_ms_per_step"], rel=0.01, abs=1e-3)
-
-
-def test_cache_entries_say_whether_a_warmup_could_be_warm(bench, tmp_path):
-    assert bench.cache_entries("") is None
-    assert bench.cache_entries(str(tmp_path / "absent")) == 0
-    (tmp_path / "sub").mkdir()
-    (tmp_path / "a").write_text("x")
-    (tmp_path / "sub" / "b").write_text("y")
-    assert bench.cache_entries(str(tmp_path)) == 2
 
 
 def test_roofline_reads_weights_once_and_kv_of_the_mean_attended_length(bench):
@@ -196,114 +186,6 @@ def test_trace_summary_reports_a_missing_trace_instead_of_raising(tmp_path):
     assert "error" in summarize_trace(tmp_path / "nothing_here")
     assert hlo_category("loop_add_fusion_3") == "loop_add_fusion"
     assert hlo_category("gemm_fusion_dot.12.1") == "gemm_fusion_dot"
-
-
-def test_attention_options_flag_reaches_the_engine_config(bench, refused):
-    args = bench.parse_args(["--smoke", "--out", "/tmp/x.json", "--attention-options",
-                             "split_decode_rows=false", "num_stages=3"])  # fmt: skip
-    options = bench.engine_options(args, {})
-    assert options["attention_options"] == {"split_decode_rows": False, "num_stages": 3}
-    err = refused(bench.parse_args, ["--smoke", "--out", "/tmp/x.json", "--attention-options",
-                                     "oops"])  # fmt: skip
-    assert "argument --attention-options: 'oops': want KEY=VALUE" in err
-
-
-def test_xla_options_flag_types_values_and_layers_on_engine_defaults(bench, refused):
-    args = bench.parse_args(["--smoke", "--out", "/tmp/x.json", "--xla-options",
-                             "decode:xla_gpu_enable_triton_gemm=false", "all:xla_gpu_autotune_level=2",
-                             "mixed:xla_gpu_enable_command_buffer=FUSION,CUBLAS",
-                             "decode:xla_gpu_enable_command_buffer=default"])  # fmt: skip
-    compiler = bench.engine_options(args, {})["compiler_options"]
-    assert compiler["decode"] == {"xla_gpu_enable_command_buffer": None,  # XLA's own again
-                                  "xla_gpu_enable_triton_gemm": False}  # fmt: skip
-    assert compiler["decode>=64"] == {"xla_gpu_experimental_force_split_k": 1}  # the engine's
-    assert compiler["all"] == {"xla_gpu_autotune_level": 2}
-    assert compiler["mixed"] == {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS"}
-    # the engine's own defaults are there to override
-    assert bench.engine_options(bench.parse_args(["--smoke", "--out", "/tmp/x.json"]), {})[
-        "compiler_options"] == EngineConfig().compiler_options  # fmt: skip
-    err = refused(bench.parse_args, ["--smoke", "--out", "/tmp/x.json", "--xla-options",
-                                     "decode:oops"])  # fmt: skip
-    assert "argument --xla-options: 'decode:oops': want KIND:NAME=VALUE" in err
-    # per-bucket entries and the decode buckets reach the engine's options
-    args = bench.parse_args(["--smoke", "--out", "/tmp/x.json", "--decode-buckets", "1", "2",
-                             "--xla-options", "decode>=64:xla_gpu_experimental_force_split_k=2"])  # fmt: skip
-    options = bench.engine_options(args, {})
-    assert options["decode_buckets"] == [1, 2]
-    assert options["compiler_options"]["decode>=64"] == {"xla_gpu_experimental_force_split_k": 2}
-    assert "decode_buckets" not in bench.engine_options(
-        bench.parse_args(["--smoke", "--out", "/tmp/x.json"]), {}
-    )  # the engine's own default
-
-
-def test_transformers_requests_and_batch_sizes_per_workload(bench, monkeypatch, refused):
-    def parse(*extra):
-        return bench.parse_args(["--smoke", "--out", "/tmp/x.json", *extra])
-
-    smoke = parse()  # the mode's defaults, for every workload
-    assert smoke.hf_requests == {"fixed_16_8": 4, "sharegpt_like": 4}
-    assert smoke.hf_batches == {"fixed_16_8": [2, 4], "sharegpt_like": [2, 4]}
-    full = bench.parse_args(["--out", "/tmp/x.json"])
-    assert full.hf_requests == {"fixed_128_128": 1000, "sharegpt_like": 64}
-    assert full.hf_batches == {"fixed_128_128": [256, 512, 1000], "sharegpt_like": [32, 64]}
-    args = parse("--hf-num-requests", "3", "sharegpt=2", "--hf-batch-sizes", "1", "2", "3",
-                 "sharegpt=1,2,5", "--hf-workloads", "fixed,sharegpt")  # fmt: skip
-    assert args.hf_requests == {"fixed_16_8": 3, "sharegpt_like": 2}
-    assert args.hf_batches == {"fixed_16_8": [1, 2, 3], "sharegpt_like": [1, 2, 5]}
-    # one workload's items alone: the others keep the mode's defaults
-    one = bench.parse_args(["--out", "/tmp/x.json", "--hf-batch-sizes", "sharegpt=64,128",
-                            "--hf-num-requests", "sharegpt=128"])  # fmt: skip
-    assert one.hf_batches == {"fixed_128_128": [256, 512, 1000], "sharegpt_like": [64, 128]}
-    assert one.hf_requests == {"fixed_128_128": 1000, "sharegpt_like": 128}
-    # plain items replace the defaults of every workload without its own
-    assert bench.parse_args(["--out", "/tmp/x.json", "--hf-batch-sizes", "32"]).hf_batches == {
-        "fixed_128_128": [32], "sharegpt_like": [32]}  # fmt: skip
-    bad = [
-        (["--hf-num-requests", "fixed=0"], "--hf-num-requests: '0' (for fixed) is not a positive"),
-        (["--hf-num-requests", "nope=4"], "--hf-num-requests: unknown workload 'nope' in 'nope=4'"),
-        (["--hf-num-requests", "x"], "--hf-num-requests: 'x' (for fixed) is not a positive count"),
-        (["--hf-num-requests", "sharegpt=1,2"], "--hf-num-requests: '1,2' (for sharegpt) is not"),
-        (["--hf-batch-sizes", "fixed=2,-1"], "--hf-batch-sizes: '2,-1' (for fixed) is not a"),
-        # no batch size fits the requests timed: refused, not skipped (the part asked for by
-        # name: without torch the smoke default leaves it out)
-        (["--parts", "transformers", "--hf-num-requests", "3", "--hf-batch-sizes", "4", "8"],
-         "--hf-batch-sizes: none of [4, 8] fits the 3 requests of fixed_16_8"),
-    ]  # fmt: skip
-    for extra, message in bad:
-        assert message in refused(lambda argv: parse(*argv), extra), extra
-
-    # the worker's job: each workload's first N requests, batch sizes up to N (and the workload);
-    # a worker stopped by the timeout leaves the rows it finished, the others become errors
-    jobs = []
-
-    def fake_run(cmd, env, timeout):
-        job = json.loads(Path(cmd[-2]).read_text())
-        jobs.append(job)
-        row = {"impl": "transformers", "workload": "fixed_16_8", "batch_size": 1,
-               "num_requests": 3, "output_tok_s": 5.0}  # fmt: skip
-        Path(cmd[-1]).write_text(json.dumps({"info": {"torch": "x"}, "rows": [row]}))
-        raise bench.subprocess.TimeoutExpired(cmd, timeout)
-
-    monkeypatch.setattr(bench.subprocess, "run", fake_run)
-    cfg = preset("tiny", param_dtype="float32", dtype="float32")
-    reqs = {name: bench.synthetic_requests(5, wl.prompt_len, wl.output_len,
-                                           vocab_size=cfg.vocab_size, seed=0)
-            for name, wl in (("fixed_16_8", bench.SMOKE["workloads"]["fixed"]),
-                             ("sharegpt_like", bench.SMOKE["workloads"]["sharegpt"]))}  # fmt: skip
-    result = bench.run_transformers(cfg, args, reqs)
-    (job,) = jobs
-    got = {w["name"]: (len(w["prompts"]), len(w["output_lens"]), w["batch_sizes"])
-           for w in job["workloads"]}  # fmt: skip
-    assert got == {"fixed_16_8": (3, 3, [1, 2, 3]), "sharegpt_like": (2, 2, [1, 2])}
-    assert job["workloads"][1]["prompts"] == [r.prompt_token_ids for r in reqs["sharegpt_like"][:2]]
-    assert [(r["workload"], r["batch_size"], "error" in r) for r in result["rows"]] == [
-        ("fixed_16_8", 1, False), ("fixed_16_8", 2, True), ("fixed_16_8", 3, True),
-        ("sharegpt_like", 1, True), ("sharegpt_like", 2, True),
-    ]  # fmt: skip
-    best = bench.best_transformers_rows(result)
-    assert [(r["workload"], r["batch_size"], "error" in r) for r in best] == [
-        ("fixed_16_8", 1, False), ("sharegpt_like", 1, True)
-    ]  # fmt: skip
 
 
 def test_trace_summary_accounts_device_time_by_kind_of_work(tmp_path):

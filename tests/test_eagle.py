@@ -28,11 +28,12 @@ UNSEEN = ("textwrap", "shlex", "fnmatch", "heapq")
 
 @pytest.fixture(scope="module")
 def engines() -> dict[str, LLM]:
-    """One engine each (their warm-ups are the file's main cost): plain, and with greedy drafts
-    the shipped trained head (`configs/train/eagle-tiny.yaml`) and a random one."""
+    """One engine each (their warm-ups are the file's main cost): plain (the reference: not
+    warmed up, it compiles only what it runs), and with greedy drafts the shipped trained head
+    (`configs/train/eagle-tiny.yaml`) and a random one."""
     spec = dict(method="eagle", num_draft_tokens=GAMMA, draft_sampling="greedy")
     return {
-        "plain": LLM("tiny", **KW),
+        "plain": LLM("tiny", **KW, warmup=False),
         "trained": LLM("tiny", **KW, speculative={**spec, "eagle_head": "eagle-tiny"}),
         "random": LLM("tiny", **KW, speculative={**spec, "eagle_head": "random"}),
     }
@@ -194,3 +195,15 @@ def test_eagle_config_errors_name_the_key(tmp_path):
         load_eagle_config(None, ["name=x", "target=tiny", "feature_wieght=1"])
     with pytest.raises(ValueError, match="target"):
         load_eagle_config(None, ["name=x"])
+
+
+def test_engines_of_one_head_configuration_share_compiled_steps(engines):
+    """The proposer, a static argument of the jitted steps, is equal across heads of one
+    configuration (its weights are arguments), so the random head's engine reuses the trained
+    one's compiles; another draft length is another configuration."""
+    from jaxinfer.engine.eagle import EagleProposer
+
+    trained, rand = (engines[name].engine.runner.eagle for name in ("trained", "random"))
+    assert trained is not rand and trained == rand and hash(trained) == hash(rand)
+    longer = EagleProposer(trained.target, trained.head, GAMMA + 1, rejection=trained.rejection)
+    assert longer != trained

@@ -26,7 +26,8 @@ def test_generation_stops_at_eos_and_matches_full_forward(tiny):
     cfg, params = tiny
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, 9).tolist()
     (free_run,) = greedy_generate(params, cfg, [prompt], 12, page_size=4, shuffle_pages_seed=1)
-    ref = jnp.argmax(forward(params, cfg, jnp.asarray([prompt + free_run]))[0], axis=-1)
+    logits = jax.jit(forward, static_argnums=1)(params, cfg, jnp.asarray([prompt + free_run]))
+    ref = jnp.argmax(logits[0], axis=-1)
     assert np.asarray(ref)[len(prompt) - 1 : -1].tolist() == free_run
     eos = free_run[4]
     stop_at = free_run.index(eos)

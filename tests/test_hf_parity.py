@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -117,7 +118,8 @@ def test_prefill_then_16_decode_steps_through_shuffled_pages_match_transformers(
         num_seqs=4,  # plus one padding slot
         pages_per_seq=pages_per_seq,
     )
-    hidden, kv = forward_paged(params, cfg, batch, kv)
+    paged = jax.jit(forward_paged, static_argnums=1)  # two compiles (prefill, decode), not per op
+    hidden, kv = paged(params, cfg, batch, kv)
     logits = np.asarray(compute_logits(params, cfg, hidden))
     start = 0
     for s, n in enumerate(prompt_lens):
@@ -135,7 +137,7 @@ def test_prefill_then_16_decode_steps_through_shuffled_pages_match_transformers(
             num_seqs=4,
             pages_per_seq=pages_per_seq,
         )
-        hidden, kv = forward_paged(params, cfg, batch, kv)
+        hidden, kv = paged(params, cfg, batch, kv)
         logits = np.asarray(compute_logits(params, cfg, hidden))
         for s, c in enumerate(ctx):
             np.testing.assert_allclose(

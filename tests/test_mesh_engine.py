@@ -30,7 +30,7 @@ SCRIPT = """
           SamplingParams(max_tokens=9, temperature=0.8, seed=5)] * 3
     kw = dict(max_num_seqs=4, max_num_batched_tokens=32, num_pages=64, page_size=16,
               max_model_len=128, decode_steps=4)
-    base = [o.token_ids for o in LLM("tiny", **kw).generate(prompts, sp)]
+    base = [o.token_ids for o in LLM("tiny", warmup=False, **kw).generate(prompts, sp)]
     for mesh in ({"data": 1, "model": 1}, {"data": 8}, {"data": 2, "model": 2}):
         llm = LLM("tiny", mesh=mesh, **kw)
         got = [o.token_ids for o in llm.generate(prompts, sp)]

@@ -230,7 +230,7 @@ EP_SCRIPT = """
           SamplingParams(max_tokens=9, temperature=0.8, seed=5)] * 3
     kw = dict(max_num_seqs=4, max_num_batched_tokens=32, num_pages=64, page_size=16,
               max_model_len=128, decode_steps=4)
-    llm = LLM("preset:tiny-moe", **kw)
+    llm = LLM("preset:tiny-moe", warmup=False, **kw)  # the reference: compiles what it runs
     base = [o.token_ids for o in llm.generate(prompts, sp)]
     # (a step that read no device results has no load)
     base_load = sum(np.array(r.expert_tokens) for r in llm.engine.step_records if r.expert_tokens)
@@ -327,7 +327,7 @@ def test_step_metrics_report_expert_load(tmp_path):
     from jaxinfer.metrics.tables import write_tables
 
     llm = LLM("preset:tiny-moe", max_num_seqs=4, max_num_batched_tokens=32, num_pages=32,
-              page_size=16, max_model_len=96, decode_steps=4)  # fmt: skip
+              page_size=16, max_model_len=96, decode_steps=4, warmup=False)  # fmt: skip
     outs = llm.generate([[1, 2, 3, 4, 5], [7] * 20], SamplingParams(max_tokens=6, ignore_eos=True))
     records = [r for r in llm.engine.step_records if r.expert_tokens is not None]
     routed = sum(sum(r.expert_tokens) for r in records)

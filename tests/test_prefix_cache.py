@@ -32,10 +32,13 @@ def _workload(seed: int):
     return prompts, sampling
 
 
-def _run(prompts, sampling, num_pages=96, hook=None, **engine):
-    llm = LLM("tiny", num_pages=num_pages, warmup=hook is None, **{**KW, **engine})
+def _run(prompts, sampling, num_pages=96, hook=None, warmup=False, **engine):
+    """(tokens, cached tokens per prompt, the engine). warmup: compile every bucket first (for a
+    check of compiles after it); without, an engine compiles only the steps it runs."""
+    llm = LLM("tiny", num_pages=num_pages, warmup=False, **{**KW, **engine})
     if hook is not None:
         hook(llm.engine)
+    if warmup:
         llm.engine.warmup()
     outs = llm.generate(prompts, sampling)
     llm.engine.block_manager.check_invariants()
@@ -45,7 +48,7 @@ def _run(prompts, sampling, num_pages=96, hook=None, **engine):
 def test_cached_prefixes_skip_prefill_and_change_no_output(fresh_seed):
     prompts, sampling = _workload(fresh_seed)
     off, cached_off, _ = _run(prompts, sampling)
-    on, cached, engine = _run(prompts, sampling, prefix_caching=True)
+    on, cached, engine = _run(prompts, sampling, prefix_caching=True, warmup=True)
     assert on == off, f"seed {fresh_seed}"
     assert cached_off == [0] * len(prompts)
     assert cached[0] == 0 and all(c % 16 == 0 and c <= 64 for c in cached), cached
@@ -73,7 +76,8 @@ def test_nan_poisoned_free_pages_never_reach_an_output(fresh_seed):
     (cache hits on the first's pages, evictions in a small pool) must give finite logits, and the
     outputs of a cache-off run."""
     prompts, sampling = _workload(fresh_seed)
-    llm = LLM("tiny", num_pages=16, prefix_caching=True, **{**KW, "max_model_len": 240})
+    llm = LLM("tiny", num_pages=16, prefix_caching=True, warmup=False,
+              **{**KW, "max_model_len": 240})  # fmt: skip
     engine = llm.engine
     first = llm.generate(prompts[:3], sampling[:3])
     bm = engine.block_manager
@@ -174,7 +178,7 @@ def test_lpm_admits_the_longest_cached_prefix_first(fresh_seed):
     others = [rng.integers(3, 4000, 40).tolist() for _ in range(3)]
     sp = SamplingParams(max_tokens=2, ignore_eos=True)
     for policy, want_second in (("fcfs", 1), ("lpm", 4)):
-        llm = LLM("tiny", num_pages=64, prefix_caching=True, scheduler=policy,
+        llm = LLM("tiny", num_pages=64, prefix_caching=True, scheduler=policy, warmup=False,
                   **{**KW, "max_num_seqs": 1})  # fmt: skip
         engine = llm.engine
         seqs = [engine.add_request(p, sp) for p in [first, *others, [*shared, 9]]]
@@ -202,7 +206,8 @@ def test_fp8_pages_are_shared_with_their_scales(fresh_seed, monkeypatch):
     prompts, _ = _workload(fresh_seed)
     sampling = [SamplingParams(max_tokens=12, ignore_eos=True) for _ in prompts]
     off, _, _ = _run(prompts, sampling, kv_dtype="float8_e4m3fn")
-    on, cached, engine = _run(prompts, sampling, kv_dtype="float8_e4m3fn", prefix_caching=True)
+    on, cached, engine = _run(prompts, sampling, kv_dtype="float8_e4m3fn", prefix_caching=True,
+                              warmup=True)  # fmt: skip
     assert sum(cached) >= 64 * 3, cached
     assert on == off, f"seed {fresh_seed}"
     assert engine.compiles_after_warmup == 0

@@ -439,9 +439,9 @@ def test_serve_curve_starts_a_server_and_gathers_each_rates_metrics(tmp_path):
     cmd = [sys.executable, str(script), "--model", "preset:tiny", "--rates", "inf", "50",
            "--num-prompts", "6", "--out", str(out), "--plot", str(tmp_path / "curve.png"),
            "--offline",
-           "--serve", "engine.max_num_seqs=4", "engine.max_num_batched_tokens=64",
-           "engine.max_model_len=128", "--bench", "workload.prompt_len.value=8",
-           "workload.output_len.value=5"]  # fmt: skip
+           "--serve", "engine.max_num_seqs=4", "engine.max_num_batched_tokens=32",
+           "engine.max_model_len=128", "engine.decode_steps=1",  # fewer executables to warm up
+           "--bench", "workload.prompt_len.value=8", "workload.output_len.value=5"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(out.read_text())

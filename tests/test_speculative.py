@@ -78,8 +78,10 @@ def test_device_drafts_equal_host_drafts_as_rounds_accept_some(fresh_seed):
             c += [*drafts[i].tolist()[:k], int(rng.integers(0, 4))]
 
 
-def _generate(prompts, sampling, **engine):
-    llm = LLM("tiny", **KW, **engine)
+def _generate(prompts, sampling, warmup=True, **engine):
+    """(token ids per prompt, the engine). warmup=False compiles only the executables the run
+    uses (a reference run, or an engine whose compiles after warm-up are not checked)."""
+    llm = LLM("tiny", **KW, **engine, warmup=warmup)
     return [o.token_ids for o in llm.generate(prompts, sampling)], llm.engine
 
 
@@ -105,7 +107,7 @@ def test_speculative_output_equals_plain_output_token_for_token(fresh_seed, deco
             seed=fresh_seed + 1,
         ),
     ]
-    plain, _ = _generate(prompts, sampling, decode_steps=decode_steps)
+    plain, _ = _generate(prompts, sampling, False, decode_steps=decode_steps)
     if decode_steps > 1:  # a draft model drafts in the decode scans
         spec, engine = _generate(prompts, sampling, decode_steps=decode_steps,
                                  speculative={"method": "draft", "draft_model": "tiny-draft",
@@ -133,25 +135,6 @@ def test_speculative_output_equals_plain_output_token_for_token(fresh_seed, deco
     # each verification made 1 + its kept drafts of the tokens after a sequence's first (the
     # prefill's); decodes without drafts (no n-gram recurred) are not verifications
     assert verifications + accepted <= sum(len(t) for t in spec) - len(spec)
-
-
-def test_a_wrong_acceptance_rule_changes_the_output(fresh_seed, monkeypatch):
-    """Keeping every draft (no check against the target) must not pass for exact."""
-    import jaxinfer.engine.model_runner as model_runner
-
-    rng = np.random.default_rng(fresh_seed)
-    prompts = _prompts(rng)
-    sampling = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.9, seed=fresh_seed)
-    plain, _ = _generate(prompts, sampling, decode_steps=4)
-    monkeypatch.setattr(model_runner, "accept_drafts", lambda tok, drafts, n: 1 + n)
-    jax.clear_caches()  # (the steps were traced with the real rule)
-    try:
-        wrong, _ = _generate(prompts, sampling, decode_steps=4,
-                             speculative={"method": "ngram", "num_draft_tokens": 3})  # fmt: skip
-    finally:
-        monkeypatch.undo()
-        jax.clear_caches()
-    assert wrong != plain, f"seed {fresh_seed}"
 
 
 def test_speculative_config_names_the_bad_key():
@@ -201,7 +184,7 @@ def test_rejection_sampled_drafts_in_the_engine(fresh_seed):
     sampling = [SamplingParams(max_tokens=20, ignore_eos=True),
                 SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.8, top_p=0.95,
                                seed=fresh_seed)]  # fmt: skip
-    plain, _ = _generate(prompts, sampling, decode_steps=4)
+    plain, _ = _generate(prompts, sampling, False, decode_steps=4)
     spec, engine = _generate(prompts, sampling, decode_steps=4,
                              speculative={"method": "draft", "draft_model": "tiny-draft",
                                           "num_draft_tokens": 3})  # fmt: skip
@@ -218,7 +201,7 @@ def test_the_target_as_its_own_draft_keeps_every_greedy_draft(fresh_seed):
     rng = np.random.default_rng(fresh_seed)
     prompts = [rng.integers(3, 4000, int(n)).tolist() for n in (5, 30)]
     gamma, max_tokens = 3, 33  # 32 tokens after the prefill's first: 8 rounds of 4
-    _, engine = _generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+    _, engine = _generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True), False,
                           decode_steps=4, speculative={"method": "draft", "draft_model": "tiny",
                                                        "num_draft_tokens": gamma})  # fmt: skip
     hist = [0] * (gamma + 1)
@@ -243,8 +226,8 @@ def test_self_speculation_equals_plain_decoding(fresh_seed):
     rng = np.random.default_rng(fresh_seed)
     prompts = [rng.integers(3, 4000, 9).tolist()]
     sampling = SamplingParams(max_tokens=17, ignore_eos=True, temperature=0.7, seed=fresh_seed)
-    plain, _ = _generate(prompts, sampling, decode_steps=4)
-    spec, engine = _generate(prompts, sampling, decode_steps=4,
+    plain, _ = _generate(prompts, sampling, False, decode_steps=4)
+    spec, engine = _generate(prompts, sampling, False, decode_steps=4,
                              speculative={"method": "self", "draft_layers": 2,
                                           "num_draft_tokens": 2, "draft_sampling": "greedy"})  # fmt: skip
     assert spec == plain, f"seed {fresh_seed}"
@@ -253,6 +236,26 @@ def test_self_speculation_equals_plain_decoding(fresh_seed):
     assert sum(r.draft_tokens for r in engine.step_records) > 0
     with pytest.raises(ValueError, match="draft_layers=4 must be fewer than the model's 4"):
         LLM("tiny", **KW, warmup=False, speculative={"method": "self", "draft_layers": 4})
+
+
+def test_a_wrong_acceptance_rule_changes_the_output(fresh_seed, monkeypatch):
+    """Keeping every draft (no check against the target) must not pass for exact. (The file's
+    last engine test: its jax.clear_caches drops the steps the tests before it compiled.)"""
+    import jaxinfer.engine.model_runner as model_runner
+
+    rng = np.random.default_rng(fresh_seed)
+    prompts = _prompts(rng)
+    sampling = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.9, seed=fresh_seed)
+    plain, _ = _generate(prompts, sampling, False, decode_steps=4)
+    monkeypatch.setattr(model_runner, "accept_drafts", lambda tok, drafts, n: 1 + n)
+    jax.clear_caches()  # (the steps were traced with the real rule)
+    try:
+        wrong, _ = _generate(prompts, sampling, False, decode_steps=4,
+                             speculative={"method": "ngram", "num_draft_tokens": 3})  # fmt: skip
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    assert wrong != plain, f"seed {fresh_seed}"
 
 
 # ---- rejection sampling (sampled drafts) ---------------------------------------------------------

@@ -161,7 +161,7 @@ ENGINE = """
                             exe.as_text())
         return [s for s in shapes if str(v) in s.split(",")]
 
-    base, base_lp = run(LLM("tiny", **kw))
+    base, base_lp = run(LLM("tiny", warmup=False, **kw))  # the reference
     for mesh in ({"model": 4}, {"data": 2, "model": 4}):
         llm = LLM("tiny", mesh=mesh, **kw)  # tiny's 2 KV heads, each on 2 devices
         got, got_lp = run(llm)

@@ -203,6 +203,18 @@ class EagleProposer:
         self.rejection = rejection
         self.head_cfg = head_config(target, head["layer"]["w_down"].shape[0])
 
+    # Equal (and hashing alike) by what shapes its traced steps: its weights are arguments of
+    # those steps (`device_params`), never constants, so two engines of one configuration (a
+    # trained head and a random one, say) share their compiled steps.
+    def _static_key(self) -> tuple:
+        return (self.target, self.head_cfg, self.num_draft_tokens, self.rejection)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other._static_key() == self._static_key()
+
+    def __hash__(self) -> int:
+        return hash(self._static_key())
+
     def propose(self, seq: Sequence) -> list[int]:
         return []
 
