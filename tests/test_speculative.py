@@ -92,7 +92,8 @@ def _prompts(rng):
 
 
 @pytest.mark.parametrize("decode_steps", [1, 4], ids=["mixed steps", "decode scans"])
-def test_speculative_output_equals_plain_output_token_for_token(fresh_seed, decode_steps):
+def test_speculative_output_equals_plain_output_token_for_token(fresh_seed, decode_steps,
+                                                                 monkeypatch):  # fmt: skip
     rng = np.random.default_rng(fresh_seed)
     prompts = _prompts(rng)
     sampling = [
@@ -115,21 +116,40 @@ def test_speculative_output_equals_plain_output_token_for_token(fresh_seed, deco
         assert spec == plain, f"seed {fresh_seed}, draft model"
         assert engine.compiles_after_warmup == 0
         assert sum(r.accepted_draft_tokens for r in engine.step_records) > 0
+    host_drafts = []  # (prompt, output so far, draft) of every draft proposed on the host
+    propose = NgramProposer.propose
+
+    def recorded(self, seq):
+        draft = propose(self, seq)
+        host_drafts.append((list(seq.prompt_token_ids), list(seq.output_token_ids), draft))
+        return draft
+
+    monkeypatch.setattr(NgramProposer, "propose", recorded)
     spec, engine = _generate(prompts, sampling, decode_steps=decode_steps,
                              speculative={"method": "ngram", "num_draft_tokens": 3})  # fmt: skip
+    monkeypatch.undo()
     assert spec == plain, f"seed {fresh_seed}, n-gram"
     assert engine.compiles_after_warmup == 0
     records = engine.step_records
     drafted = sum(r.draft_tokens for r in records)
     accepted = sum(r.accepted_draft_tokens for r in records)
     assert drafted > 0, f"seed {fresh_seed}"  # the motif is drafted
-    # Kept, if any draft could be: a position whose n-gram draft (from the same context) starts
-    # with the token that came there is a verification's start, or inside a run already kept.
-    keepable = any(
-        engine.proposer.propose(Sequence(0, p, sp, output_token_ids=out[:i]))[:1] == [out[i]]
-        for p, sp, out in zip(prompts, sampling, spec, strict=True)
-        for i in range(1, len(out) - 1)  # (token 0 is the prefill's: never a draft)
-    )  # fmt: skip
+    # Kept, if any draft could be: a draft whose first token is the token that came at its
+    # position. Mixed steps: the drafts the host proposed (a step dispatched while the previous
+    # one's token is still on the device drafts nothing, so not every position is verified).
+    # Decode scans draft on the device every round: a position whose n-gram draft (from the same
+    # context) starts with the token that came there is a verification's start, or inside a run
+    # already kept.
+    outs = {tuple(p): out for p, out in zip(prompts, spec, strict=True)}
+    if decode_steps == 1:
+        keepable = any(draft[:1] == outs[tuple(p)][len(o) : len(o) + 1]
+                       for p, o, draft in host_drafts)  # fmt: skip
+    else:
+        keepable = any(
+            engine.proposer.propose(Sequence(0, p, sp, output_token_ids=out[:i]))[:1] == [out[i]]
+            for p, sp, out in zip(prompts, sampling, spec, strict=True)
+            for i in range(1, len(out) - 1)  # (token 0 is the prefill's: never a draft)
+        )  # fmt: skip
     assert accepted > 0 or not keepable, (f"seed {fresh_seed}", drafted, accepted)
     verifications = sum(sum(r.accepted_hist or []) for r in records)
     # each verification made 1 + its kept drafts of the tokens after a sequence's first (the
