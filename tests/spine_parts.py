@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.engine.proposer import Proposer
 from jaxinfer.models.ffn import FFN_BLOCKS, FfnBlock
 from jaxinfer.models.layers import linear, scale_rows
 from jaxinfer.models.spec import ParamSpec, linear_spec
@@ -133,11 +134,12 @@ FFN_BLOCKS["test_experts"] = FfnBlock(
 # -- a proposer ------------------------------------------------------------------------------------
 
 
-class KnownTokens:
+class KnownTokens(Proposer):
     """Drafts the known continuation of a prompt: for a sequence of n tokens, tokens n .. n +
     gamma - 1 of prompt + continuation, where every token at a position p with
     `p % wrong_every == 1` is replaced by a wrong one, so verifications accept some drafts and
-    reject others. The device form holds each row's (altered) tokens in a table."""
+    reject others. The device form holds each row's (altered) tokens in a table (the fed tokens
+    do not change it: `follow` is the default). No pool."""
 
     def __init__(self, references: list[tuple[list[int], list[int]]], gamma: int,
                  vocab_size: int, wrong_every: int = 3, on_device: bool = True,
@@ -167,7 +169,7 @@ class KnownTokens:
             table[i, : len(ref)] = ref
         return table
 
-    def propose_device(self, state, tokens, positions):
-        cols = positions[:, None] + 1 + jnp.arange(self.num_draft_tokens)
+    def draft(self, state, rnd, draft_params, pool):
+        cols = rnd.positions[:, None] + 1 + jnp.arange(self.num_draft_tokens)
         cols = jnp.clip(cols, 0, state.shape[1] - 1)
-        return jnp.take_along_axis(state, cols, axis=1), state
+        return jnp.take_along_axis(state, cols, axis=1), state, pool, None

@@ -95,9 +95,10 @@ def test_policy_keeps_batch_sizes_apart(fresh_seed):
 
 
 def test_ngram_state_after_plain_rounds_drafts_what_the_host_drafts(fresh_seed):
-    """Rounds on either path, in any order: after plain rounds (`follow_device`: one token fed,
-    no drafts) the device form still drafts what the host form drafts from the real context."""
+    """Rounds on either path, in any order: after plain rounds (`follow`: one token fed, no
+    drafts) the device form still drafts what the host form drafts from the real context."""
     from jaxinfer.engine.ngram import NgramProposer, ngram_drafts
+    from jaxinfer.engine.proposer import Round
 
     rng = np.random.default_rng(fresh_seed)
     gamma, rows = 3, 5
@@ -109,17 +110,17 @@ def test_ngram_state_after_plain_rounds_drafts_what_the_host_drafts(fresh_seed):
 
     contexts = [rng.integers(0, 4, int(rng.integers(2, 12))).tolist() for _ in range(rows)]
     state = jax.tree.map(jnp.asarray, proposer.device_state([Seq(c) for c in contexts], rows))
-    propose, follow = jax.jit(proposer.propose_device), jax.jit(proposer.follow_device)
+    propose, follow = jax.jit(proposer.draft), jax.jit(proposer.follow)
     checked = 0
     for rnd in range(24):
         tokens = jnp.asarray([c[-1] for c in contexts])
         positions = jnp.asarray([len(c) - 1 for c in contexts])
         if rng.random() < 0.5:  # a plain round: the target samples one token
-            state = follow(state, tokens, positions)
+            state, _ = follow(state, Round(tokens, positions), None, None)
             for c in contexts:
                 c.append(int(rng.integers(0, 4)))
             continue
-        drafts, state = propose(state, tokens, positions)
+        drafts, state, _, _ = propose(state, Round(tokens, positions), None, None)
         for i, c in enumerate(contexts):
             host = ngram_drafts(np.asarray(c), gamma, 3, 1)
             if host:

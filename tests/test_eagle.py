@@ -130,6 +130,7 @@ def test_sampled_drafts_follow_the_q_handed_to_the_verifier(fresh_seed, engines)
 
     from jaxinfer.engine.draft_model import DraftState
     from jaxinfer.engine.eagle import EagleProposer
+    from jaxinfer.engine.proposer import Round
     from jaxinfer.engine.sampler import SamplingBatch
     from jaxinfer.kv.cache import PageTable
     from jaxinfer.models.batch import RaggedBatch
@@ -137,18 +138,17 @@ def test_sampled_drafts_follow_the_q_handed_to_the_verifier(fresh_seed, engines)
 
     runner = engines["trained"].engine.runner
     cfg, params = runner.cfg, runner.params
-    proposer = EagleProposer(cfg, runner.eagle.head, GAMMA, rejection=True)
+    proposer = EagleProposer(cfg, runner.proposer.head, GAMMA, rejection=True)
     rng = np.random.default_rng(fresh_seed)
     n, length = 2_000, 9  # rows; context tokens (the last at p = length - 1 not yet fed)
     ctx = jnp.asarray(_code_prompts(engines["plain"], rng, 1)[0][:length], jnp.int32)
-    cache = proposer.init_cache(n + 1, 16, "auto", None, None, jnp.asarray)
+    draft_params, cache = proposer.init_pool(params, n + 1, 16, "auto", runner.shardings)
     page_ids = jnp.arange(1, n + 1, dtype=jnp.int32)[:, None]  # row i: page i + 1
     hidden = forward_hidden(params, cfg, ctx[None])[0]
     p = length - 1
     fill = RaggedBatch(jnp.tile(ctx[:p], n), jnp.tile(jnp.arange(p), n),
                        jnp.arange(n + 1, dtype=jnp.int32) * p,
                        PageTable(page_ids, jnp.full(n, p, jnp.int32)), p)  # fmt: skip
-    draft_params = runner.draft_params
     cache = jax.jit(proposer.fill, static_argnums=4)(
         draft_params, cache, fill, jnp.tile(hidden[:p], (n, 1)), runner.attention)  # fmt: skip
     # the state a decode scan starts from (device_state's, for a context of `length` tokens)
@@ -159,9 +159,9 @@ def test_sampled_drafts_follow_the_q_handed_to_the_verifier(fresh_seed, engines)
     sb = SamplingBatch(jnp.full(n, 0.9), jnp.full(n, 5, jnp.int32), jnp.ones(n), jnp.zeros(n),
                        jnp.arange(n, dtype=jnp.uint32) + np.uint32(fresh_seed % 2**20),
                        jnp.full(n, p + 1, jnp.int32))  # fmt: skip
-    drafts, _, _, q = jax.jit(proposer.draft_device, static_argnums=7)(
-        state, jnp.full(n, ctx[p]), jnp.full(n, p, jnp.int32), jnp.ones(n, bool), page_ids,
-        draft_params, cache, runner.attention, sb)  # fmt: skip
+    rnd = Round(jnp.full(n, ctx[p]), jnp.full(n, p, jnp.int32), jnp.ones(n, bool), page_ids, sb,
+                runner.attention)  # fmt: skip
+    drafts, _, _, q = jax.jit(proposer.draft)(state, rnd, draft_params, cache)
     drafts, q = np.asarray(drafts), np.asarray(q)
     assert np.allclose(q[:, 0], q[0, 0], atol=1e-5), f"seed {fresh_seed}: rows' q differ"
     stat = _chi2(drafts[:, 0], q[0, 0])
@@ -203,7 +203,7 @@ def test_engines_of_one_head_configuration_share_compiled_steps(engines):
     one's compiles; another draft length is another configuration."""
     from jaxinfer.engine.eagle import EagleProposer
 
-    trained, rand = (engines[name].engine.runner.eagle for name in ("trained", "random"))
+    trained, rand = (engines[name].engine.runner.proposer for name in ("trained", "random"))
     assert trained is not rand and trained == rand and hash(trained) == hash(rand)
     longer = EagleProposer(trained.target, trained.head, GAMMA + 1, rejection=trained.rejection)
     assert longer != trained

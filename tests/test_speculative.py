@@ -17,6 +17,7 @@ import pytest
 
 from jaxinfer.engine.llm import LLM
 from jaxinfer.engine.ngram import NgramProposer, ngram_drafts
+from jaxinfer.engine.proposer import Round
 from jaxinfer.engine.request import SamplingParams, Sequence
 
 KW = dict(max_num_seqs=4, max_num_batched_tokens=64, num_pages=64, page_size=16,
@@ -64,11 +65,11 @@ def test_device_drafts_equal_host_drafts_as_rounds_accept_some(fresh_seed):
     contexts = [rng.integers(0, 4, int(rng.integers(2, 12))).tolist() for _ in range(rows)]
     state = proposer.device_state([Seq(c) for c in contexts], rows)
     state = jax.tree.map(jnp.asarray, state)
-    step = jax.jit(proposer.propose_device)
+    step = jax.jit(proposer.draft)
     for rnd in range(12):
         tokens = jnp.asarray([c[-1] for c in contexts])
         positions = jnp.asarray([len(c) - 1 for c in contexts])
-        drafts, state = step(state, tokens, positions)
+        drafts, state, _, _ = step(state, Round(tokens, positions), None, None)
         for i, c in enumerate(contexts):
             host = ngram_drafts(np.asarray(c), gamma, 3, 1)
             if host:

@@ -4,8 +4,8 @@ greedily from its own paged KV pool, inside the decode scan (no host round trip 
 The draft's pool has the target's pages (same `num_pages` and `page_size`, its own layers and
 heads) and uses the target's page table, so the block manager's pages serve both and a
 preemption frees both. Its cache follows the target's tokens:
-- every mixed step runs the draft over the step's batch too (the runner's `mixed_step`), so a
-  prefill fills the draft's pages as it fills the target's;
+- every mixed step runs the draft over the step's batch too (`fill`), so a prefill fills the
+  draft's pages as it fills the target's;
 - a decode-scan round starts from the last token t at position p. The draft's cache holds every
   position before p - 1, and p - 1 too unless the previous round kept all γ drafts (the draft
   never fed its own last draft). So the round feeds (token at p - 1, t) as a ragged batch of two
@@ -33,12 +33,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.engine.proposer import Proposer, Round
 from jaxinfer.engine.request import Sequence
 from jaxinfer.engine.sampler import DRAFT_STREAM, draw_from, filtered_probs
-from jaxinfer.models.batch import rows_batch
+from jaxinfer.kv.cache import KVCache, init_kv_cache
+from jaxinfer.models.batch import RaggedBatch, rows_batch
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.dense import compute_logits, forward_paged
-from jaxinfer.models.spec import layer_weight_paths
+from jaxinfer.models.spec import layer_weight_paths, param_shardings
 
 
 @dataclass(frozen=True)
@@ -68,10 +70,8 @@ def early_exit_draft(cfg: ModelConfig, params, num_layers: int):
     return draft_cfg, {**params, "layers": tuple(params["layers"][:num_layers])}
 
 
-class DraftModelProposer:
-    """Drafts of `num_draft_tokens` tokens by the model (`cfg`, `params`). Its device form is
-    `draft_device` (it needs its KV pool), which the runner's decode scan calls in place of the
-    `Proposer.propose_device` of model-free proposers."""
+class DraftModelProposer(Proposer):
+    """Drafts of `num_draft_tokens` tokens by the model (`cfg`, `params`), from its own pool."""
 
     on_device = True
 
@@ -80,8 +80,23 @@ class DraftModelProposer:
         self.draft_cfg, self.params, self.num_draft_tokens = cfg, params, num_draft_tokens
         self.rejection = rejection
 
-    def propose(self, seq: Sequence) -> list[int]:
-        return []
+    # Its weights are arguments of the traced steps (`init_pool`), never constants.
+    def static_key(self) -> tuple:
+        return (self.draft_cfg, self.num_draft_tokens, self.rejection)
+
+    def init_pool(self, target_params, num_pages: int, page_size: int, kv_dtype: str,
+                  shardings) -> tuple[dict, KVCache]:  # fmt: skip
+        """(its params laid out by their logical axes, its K/V pool of the target's pages)."""
+        mesh = shardings.mesh
+        params = jax.device_put(self.params, param_shardings(self.draft_cfg, mesh))
+        kv = init_kv_cache(self.draft_cfg, num_pages, page_size, kv_dtype, mesh=mesh,
+                           rules=shardings.rules)  # fmt: skip
+        return params, kv
+
+    def fill(self, draft_params, pool: KVCache, batch: RaggedBatch, hidden, attention) -> KVCache:
+        """A mixed step's part: the draft over the step's batch, filling its pool."""
+        _, pool = forward_paged(draft_params, self.draft_cfg, batch, pool, attention=attention)
+        return pool
 
     def device_state(self, seqs: list[Sequence], rows: int) -> DraftState:
         fed = np.zeros((rows, self.num_draft_tokens + 1), np.int32)
@@ -91,18 +106,16 @@ class DraftModelProposer:
             position[i] = max(seq.num_tokens - 2, 0)
         return DraftState(fed, position)
 
-    def draft_device(self, state: DraftState, tokens, positions, active, page_ids, params, kv,
-                     attention, sb):  # fmt: skip
-        """(drafts [S, γ], new state, draft kv, q [S, γ, V] or None) after each row's last
-        token `tokens` [S] at `positions` [S]; `active` [S] marks real rows, `page_ids` the
-        target's page table, `sb` the rows' sampling (its positions: the token after the last).
+    def draft(self, state: DraftState, rnd: Round, params, kv: KVCache):
+        """(drafts [S, γ], new state, kv, q [S, γ, V] or None) after each row's last token.
         q: the distributions the drafts were drawn from (None: greedy drafts)."""
-        cfg, gamma, rows = self.draft_cfg, self.num_draft_tokens, tokens.shape[0]
+        cfg, gamma, rows = self.draft_cfg, self.num_draft_tokens, rnd.tokens.shape[0]
+        positions, sb = rnd.positions, rnd.sampling
 
         def step(tok, pos, q):  # q tokens per row ([S, q]) ending at pos; -> argmax after them
             nonlocal kv
-            batch = rows_batch(tok, pos, active, page_ids, q)
-            hidden, kv = forward_paged(params, cfg, batch, kv, attention=attention)
+            batch = rows_batch(tok, pos, rnd.active, rnd.page_ids, q)
+            hidden, kv = forward_paged(params, cfg, batch, kv, attention=rnd.attention)
             logits = compute_logits(params, cfg, hidden.reshape(rows, q, -1)[:, -1])
             if not self.rejection:
                 return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
@@ -111,30 +124,28 @@ class DraftModelProposer:
             probs = filtered_probs(logits, row_sb)
             return draw_from(probs, row_sb, row_sb.position, DRAFT_STREAM), probs
 
-        d, q = step(*self._catch_up(state, tokens, positions), 2)
+        d, q = step(*self._catch_up(state, rnd), 2)
         drafts, qs = [d], [q]
         for j in range(1, gamma):
             d, q = step(drafts[-1][:, None], (positions + j)[:, None], 1)
             drafts.append(d)
             qs.append(q)
         drafts = jnp.stack(drafts, axis=1)
-        fed = jnp.concatenate([tokens[:, None], drafts], axis=1)
+        fed = jnp.concatenate([rnd.tokens[:, None], drafts], axis=1)
         q = jnp.stack(qs, axis=1) if self.rejection else None
         return drafts, DraftState(fed, positions), kv, q
 
-    def _catch_up(self, state: DraftState, tokens, positions):
+    def _catch_up(self, state: DraftState, rnd: Round):
         """(tokens, positions) [S, 2] of a round's first draft pass: the token at p - 1 (the
         previous round fed it, or kept it as a draft the draft never fed), then t at p."""
-        back = jnp.clip(positions - 1 - state.position, 0, self.num_draft_tokens)
+        back = jnp.clip(rnd.positions - 1 - state.position, 0, self.num_draft_tokens)
         prev = jnp.take_along_axis(state.fed, back[:, None], axis=1)[:, 0]
-        pos = jnp.maximum(positions[:, None] - 1 + jnp.arange(2, dtype=jnp.int32), 0)
-        return jnp.stack([prev, tokens], axis=1), pos
+        pos = jnp.maximum(rnd.positions[:, None] - 1 + jnp.arange(2, dtype=jnp.int32), 0)
+        return jnp.stack([prev, rnd.tokens], axis=1), pos
 
-    def follow_draft(self, state: DraftState, tokens, positions, active, page_ids, params, kv,
-                     attention):  # fmt: skip
-        """(state, draft kv) after a plain round (adaptive speculation) fed `tokens` at
-        `positions`: `draft_device`'s first pass alone, so the pool holds every position up
-        to p, as after a speculative round."""
-        batch = rows_batch(*self._catch_up(state, tokens, positions), active, page_ids, 2)
-        _, kv = forward_paged(params, self.draft_cfg, batch, kv, attention=attention)
-        return DraftState(state.fed.at[:, 0].set(tokens), positions), kv
+    def follow(self, state: DraftState, rnd: Round, params, kv: KVCache):
+        """(state, kv) after a plain round (adaptive speculation): `draft`'s first pass alone,
+        so the pool holds every position up to p, as after a speculative round."""
+        batch = rows_batch(*self._catch_up(state, rnd), rnd.active, rnd.page_ids, 2)
+        _, kv = forward_paged(params, self.draft_cfg, batch, kv, attention=rnd.attention)
+        return DraftState(state.fed.at[:, 0].set(rnd.tokens), rnd.positions), kv

@@ -27,10 +27,10 @@ p - γ - 1 at a scan's entry, rebuilt from the host). A round
    p hold garbage, dead by length (each is written again before any query reads it: a write
    precedes the attention in the same pass);
 2. its output at p gives d_1; γ - 1 single-token passes give d_2 .. d_γ;
-3. after the target's verification pass, `record_hidden` writes f at p .. p + γ into the pool
-   (rows past the accepted ones are dead by length, like their K/V).
-A plain round (adaptive speculation: no drafts) runs step 1 alone and records f_p
-(`follow_draft`), which keeps the invariant.
+3. after the target's verification pass, `observe` writes f at p .. p + γ into the pool (rows
+   past the accepted ones are dead by length, like their K/V).
+A plain round (adaptive speculation: no drafts) runs step 1 alone and records f_p (`follow`,
+then `observe`), which keeps the invariant.
 Every mixed step writes its rows' f and runs the head over the whole batch (`fill`), so a prefill
 fills the head's pages as it fills the target's. Drafts come from the decode scans only
 (`propose` drafts nothing in mixed steps, as the draft-model proposer).
@@ -54,6 +54,7 @@ import numpy as np
 
 from jaxinfer.assets import ASSETS
 from jaxinfer.engine.draft_model import DraftState
+from jaxinfer.engine.proposer import Proposer, Round
 from jaxinfer.engine.request import Sequence
 from jaxinfer.engine.sampler import DRAFT_STREAM, draw_from, filtered_probs
 from jaxinfer.kv.cache import KVCache, init_kv_cache, token_slots
@@ -188,14 +189,11 @@ def load_head(path: str | Path, target: ModelConfig, key: str = "engine.speculat
     return head, info
 
 
-class EagleProposer:
+class EagleProposer(Proposer):
     """Drafts of `num_draft_tokens` tokens by the head `head` over the target `target` (see the
-    module docstring). Its device form is `draft_device` (it needs its pools), called by the
-    decode scan as the draft-model proposer's is; `reads_hidden` asks the runner for the target's
-    hidden states (`fill` in mixed steps, `record_hidden` after each scan round's verification)."""
+    module docstring), from its pools (`EagleCache`)."""
 
     on_device = True
-    reads_hidden = True
 
     def __init__(self, target: ModelConfig, head: dict, num_draft_tokens: int,
                  rejection: bool = True) -> None:  # fmt: skip
@@ -203,33 +201,23 @@ class EagleProposer:
         self.rejection = rejection
         self.head_cfg = head_config(target, head["layer"]["w_down"].shape[0])
 
-    # Equal (and hashing alike) by what shapes its traced steps: its weights are arguments of
-    # those steps (`device_params`), never constants, so two engines of one configuration (a
-    # trained head and a random one, say) share their compiled steps.
-    def _static_key(self) -> tuple:
+    # Its weights are arguments of the traced steps (`init_pool`), never constants, so two
+    # engines of one configuration (a trained head and a random one, say) share their steps.
+    def static_key(self) -> tuple:
         return (self.target, self.head_cfg, self.num_draft_tokens, self.rejection)
 
-    def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and other._static_key() == self._static_key()
-
-    def __hash__(self) -> int:
-        return hash(self._static_key())
-
-    def propose(self, seq: Sequence) -> list[int]:
-        return []
-
     # -- device state ---------------------------------------------------------------------------
-    def device_params(self, params: dict, put) -> dict:
-        """The head's params on the device (`put`) with the target's shared arrays (the same
-        buffers: no copy)."""
+    def init_pool(self, target_params: dict, num_pages: int, page_size: int, kv_dtype: str,
+                  shardings) -> tuple[dict, EagleCache]:  # fmt: skip
+        """(the head's params on the device with the target's shared arrays (the same buffers:
+        no copy), its pools)."""
         dtype = self.target.jnp_dtype
-        head = put(jax.tree.map(lambda w: np.asarray(w).astype(dtype), self.head))
-        return {"head": head, "shared": {k: params[k] for k in SHARED_KEYS if k in params}}
-
-    def init_cache(self, num_pages: int, page_size: int, kv_dtype: str, mesh, rules, put):
-        kv = init_kv_cache(self.head_cfg, num_pages, page_size, kv_dtype, mesh=mesh, rules=rules)
-        feats = jnp.zeros((num_pages, page_size, self.target.hidden_size), self.target.jnp_dtype)
-        return EagleCache(kv, put(feats))
+        head = shardings.put(jax.tree.map(lambda w: np.asarray(w).astype(dtype), self.head))
+        shared = {k: target_params[k] for k in SHARED_KEYS if k in target_params}
+        kv = init_kv_cache(self.head_cfg, num_pages, page_size, kv_dtype, mesh=shardings.mesh,
+                           rules=shardings.rules)  # fmt: skip
+        feats = jnp.zeros((num_pages, page_size, self.target.hidden_size), dtype)
+        return {"head": head, "shared": shared}, EagleCache(kv, shardings.put(feats))
 
     def device_state(self, seqs: list[Sequence], rows: int) -> DraftState:
         """Per row: p0 = p - γ - 1 (at least -1) and the tokens at p0 .. p0 + γ (p: the last
@@ -268,71 +256,68 @@ class EagleProposer:
         _, cache = self._paged(params, EagleCache(cache.kv, features), batch, feats, attention)
         return cache
 
-    def record_hidden(self, cache: EagleCache, batch: RaggedBatch, hidden) -> EagleCache:
+    def observe(self, cache: EagleCache, batch: RaggedBatch, hidden) -> EagleCache:
         """After a verification pass: its rows' f into the pool."""
         return dataclasses.replace(cache, features=write_features(cache.features, batch, hidden))
 
-    def draft_device(self, state: DraftState, tokens, positions, active, page_ids, params,
-                     cache: EagleCache, attention, sb):  # fmt: skip
-        """(drafts [S, γ], new state, cache, q [S, γ, V] or None) after each row's last token
-        `tokens` [S] at `positions` [S], as `DraftModelProposer.draft_device`."""
-        gamma, rows = self.num_draft_tokens, tokens.shape[0]
-        g, live, cache = self._rewrite(state, tokens, positions, active, page_ids, params, cache,
-                                       attention)  # fmt: skip
+    def draft(self, state: DraftState, rnd: Round, params, cache: EagleCache):
+        """(drafts [S, γ], new state, cache, q [S, γ, V] or None) after each row's last token,
+        as `DraftModelProposer.draft`."""
+        gamma, rows = self.num_draft_tokens, rnd.tokens.shape[0]
+        g, live, cache = self._rewrite(state, rnd, params, cache)
 
         def step(tok, pos, feats, q):  # q tokens per row [S, q] -> (g [S, q, E])
             nonlocal cache
-            batch = rows_batch(tok, pos, live, page_ids, q)
-            g, cache = self._paged(params, cache, batch, feats.reshape(rows * q, -1), attention)
+            batch = rows_batch(tok, pos, live, rnd.page_ids, q)
+            g, cache = self._paged(params, cache, batch, feats.reshape(rows * q, -1),
+                                   rnd.attention)  # fmt: skip
             return g.reshape(rows, q, -1)
 
         def draw(g, k):  # the k-th draft (0-based) from g [S, E]
             logits = compute_logits(params["shared"], self.target, g)
             if not self.rejection:
                 return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
-            row_sb = dataclasses.replace(sb, position=sb.position + k)
+            row_sb = dataclasses.replace(rnd.sampling, position=rnd.sampling.position + k)
             probs = filtered_probs(logits, row_sb)
             return draw_from(probs, row_sb, row_sb.position, DRAFT_STREAM), probs
 
         d, q = draw(g, 0)
         drafts, qs = [d], [q]
         for k in range(1, gamma):
-            g = step(drafts[-1][:, None], (positions + k)[:, None], g[:, None], 1)[:, 0]
+            g = step(drafts[-1][:, None], (rnd.positions + k)[:, None], g[:, None], 1)[:, 0]
             d, q = draw(g, k)
             drafts.append(d)
             qs.append(q)
         drafts = jnp.stack(drafts, axis=1)
-        fed = jnp.concatenate([tokens[:, None], drafts], axis=1)
+        fed = jnp.concatenate([rnd.tokens[:, None], drafts], axis=1)
         q = jnp.stack(qs, axis=1) if self.rejection else None
-        return drafts, DraftState(fed, positions), cache, q
+        return drafts, DraftState(fed, rnd.positions), cache, q
 
-    def _rewrite(self, state: DraftState, tokens, positions, active, page_ids, params,
-                 cache: EagleCache, attention):  # fmt: skip
+    def _rewrite(self, state: DraftState, rnd: Round, params, cache: EagleCache):
         """A round's first pass (step 1 of the module docstring): the head over p0 + 1 ..
         p0 + γ + 1, its K/V up to p rewritten from the target's features. Returns (g at p
         [S, E], the rows it ran [S], cache)."""
+        tokens, positions, page_ids = rnd.tokens, rnd.positions, rnd.page_ids
         gamma, rows = self.num_draft_tokens, tokens.shape[0]
         w = gamma + 1
         p0 = state.position
         m = positions - p0  # tokens to (re)write up to p: 1 .. γ + 1 on a live row
-        live = active & (m >= 1) & (m <= w)
+        live = rnd.active & (m >= 1) & (m <= w)
         j = jnp.arange(w, dtype=jnp.int32)[None, :]
         after = jnp.concatenate([state.fed[:, 1:], state.fed[:, :1]], axis=1)  # at p0 + 1 + j
         chunk = jnp.where(j == (m - 1)[:, None], tokens[:, None], after)
         chunk_pos = p0[:, None] + 1 + j
         feats = read_features(cache.features, page_ids, jnp.arange(rows)[:, None], chunk_pos - 1)
         batch = rows_batch(chunk, jnp.maximum(chunk_pos, 0), live, page_ids, w)
-        g, cache = self._paged(params, cache, batch, feats.reshape(rows * w, -1), attention)
+        g, cache = self._paged(params, cache, batch, feats.reshape(rows * w, -1), rnd.attention)
         g = g.reshape(rows, w, -1)
         g = jnp.take_along_axis(g, jnp.clip(m - 1, 0, gamma)[:, None, None], axis=1)[:, 0]
         return g, live, cache
 
-    def follow_draft(self, state: DraftState, tokens, positions, active, page_ids, params,
-                     cache: EagleCache, attention):  # fmt: skip
-        """(state, cache) after a plain round (adaptive speculation) fed `tokens` at
-        `positions`: `draft_device`'s first pass alone, so the head's K/V holds true-feature
-        entries up to p (a speculative round leaves its drafting's own g past its p; this
-        rewrites them), and the round's `record_hidden` adds f_p."""
-        _, _, cache = self._rewrite(state, tokens, positions, active, page_ids, params, cache,
-                                    attention)  # fmt: skip
-        return DraftState(state.fed.at[:, 0].set(tokens), positions), cache
+    def follow(self, state: DraftState, rnd: Round, params, cache: EagleCache):
+        """(state, cache) after a plain round (adaptive speculation): `draft`'s first pass
+        alone, so the head's K/V holds true-feature entries up to p (a speculative round leaves
+        its drafting's own g past its p; this rewrites them), and the round's `observe` adds
+        f_p."""
+        _, _, cache = self._rewrite(state, rnd, params, cache)
+        return DraftState(state.fed.at[:, 0].set(rnd.tokens), rnd.positions), cache

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.engine.config import GRAPHS_OFF_FROM_HIDDEN, EngineConfig, compiler_options_key
-from jaxinfer.engine.proposer import Proposer
+from jaxinfer.engine.proposer import Proposer, Round
 from jaxinfer.engine.sampler import (
     SamplingBatch,
     accept_drafts,
@@ -50,7 +50,6 @@ from jaxinfer.models.batch import RaggedBatch, build_ragged_batch
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.dense import compute_logits, forward_paged
 from jaxinfer.models.moe import resolve_moe_backend
-from jaxinfer.models.spec import param_shardings
 from jaxinfer.parallel import vocab
 from jaxinfer.parallel.multihost import mirrored
 from jaxinfer.parallel.sharding import EngineShardings
@@ -105,23 +104,20 @@ def _forward(params, cfg, batch, kv, attention, expert_mesh, moe_backend):
 
 
 @partial(jax.jit, static_argnames=("cfg", "attention", "num_rows", "out_sharding",
-                                   "logits_sharding", "expert_mesh", "moe_backend", "draft_cfg",
-                                   "eagle"),
+                                   "logits_sharding", "expert_mesh", "moe_backend", "proposer"),
          donate_argnames=("kv", "draft_kv"))  # fmt: skip
 def mixed_step(params, kv: KVCache, batch: RaggedBatch, num_drafts: jax.Array,
                prev_tokens: jax.Array, prev_counts: jax.Array, draft_params=None,
-               draft_kv: KVCache | None = None, *, cfg: ModelConfig, attention: AttentionConfig,
-               num_rows: int = 1, out_sharding=None, logits_sharding=None, expert_mesh=None,
-               moe_backend: str = "xla", draft_cfg: ModelConfig | None = None,
-               eagle=None):  # fmt: skip
+               draft_kv=None, *, cfg: ModelConfig, attention: AttentionConfig, num_rows: int = 1,
+               out_sharding=None, logits_sharding=None, expert_mesh=None,
+               moe_backend: str = "xla", proposer: Proposer | None = None):  # fmt: skip
     """((logits [S, num_rows, V] fp32, drafts [S, num_rows - 1], shift [S], expert load (see
     `_forward`) or None), kv, draft_kv); the logits are laid out as `logits_sharding` (by vocab
     on a model axis: `sample_step` reduces them per shard), the rest as `out_sharding`.
     `expert_mesh`: the mesh whose "expert" axis shards the
-    MoE experts (None: one device holds them all); `moe_backend`: their grouped matmuls'. With a
-    draft model (`draft_cfg`, `draft_model.py`) the draft runs over the same batch, filling its
-    own pool. With an EAGLE head (`eagle`, static: traced only when the method is on,
-    `eagle.py`) the batch's final-normed hidden states feed the head, filling its pools.
+    MoE experts (None: one device holds them all); `moe_backend`: their grouped matmuls'.
+    `proposer` (a proposer with a pool: `Proposer.fill`) fills its pool `draft_kv` from the
+    batch and its final-normed hidden states, with its params `draft_params`.
 
     Sequence s's last 1 + num_drafts[s] tokens are its last real token and its drafts; their rows'
     logits verify the drafts. `prev_tokens` [S, num_rows] / `prev_counts` [S]: the previous step's
@@ -150,10 +146,8 @@ def mixed_step(params, kv: KVCache, batch: RaggedBatch, num_drafts: jax.Array,
     tokens = jnp.where(placeholder, last[src], tokens)
     batch = dataclasses.replace(batch, tokens=tokens)
     hidden, kv, load = _forward(params, cfg, batch, kv, attention, expert_mesh, moe_backend)
-    if draft_cfg is not None:
-        _, draft_kv = forward_paged(draft_params, draft_cfg, batch, draft_kv, attention=attention)
-    if eagle is not None:
-        draft_kv = eagle.fill(draft_params, draft_kv, batch, hidden, attention)
+    if proposer is not None:
+        draft_kv = proposer.fill(draft_params, draft_kv, batch, hidden, attention)
     rows = logit_rows(batch.query_start_loc, num_drafts, num_rows)
     logits = _constrain(compute_logits(params, cfg, hidden[rows]), logits_sharding or out_sharding)
     out = _constrain((tokens[rows[:, 1:]], shift, load), out_sharding)
@@ -205,7 +199,7 @@ class DecodeState:
     donate_argnames=("kv", "draft_kv"),
 )
 def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingBatch,
-                draft_params=None, draft_kv: KVCache | None = None, *, cfg: ModelConfig,
+                draft_params=None, draft_kv=None, *, cfg: ModelConfig,
                 attention: AttentionConfig, num_steps: int, num_logprobs: int,
                 proposer: Proposer | None = None, out_sharding=None,
                 expert_mesh=None, moe_backend: str = "xla", speculate: bool = True,
@@ -213,10 +207,11 @@ def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingB
     """((tokens [R, S, K], counts [R, S], logprobs [R, S, K], top_lp [R, S, K, k], top_ids,
     expert load per round (see `_forward`) or None), final DecodeState, kv, draft_kv) over R =
     `num_steps` rounds of K = 1 + drafts tokens per row; row s keeps tokens[r, s, :counts[r, s]]
-    of round r. The final state can seed the next call directly. A draft-model proposer drafts
-    from its own pool `draft_kv` (`draft_model.py`). `speculate` False (adaptive speculation's
-    plain path): K = 1, no drafts; the proposer only follows the fed tokens (`follow_device`,
-    `follow_draft`), so its state and pools are what a speculative round expects. `vocab_mesh`:
+    of round r. The final state can seed the next call directly. Each round the proposer drafts
+    (`Proposer.draft`, with its params `draft_params` and pool `draft_kv`), and sees the
+    verification pass (`Proposer.observe`). `speculate` False (adaptive speculation's plain
+    path): K = 1, no drafts; the proposer only follows the fed tokens (`Proposer.follow`), so
+    its state and pool are what a speculative round expects. `vocab_mesh`:
     the LM head's logits stay sharded by vocab over its "model" axis and are sampled per shard
     (the rejection sampling of a draft model's sampled drafts takes whole rows)."""
     gamma = proposer.num_draft_tokens if proposer is not None and speculate else 0
@@ -229,20 +224,13 @@ def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingB
         pstate = st.proposer
         fed = st.tokens[:, None]
         step_sb = dataclasses.replace(sb, position=st.positions + 1)
-        q = None  # a draft model's draft distributions (rejection sampling)
-        if gamma and dkv is not None:
-            drafts, pstate, dkv, q = proposer.draft_device(
-                pstate, st.tokens, st.positions, st.active, page_ids, draft_params, dkv,
-                attention, step_sb)  # fmt: skip
+        rnd = Round(st.tokens, st.positions, st.active, page_ids, step_sb, attention)
+        q = None  # the drafts' distributions (sampled drafts: rejection sampling)
+        if gamma:
+            drafts, pstate, dkv, q = proposer.draft(pstate, rnd, draft_params, dkv)
             fed = jnp.concatenate([fed, drafts.astype(jnp.int32)], axis=1)
-        elif gamma:
-            drafts, pstate = proposer.propose_device(pstate, st.tokens, st.positions)
-            fed = jnp.concatenate([fed, drafts.astype(jnp.int32)], axis=1)
-        elif proposer is not None and dkv is not None:
-            pstate, dkv = proposer.follow_draft(pstate, st.tokens, st.positions, st.active,
-                                                page_ids, draft_params, dkv, attention)  # fmt: skip
         elif proposer is not None:
-            pstate = proposer.follow_device(pstate, st.tokens, st.positions)
+            pstate, dkv = proposer.follow(pstate, rnd, draft_params, dkv)
         positions = st.positions[:, None] + j
         history = st.history
         if history is not None:  # the fed tokens are the context of the rows after them
@@ -257,8 +245,8 @@ def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingB
             max_q_len=k,
         )
         hidden, kv, load = _forward(params, cfg, batch, kv, attention, expert_mesh, moe_backend)
-        if dkv is not None and getattr(proposer, "reads_hidden", False):  # an EAGLE head
-            dkv = proposer.record_hidden(dkv, batch, hidden)
+        if proposer is not None:
+            dkv = proposer.observe(dkv, batch, hidden)
         logits = compute_logits(params, cfg, hidden).reshape(rows, k, -1)
         tok, lp, top_lp, top_ids = sample_rows(
             logits, step_sb, jnp.zeros_like(st.positions), num_logprobs,
@@ -306,7 +294,8 @@ class ModelRunner:
     """Owns the KV cache; turns host-built batches into sampled tokens.
 
     `proposer` (optional) sets how many rows per sequence a mixed step scores (1 + its
-    `num_draft_tokens`) and, when it has a device form, the drafts of each decode-scan round.
+    `num_draft_tokens`) and, when it has a device form, the drafts of each decode-scan round;
+    its params and pool (`Proposer.init_pool`) are `draft_params` and `draft_kv`.
     """
 
     def __init__(self, cfg: ModelConfig, params, config: EngineConfig,
@@ -324,24 +313,11 @@ class ModelRunner:
         self.adaptive = config.speculative.adaptive and self.scan_proposer is not None
         self.kv = init_kv_cache(cfg, config.num_pages, config.page_size, config.kv_dtype,
                                 mesh=shardings.mesh, rules=shardings.rules)  # fmt: skip
-        # A draft model (`draft_model.py`): its params and its pool of the target's pages.
-        self.draft_cfg = getattr(proposer, "draft_cfg", None)
         self.draft_params = self.draft_kv = None
-        if self.draft_cfg is not None:
-            self.draft_params = jax.device_put(
-                proposer.params, param_shardings(self.draft_cfg, shardings.mesh)
+        if proposer is not None:
+            self.draft_params, self.draft_kv = proposer.init_pool(
+                params, config.num_pages, config.page_size, config.kv_dtype, shardings
             )
-            self.draft_kv = init_kv_cache(self.draft_cfg, config.num_pages, config.page_size,
-                                          config.kv_dtype, mesh=shardings.mesh,
-                                          rules=shardings.rules)  # fmt: skip
-        # An EAGLE head (`eagle.py`): its params with the target's shared arrays in the draft
-        # params' place, its pools (K/V, hidden states) in the draft pool's.
-        self.eagle = proposer if getattr(proposer, "reads_hidden", False) else None
-        if self.eagle is not None:
-            self.draft_params = self.eagle.device_params(params, shardings.put)
-            self.draft_kv = self.eagle.init_cache(config.num_pages, config.page_size,
-                                                  config.kv_dtype, shardings.mesh,
-                                                  shardings.rules, shardings.put)  # fmt: skip
         self._executables: dict[tuple, object] = {}  # warm-up's compiled steps, by bucket
         # Process 0 of a multi-host engine: its `multihost.Leader`, which announces each
         # `mirrored` call to the other processes first (None: make every call here alone).
@@ -385,11 +361,14 @@ class ModelRunner:
         return 1 if self.expert_mesh is None else self.expert_mesh.shape["expert"]
 
     def _mixed_static(self):
+        # the proposer only to fill its pool: without one the steps are any engine's of these
+        # rows (jit's caches share them)
+        fill = self.proposer if self.draft_kv is not None else None
         return dict(cfg=self.cfg, attention=self.attention, num_rows=self.num_rows,
                     out_sharding=self.shardings.replicated,
                     logits_sharding=self.shardings.logits(self.cfg.vocab_size),
                     expert_mesh=self.expert_mesh, moe_backend=self.moe_backend,
-                    draft_cfg=self.draft_cfg, eagle=self.eagle)  # fmt: skip
+                    proposer=fill)  # fmt: skip
 
     def _sample_static(self):
         return dict(

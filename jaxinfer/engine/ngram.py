@@ -11,7 +11,7 @@ prompt.
 
 Both forms draft the same tokens:
 - host (`propose`), for mixed steps: numpy over the sequence's tokens; no match drafts nothing;
-- device (`propose_device`), for the decode scans: each row's context lives in the state
+- device (`draft`), for the decode scans: each row's context lives in the state
   ([S, max_len] tokens, -1 past its end). A round first writes what the previous round accepted
   (its drafts up to the new last position, then the last token), then searches. A row without a
   match drafts its last token repeated (a verification row computed anyway: a fixed shape).
@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.engine.proposer import Proposer, Round
 from jaxinfer.engine.request import Sequence
 
 
@@ -58,9 +59,10 @@ jax.tree_util.register_dataclass(NgramState, data_fields=["history", "last", "dr
                                  meta_fields=[])  # fmt: skip
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """Prompt-lookup drafts of `num_draft_tokens` tokens (see the module docstring); `max_len`
-    bounds the context the device form keeps (the engine's max_model_len)."""
+    bounds the context the device form keeps (the engine's max_model_len). No pool: its state
+    is all it keeps."""
 
     on_device = True
 
@@ -72,6 +74,9 @@ class NgramProposer:
         self.num_draft_tokens, self.max_n, self.min_n, self.max_len = (
             num_draft_tokens, max_n, min_n, max_len
         )  # fmt: skip
+
+    def static_key(self) -> tuple:
+        return (self.num_draft_tokens, self.max_n, self.min_n, self.max_len)
 
     def propose(self, seq: Sequence) -> list[int]:
         tokens = np.asarray(seq.all_token_ids, np.int32)
@@ -99,13 +104,15 @@ class NgramProposer:
         )
         return hist.at[rows[:, 0], positions].set(tokens, mode="drop")
 
-    def follow_device(self, state: NgramState, tokens: jax.Array, positions: jax.Array):
-        """The state after a plain round (adaptive speculation) fed `tokens` at `positions`:
-        the context written, no search (the next round's position is one on: no draft kept)."""
-        return NgramState(self._context(state, tokens, positions), positions, state.drafts)
+    def follow(self, state: NgramState, rnd: Round, draft_params, pool):
+        """(state, pool) after a plain round (adaptive speculation) fed the last tokens: the
+        context written, no search (the next round's position is one on: no draft kept)."""
+        return NgramState(self._context(state, rnd.tokens, rnd.positions), rnd.positions,
+                          state.drafts), pool  # fmt: skip
 
-    def propose_device(self, state: NgramState, tokens: jax.Array, positions: jax.Array):
-        """(drafts [S, γ], state) after each row's last token `tokens` at `positions`."""
+    def draft(self, state: NgramState, rnd: Round, draft_params, pool):
+        """(drafts [S, γ], state, pool, None) after each row's last token."""
+        tokens, positions = rnd.tokens, rnd.positions
         gamma, length = self.num_draft_tokens, state.history.shape[1]
         hist = self._context(state, tokens, positions)
         drafts = jnp.broadcast_to(tokens[:, None], (tokens.shape[0], gamma))
@@ -128,4 +135,4 @@ class NgramProposer:
             cand = jnp.take_along_axis(hist, jnp.clip(src, 0, length - 1), axis=1)
             drafts = jnp.where(hit[:, None], cand, drafts)
             found = found | hit
-        return drafts, NgramState(hist, positions, drafts)
+        return drafts, NgramState(hist, positions, drafts), pool, None

@@ -6,38 +6,99 @@ of the ragged step) and keeps the drafts the target's own samples agree with, pl
 sample (`sampler.accept_drafts`), so a step makes 1 to 1 + gamma tokens per sequence. Drafts
 count in the step's token budget and their pages are reserved before the step.
 
-- `propose(seq)`: host side, for mixed steps. It sees the sequence's real tokens: it is not asked
-  while the sequence's last token is a placeholder of a step in flight (`inflight.py`).
-- `device_state(seqs, rows)` and `propose_device(state, tokens, positions)`: the device form, for
-  the decode scans: each round drafts after the previous round's last token, with no host round
-  trip. `device_state` builds the state (a pytree, `rows` padded) from the host before a scan;
-  `propose_device(state, tokens [S], positions [S])` returns (drafts [S, gamma], new state). A
-  proposer without one (`on_device` False) leaves the scans at one token per round.
-- `follow_device(state, tokens, positions)`: the new state after a plain round that fed
-  `tokens` at `positions` and drafted nothing (adaptive speculation, `adaptive.py`), so the next
-  round may draft again from a state as complete as after a drafting round. Proposers with a
-  pool (draft model, EAGLE) have `draft_device` and `follow_draft` in these two's place.
+A proposer subclasses `Proposer` and overrides what it needs; the defaults are those of a
+proposer with no device pool. The runner and its jitted steps call only these methods, so a new
+proposer is its own module, plus its method name (`config.SPECULATIVE_METHODS`) and its
+construction (`engine.make_proposer`).
+
+- `propose(seq)`: host drafts, for mixed steps. It sees the sequence's real tokens: it is not
+  asked while the sequence's last token is a placeholder of a step in flight (`inflight.py`).
+- `init_pool(target_params, num_pages, page_size, kv_dtype, shardings)`: (draft params, pool),
+  the proposer's own device arrays, made once by the runner (default: none). The pool uses the
+  target's pages and page table, so the block manager's pages serve both. Both travel as
+  arguments of the jitted steps (`draft_params`, `draft_kv`), never as constants.
+- `fill(draft_params, pool, batch, hidden, attention)`: a mixed step's part, given its batch and
+  the target's final-normed hidden states [T, E] (a prefill fills the pool as it fills the
+  target's pages). Called only for a proposer with a pool.
+- `device_state(seqs, rows)`: the host-built state (a pytree, `rows` padded) a decode scan starts
+  from. A proposer with `on_device` False leaves the scans at one token per round.
+- `draft(state, rnd, draft_params, pool)`: a decode-scan round's drafts after each row's last
+  token, on the device: (drafts [S, gamma], state, pool, q). q [S, gamma, V]: the distributions
+  sampled drafts were drawn from, for rejection sampling (`sampler.rejection_verify`); None for
+  deterministic drafts, which `accept_drafts` keeps while they equal the target's samples.
+- `follow(state, rnd, draft_params, pool)`: (state, pool) after a plain round that fed the last
+  tokens and drafted nothing (adaptive speculation, `adaptive.py`), so the next round may draft
+  from a state as complete as after a drafting round (default: unchanged, for a state the fed
+  tokens do not change).
+- `observe(pool, batch, hidden)`: the pool after a round's verification pass, which saw `batch`
+  with final-normed hidden states `hidden` (default: unchanged).
+- `static_key()`: what shapes its traced steps. The proposer is a static argument of the jitted
+  steps, compared by this key, so engines whose proposers share a key share compiled steps
+  (default: the proposer itself).
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
 
 import jax
 
 from jaxinfer.engine.request import Sequence
+from jaxinfer.engine.sampler import SamplingBatch
+from jaxinfer.models.attention import AttentionConfig
+from jaxinfer.models.batch import RaggedBatch
 
 
-class Proposer(Protocol):
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Round:
+    """What a decode-scan round gives its proposer: each row's last token [S] and its position
+    [S], the real rows [S], the scan's page table [S, pages], the round's sampling (its positions:
+    the token after the last) and the attention backend."""
+
+    tokens: jax.Array
+    positions: jax.Array
+    active: jax.Array | None = None
+    page_ids: jax.Array | None = None
+    sampling: SamplingBatch | None = None
+    attention: AttentionConfig | None = field(default=None, metadata=dict(static=True))
+
+
+class Proposer:
+    """A speculative proposer (see the module docstring); the defaults have no device pool."""
+
     num_draft_tokens: int
-    on_device: bool
+    on_device: bool = False
 
-    def propose(self, seq: Sequence) -> list[int]: ...
+    def propose(self, seq: Sequence) -> list[int]:
+        return []
 
-    def device_state(self, seqs: list[Sequence], rows: int) -> Any: ...
+    def init_pool(self, target_params, num_pages: int, page_size: int, kv_dtype: str,
+                  shardings) -> tuple[Any, Any]:  # fmt: skip
+        return None, None
 
-    def propose_device(
-        self, state: Any, tokens: jax.Array, positions: jax.Array
-    ) -> tuple[jax.Array, Any]: ...
+    def fill(self, draft_params, pool, batch: RaggedBatch, hidden: jax.Array, attention):
+        return pool
 
-    def follow_device(self, state: Any, tokens: jax.Array, positions: jax.Array) -> Any: ...
+    def device_state(self, seqs: list[Sequence], rows: int) -> Any:
+        return None
+
+    def draft(self, state, rnd: Round, draft_params, pool):
+        raise NotImplementedError(f"{type(self).__name__} has no device drafts (on_device)")
+
+    def follow(self, state, rnd: Round, draft_params, pool):
+        return state, pool
+
+    def observe(self, pool, batch: RaggedBatch, hidden: jax.Array):
+        return pool
+
+    def static_key(self) -> Hashable:
+        return id(self)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.static_key() == self.static_key()
+
+    def __hash__(self) -> int:
+        return hash(self.static_key())
