@@ -29,7 +29,7 @@ from jaxinfer.engine.compile_counter import compile_count
 from jaxinfer.engine.config import EngineConfig, resolve_dtype
 from jaxinfer.engine.draft_model import DraftModelProposer, early_exit_draft
 from jaxinfer.engine.eagle import EagleProposer, init_head, load_head
-from jaxinfer.engine.inflight import UnreadMixed, UnreadScan, add_placeholder, fill_placeholder
+from jaxinfer.engine.inflight import InFlight, UnreadScan
 from jaxinfer.engine.loading import load_model, quantize_for_engine
 from jaxinfer.engine.model_runner import ModelRunner, pick_bucket
 from jaxinfer.engine.ngram import NgramProposer
@@ -225,7 +225,7 @@ class Engine:
         self._ids = itertools.count()
         self._rng = np.random.default_rng(config.seed)
         self._seeds: dict[int, int] = {}
-        self._unread: UnreadMixed | UnreadScan | None = None  # see inflight.py
+        self.inflight = InFlight()  # steps dispatched, not read yet
         self._preemptions_recorded = 0  # of scheduler.num_preemptions, in step records
         self._evictions_recorded = 0  # of block_manager.num_evictions
         self._expert_load = None  # MoE rows per expert read since the last step record
@@ -317,7 +317,7 @@ class Engine:
                              f"entries > engine.max_logit_bias={self.config.max_logit_bias}")  # fmt: skip
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._unread is not None
+        return self.scheduler.has_unfinished() or self.inflight.unread
 
     def release(self, seqs) -> None:
         """Forget finished (or failed) sequences whose results the caller has taken, so a long
@@ -339,9 +339,7 @@ class Engine:
         for s in (seq, *seq.siblings):
             if s.is_finished:
                 continue
-            if s.num_placeholders:
-                del s.output_token_ids[len(s.output_token_ids) - s.num_placeholders :]
-                s.num_placeholders = 0
+            self.inflight.drop(s)
             s.draft_token_ids = []
             self.scheduler.abort(s, now)
 
@@ -372,12 +370,12 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """Advance the engine by one scheduled batch (or one unread decode scan)."""
         t_start = self.clock()
-        if isinstance(self._unread, UnreadScan):
+        if self.inflight.scan is not None:
             return self._step_scan(t_start, [])
         early, waited = [], 0.0
-        if self.config.penalties and isinstance(self._unread, UnreadMixed):
+        if self.config.penalties:
             # Penalties count the real tokens of every context: read the step in flight first.
-            early, waited = self._read_mixed(self._take_unread())
+            early, waited = self._read_mixed()
         if self.proposer is not None:
             # A proposer extends real tokens (inflight.py, 7): a plain step in flight is read
             # first. A verification in flight is read after the next step, which is then a
@@ -386,41 +384,37 @@ class Engine:
             # scans speculate (mixed steps are not measured: prefill chunks would blur the rate).
             n = max(len(self.scheduler.running), 1)
             speculate = self._speculate(pick_bucket(self.runner.seq_buckets, n))
-            if speculate and isinstance(self._unread, UnreadMixed) and not self._unread.verifies:
-                early, waited = self._read_mixed(self._take_unread())
+            if speculate and self.inflight.plain:
+                early, waited = self._read_mixed()
             self._propose(speculate)
         out = self.scheduler.schedule(t_start)
         early += [StepOutput(seq, [], True) for seq in out.failed]
         if not out.scheduled:  # nothing to run: the step in flight (if any) ends this one
-            outputs, _ = self._read_mixed(self._take_unread())
+            outputs, _ = self._read_mixed()
             return early + outputs
         seqs = [s.seq for s in out.scheduled]
         decode_only = out.is_decode_only  # (read before the dispatch moves the counts)
         k = self._lookahead(seqs) if decode_only else 1
         if k > 1:
             # A decode scan starts from tokens on the host: read the step in flight first.
-            outputs, _ = self._read_mixed(self._take_unread())
+            outputs, _ = self._read_mixed()
             seqs = [q for q in seqs if q.status is SeqStatus.RUNNING]
             if not seqs:
                 return early + outputs
             try:
-                self._unread = self._dispatch_decode(seqs, k)
+                self._dispatch_decode(seqs, k)
             except Exception as e:  # a request the host cannot pack fails alone
                 return early + outputs + self._fail_unbuildable(seqs, e)
             return self._step_scan(t_start, early + outputs)
         # Dispatch this step before reading the previous one's tokens (async schedule): the
         # device runs it while the host post-processes the previous step.
-        prev = self._unread
         try:
-            self._unread = self._dispatch_mixed(out.scheduled, prev)
+            self._dispatch_mixed(out.scheduled)
         except Exception as e:  # a request the host cannot pack fails alone
-            self._unread = None
-            outputs, _ = self._read_mixed(prev)
+            outputs, _ = self._read_mixed()
             return early + outputs + self._fail_unbuildable(seqs, e)
-        outputs, device_s = self._read_mixed(prev)
-        if not self.config.async_schedule:
-            more, more_s = self._read_mixed(self._take_unread())
-            outputs, device_s = outputs + more, device_s + more_s
+        # the previous step's tokens (without async scheduling, this one's too)
+        outputs, device_s = self._read_mixed(keep=1 if self.config.async_schedule else 0)
         self._record(t_start, len(seqs), out.num_batched_tokens, decode_only, 1,
                      device_s + waited)  # fmt: skip
         return early + outputs
@@ -446,13 +440,14 @@ class Engine:
 
     def _step_scan(self, t_start: float, early: list[StepOutput]) -> list[StepOutput]:
         """Read the unread decode scan, after dispatching the next from its final state."""
-        prev = self._unread
-        self._unread = self._chain(prev) if self.config.async_decode else None
-        results, device_s = self._collect(prev)
+        if self.config.async_decode:
+            self._chain(self.inflight.scan)
+        scan = self.inflight.take()
+        results, device_s = self._collect(scan)
         outputs = self._append_all(results)
         fed = sum(len(new) for _, new in results)
-        self._record(t_start, len(prev.seqs), fed, True, prev.rounds, device_s,
-                     self._drafts(prev))  # fmt: skip
+        self._record(t_start, len(scan.seqs), fed, True, scan.rounds, device_s,
+                     self._drafts(scan))  # fmt: skip
         return early + outputs
 
     def _append_all(self, results) -> list[StepOutput]:
@@ -553,12 +548,12 @@ class Engine:
                                    positions, rows, put=self.runner.put,
                                    max_logit_bias=self.runner.max_logit_bias())  # fmt: skip
 
-    def _dispatch_mixed(self, scheduled: list[ScheduledSeq], prev) -> UnreadMixed:
+    def _dispatch_mixed(self, scheduled: list[ScheduledSeq]) -> None:
         """Build and dispatch one mixed step; the host does not wait for it.
 
-        Fed tokens may be placeholders of `prev` (its sampled tokens, still on the device). Each
-        sequence that samples this step gets a placeholder of its own, so the next schedule
-        already sees the token it will feed; one that thereby reaches its token limit is
+        Fed tokens may be placeholders of the unread step (its sampled tokens, still on the
+        device). Each sequence that samples this step gets a placeholder of its own, so the next
+        schedule already sees the token it will feed; one that thereby reaches its token limit is
         `final_pending` (derived) and is not scheduled again.
         """
         seqs = [s.seq for s in scheduled]
@@ -575,58 +570,51 @@ class Engine:
         positions = [s.seq.num_computed_tokens + s.num_new_tokens - s.num_draft_tokens
                      for s in scheduled]  # fmt: skip
         sb = self._sampling(seqs, positions, self.config.max_num_seqs)
-        prev_outs = prev.outs if isinstance(prev, UnreadMixed) else None
+        prev_outs = self.inflight.feed
         history = self.runner.history_arrays(
             [s.seq.all_token_ids + s.seq.draft_token_ids[: s.num_draft_tokens] for s in scheduled],
             [s.seq.num_prompt_tokens for s in scheduled], self.config.max_num_seqs,
         )  # fmt: skip
         outs = self.runner.run_mixed(batch, num_drafts, sb, prev_outs, history)
         self.overlapped_steps += prev_outs is not None
-        samplers, drafts = [], []
+        samplers = []
         for i, s in enumerate(scheduled):
             seq = s.seq
             seq.num_computed_tokens += s.num_new_tokens - s.num_draft_tokens
             if seq.num_computed_tokens == seq.num_tokens:  # prefill done, or a decode: samples
-                add_placeholder(seq, i, s.num_draft_tokens)
-                samplers.append((seq, i))
-                drafts.append(s.num_draft_tokens)
-        return UnreadMixed(samplers, outs, verifies=num_drafts is not None, drafts=drafts)
+                samplers.append((seq, i, s.num_draft_tokens))
+        self.inflight.dispatch_mixed(samplers, outs)
 
-    def _take_unread(self):
-        unread, self._unread = self._unread, None
-        return unread
-
-    def _read_mixed(self, unread: UnreadMixed | None) -> tuple[list[StepOutput], float]:
-        """Read a dispatched mixed step (if any): fill its placeholders, stamp times, check
-        stops. Returns (outputs, seconds the host waited for the device)."""
-        if not isinstance(unread, UnreadMixed):
-            return [], 0.0
-        t0 = self.clock()
-        tok, counts, lp, top_lp, top_ids, load = jax.device_get(unread.outs)
-        device_s = self.clock() - t0
-        self._add_expert_load(load)
-        now = self.clock()
-        outputs = []
-        drafts = unread.drafts or [0] * len(unread.samplers)
-        for (seq, i), d in zip(unread.samplers, drafts, strict=True):
-            if seq.is_finished:  # ended meanwhile: the tokens are void
-                outputs.append(StepOutput(seq, [], False))
-                continue
-            n = int(counts[i])
-            if d:
-                self._add_verification(d, n - 1)
-            new = [int(t) for t in tok[i, :n]]
-            index = fill_placeholder(seq, new)
-            if seq.status is SeqStatus.RUNNING:  # (a preempted one recomputes everything)
-                seq.num_computed_tokens += n - 1  # the accepted drafts' K/V is in place
-            kept = []
-            for j, token in enumerate(new):
-                kept.append(token)
-                self._accept(seq, index + j, token, float(lp[i, j]), top_lp[i, j], top_ids[i, j],
-                             now)  # fmt: skip
-                if seq.is_finished:
-                    break
-            outputs.append(StepOutput(seq, kept, seq.is_finished))
+    def _read_mixed(self, keep: int = 0) -> tuple[list[StepOutput], float]:
+        """Read the unread mixed steps, oldest first, until `keep` are left: fill their
+        placeholders, stamp times, check stops. Returns (outputs, seconds the host waited for
+        the device)."""
+        outputs, device_s = [], 0.0
+        while (unread := self.inflight.take(keep)) is not None:
+            t0 = self.clock()
+            tok, counts, lp, top_lp, top_ids, load = jax.device_get(unread.outs)
+            device_s += self.clock() - t0
+            self._add_expert_load(load)
+            now = self.clock()
+            for seq, i, d in unread.samplers:
+                if seq.is_finished:  # ended meanwhile: the tokens are void
+                    outputs.append(StepOutput(seq, [], False))
+                    continue
+                n = int(counts[i])
+                if d:
+                    self._add_verification(d, n - 1)
+                new = [int(t) for t in tok[i, :n]]
+                index = self.inflight.fill(seq, i, new)
+                if seq.status is SeqStatus.RUNNING:  # (a preempted one recomputes everything)
+                    seq.num_computed_tokens += n - 1  # the accepted drafts' K/V is in place
+                kept = []
+                for j, token in enumerate(new):
+                    kept.append(token)
+                    self._accept(seq, index + j, token, float(lp[i, j]), top_lp[i, j],
+                                 top_ids[i, j], now)  # fmt: skip
+                    if seq.is_finished:
+                        break
+                outputs.append(StepOutput(seq, kept, seq.is_finished))
         return outputs, device_s
 
     def _speculate(self, rows: int) -> bool:
@@ -634,7 +622,7 @@ class Engine:
         always, unless adaptive speculation (`adaptive.py`) has found plain faster there."""
         return self.adaptive is None or self.adaptive.speculate(rows)
 
-    def _dispatch_decode(self, seqs: list[Sequence], k: int) -> UnreadScan:
+    def _dispatch_decode(self, seqs: list[Sequence], k: int) -> None:
         t0 = self.clock()
         speculate = self._speculate(pick_bucket(self.runner.seq_buckets, len(seqs)))
         table, state, rows = self.runner.build_decode(
@@ -649,28 +637,29 @@ class Engine:
         if self.adaptive is not None:
             self.adaptive.dispatched(rows, speculate)
         outs, final = self.runner.run_decode(table, state, sb, k, speculate)
-        return UnreadScan(seqs, outs, final, sb, rows, k, speculate, t0)
+        self.inflight.dispatch_scan(UnreadScan(seqs, outs, final, sb, rows, k, speculate, t0))
 
-    def _chain(self, prev: UnreadScan) -> UnreadScan | None:
+    def _chain(self, prev: UnreadScan) -> None:
         """Dispatch the next scan from `prev`'s device state, before reading `prev`'s tokens."""
         if self.scheduler.can_admit_waiting:
-            return None
+            return
         if any(s.status is not SeqStatus.RUNNING for s in prev.seqs):
-            return None
+            return
         t0 = self.clock()
         k = prev.rounds
         per_round = self.runner.num_rows if self.runner.scan_proposer else 1
         for seq in prev.seqs:  # prev may add up to k rounds of tokens before this scan's k
             need = min(seq.num_tokens + 2 * k * per_round - 1, seq.max_total_tokens)
             if not self.block_manager.allocate(seq, need):
-                return None
+                return
         table = self.runner.decode_table([s.page_ids for s in prev.seqs], prev.rows)
         speculate = self._speculate(prev.rows)  # (either path starts from either's final state)
         if self.adaptive is not None:
             self.adaptive.dispatched(prev.rows, speculate)
         outs, final = self.runner.run_decode(table, prev.final, prev.sb, k, speculate)
         self.chained_scans += 1
-        return UnreadScan(prev.seqs, outs, final, prev.sb, prev.rows, k, speculate, t0)
+        self.inflight.dispatch_scan(UnreadScan(prev.seqs, outs, final, prev.sb, prev.rows, k,
+                                               speculate, t0))  # fmt: skip
 
     def _collect(self, scan: UnreadScan):
         """Read a scan's tokens; returns ([(seq, tokens)], seconds the host waited for them)."""
@@ -757,8 +746,8 @@ class Engine:
         elif n >= seq.output_budget:
             reason = "stop"  # eos_after: the simulated EOS
         if reason is not None:
+            self.inflight.drop(seq)
             del seq.output_token_ids[n:]
-            seq.num_placeholders = 0
             if self.tokenizer is not None and not seq.sampling.stop:
                 seq.output_text = self.tokenizer.decode(seq.output_token_ids)
             self.scheduler.finish(seq, reason, now)

@@ -223,8 +223,8 @@ class Sequence:
     num_preemptions: int = 0
     prompt: str | None = None
     output_text: str = ""
-    # Async dispatch (engine/inflight.py): trailing placeholders of steps in flight among the
-    # outputs, and the most tokens beyond one each that the newest may stand for.
+    # Async dispatch (engine/inflight.py, the only writer): trailing placeholders of steps in
+    # flight among the outputs, and the most tokens beyond one each that the newest may stand for.
     num_placeholders: int = 0
     pending_extra_tokens: int = 0
     # Tokens a proposer suggests after the last one, to verify in the next step (not outputs).
