@@ -244,8 +244,13 @@ def test_batch_sizes_and_preemption_leave_logprobs_bitwise(base, fresh_seed):
     [
         dict(max_num_batched_tokens=16),  # prefill in chunks of at most 16 tokens
         dict(prefix_caching=True),
-        # drafts verified in mixed steps (decode_steps 1: no scans), the base decodes in scans
-        dict(speculative={"method": "ngram", "num_draft_tokens": 3}, decode_steps=1),
+        # drafts verified in mixed steps (decode_steps 1: no scans; the base decodes in scans),
+        # in chunks of at most 32 tokens
+        dict(
+            speculative={"method": "ngram", "num_draft_tokens": 3},
+            decode_steps=1,
+            max_num_batched_tokens=32,
+        ),
     ],
     ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()),
 )
