@@ -299,10 +299,12 @@ def test_chunking_prefix_caching_and_speculation_leave_logprobs_bitwise(model, b
         assert sum(r.draft_tokens for r in engine.step_records) > 0, "nothing was drafted"
 
 
-def test_default_numerics_differ_on_the_same_comparison(model):
+def test_default_numerics_differ_on_the_same_comparison(model, base):
     """The control: without the switch a batch of 8 changes logprobs (so the tests above can
     fail). A fixed draw (the greedy probes): on XLA CPU a prefill row in a 16- or 32-token step
-    and in a 64-token one rounds differently (the matmul kernel changes at 64 rows)."""
+    and in a 64-token one rounds differently (the matmul kernel changes at 64 rows). And the
+    invariant engine computes the same model: its tokens are the default's, its logprobs equal
+    up to rounding."""
     rng = np.random.default_rng(0)
     probes = _probes(rng)[:2]
     engine = _engine(model, batch_invariant=False)
@@ -310,6 +312,9 @@ def test_default_numerics_differ_on_the_same_comparison(model):
     requests, at = _batch(probes, _fillers(rng, 6), rng)
     outs, _ = _run(engine, requests)
     assert any(outs[j][1] != alone[i][1] for i, j in enumerate(at)), "no logprob differed"
+    for (tokens, lps, _), (inv_tokens, inv_lps, _) in zip(alone, _alone(base, probes), strict=True):
+        assert tokens == inv_tokens
+        np.testing.assert_allclose(inv_lps, lps, atol=1e-4)
 
 
 # ---- the switch --------------------------------------------------------------------------------
