@@ -239,6 +239,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     type=_option, help="engine.attention_options: the Pallas kernel's tuning "
                     "keywords, e.g. split_decode_rows=false num_stages=3")  # fmt: skip
     ap.add_argument("--kv-dtype", default="auto", help="engine kv_dtype (auto = dtype)")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="engine.batch_invariant: each request's logits independent of the "
+                         "batch (CPU only so far; docs/batch_invariance.md)")  # fmt: skip
     ap.add_argument("--quant", default="none", choices=["none", *sorted(WEIGHT_FORMATS)],
                     metavar="FORMAT", help="engine.quant.weights: the layers' linear weights in "
                     f"this format (none, {', '.join(sorted(WEIGHT_FORMATS))}); the transformers "
@@ -866,6 +869,8 @@ def engine_options(args, workloads: dict[str, list[WorkloadRequest]]) -> dict:
         options["decode_buckets"] = list(args.decode_buckets)
     if args.mesh:
         options["mesh"] = dict(args.mesh)
+    if args.batch_invariant:  # (absent otherwise: engine options of earlier runs read as before)
+        options["batch_invariant"] = True
     if args.quant != "none":  # (absent for plain runs: their engine options read as before)
         options["quant"] = {"weights": args.quant}
     if args.num_draft_tokens:  # decode rows time verification rounds of 1 + G rows per sequence

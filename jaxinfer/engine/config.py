@@ -280,6 +280,14 @@ class EngineConfig:
     quant: QuantConfig = field(default_factory=QuantConfig)
     # Speculative decoding (SpeculativeConfig), e.g. {method: ngram, num_draft_tokens: 4}.
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    # Batch-invariant numerics: a request's logits (so its logprobs and greedy tokens) are the
+    # same bits whatever else is scheduled with it, whatever the chunking, page size, prefix
+    # hits, preemptions or speculation, so two runs that differ in such settings differ only by
+    # the method. Every reduction runs in a fixed order per row (matmuls over fixed 8-row tiles,
+    # sums as trees, attention over fixed key blocks: docs/batch_invariance.md); slower, for
+    # comparisons, not serving. CPU only so far (one device, the xla attention and MoE backends);
+    # a draft model or EAGLE head keeps default numerics (it only chooses what is verified).
+    batch_invariant: Flag = False
 
     @field_validator("mesh")
     @classmethod
@@ -328,10 +336,24 @@ class EngineConfig:
         if self.scheduler == "lpm" and not self.prefix_caching:
             raise ValueError("engine.scheduler=lpm (longest cached prefix first) needs "
                              "engine.prefix_caching: true")  # fmt: skip
+        if self.batch_invariant:
+            self._check_invariant()
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(f"engine.max_num_batched_tokens={self.max_num_batched_tokens} is "
                              f"invalid: must be >= max_num_seqs ({self.max_num_seqs})")  # fmt: skip
         return self
+
+    def _check_invariant(self) -> None:
+        """The settings batch-invariant numerics have forms for (one device, XLA kernels)."""
+        for key, value, bad in (("attention_backend", self.attention_backend, ("pallas", "cudnn")),
+                                ("moe_backend", self.moe_backend, ("pallas",))):  # fmt: skip
+            if value in bad:
+                raise ValueError(f"engine.batch_invariant needs engine.{key} auto or xla (the "
+                                 f"{value} kernel has no invariant form yet), got {value!r}")  # fmt: skip
+        if math.prod(self.mesh.values()) > 1:
+            raise ValueError(f"engine.batch_invariant runs on one device; engine.mesh="
+                             f"{self.mesh} splits the model (use engine.data_parallel for "
+                             "replicas)")  # fmt: skip
 
     def check_pages(self, num_pages: int, what: str) -> None:
         """Refuse a pool (`what`: where its `num_pages` came from) that cannot hold one request

@@ -50,6 +50,7 @@ from jaxinfer.models.batch import RaggedBatch, build_ragged_batch
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.dense import compute_logits, forward_paged
 from jaxinfer.models.moe import resolve_moe_backend
+from jaxinfer.models.numerics import DEFAULT_NUMERICS, Numerics, log_softmax
 from jaxinfer.parallel import vocab
 from jaxinfer.parallel.multihost import mirrored
 from jaxinfer.parallel.sharding import EngineShardings
@@ -64,6 +65,19 @@ def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
         out.append(b)
         b *= 2
     return (*out, hi)
+
+
+def resolve_numerics(config: EngineConfig, device: jax.Device | None = None) -> Numerics:
+    """The numerics of an engine's steps: batch-invariant with engine.batch_invariant, which
+    has its CPU forms only so far (docs/batch_invariance.md: the GPU half needs its own GEMM and
+    attention kernel); on another platform it raises, naming the key."""
+    if not config.batch_invariant:
+        return DEFAULT_NUMERICS
+    platform = (device or jax.devices()[0]).platform
+    if platform != "cpu":
+        raise ValueError(f"engine.batch_invariant is implemented for CPU only so far, not "
+                         f"{platform} (docs/batch_invariance.md says what the GPU needs)")  # fmt: skip
+    return Numerics(batch_invariant=True)
 
 
 def pick_bucket(buckets: tuple[int, ...], n: int) -> int:
@@ -90,12 +104,13 @@ def _constrain(x, sharding):
     return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
 
-def _forward(params, cfg, batch, kv, attention, expert_mesh, moe_backend):
+def _forward(params, cfg, batch, kv, attention, expert_mesh, moe_backend, numerics):
     """(hidden, kv, expert load): the load of an MoE model is (rows per expert [X] summed over
     the layers, experts given at least one row in each MoE layer [L_moe]); None for a dense one.
     The second sets a decode step's expert weight traffic."""
     out = forward_paged(params, cfg, batch, kv, attention=attention, expert_mesh=expert_mesh,
-                        moe_backend=moe_backend, return_expert_load=cfg.moe is not None)  # fmt: skip
+                        moe_backend=moe_backend, return_expert_load=cfg.moe is not None,
+                        numerics=numerics)  # fmt: skip
     if cfg.moe is None:
         return out[0], out[1], None
     moe_layers = [i for i in range(cfg.num_layers) if cfg.layer(i).ffn == "moe"]
@@ -104,13 +119,15 @@ def _forward(params, cfg, batch, kv, attention, expert_mesh, moe_backend):
 
 
 @partial(jax.jit, static_argnames=("cfg", "attention", "num_rows", "out_sharding",
-                                   "logits_sharding", "expert_mesh", "moe_backend", "proposer"),
+                                   "logits_sharding", "expert_mesh", "moe_backend", "proposer",
+                                   "numerics"),
          donate_argnames=("kv", "draft_kv"))  # fmt: skip
 def mixed_step(params, kv: KVCache, batch: RaggedBatch, num_drafts: jax.Array,
                prev_tokens: jax.Array, prev_counts: jax.Array, draft_params=None,
                draft_kv=None, *, cfg: ModelConfig, attention: AttentionConfig, num_rows: int = 1,
                out_sharding=None, logits_sharding=None, expert_mesh=None,
-               moe_backend: str = "xla", proposer: Proposer | None = None):  # fmt: skip
+               moe_backend: str = "xla", proposer: Proposer | None = None,
+               numerics: Numerics = DEFAULT_NUMERICS):  # fmt: skip
     """((logits [S, num_rows, V] fp32, drafts [S, num_rows - 1], shift [S], expert load (see
     `_forward`) or None), kv, draft_kv); the logits are laid out as `logits_sharding` (by vocab
     on a model axis: `sample_step` reduces them per shard), the rest as `out_sharding`.
@@ -118,6 +135,7 @@ def mixed_step(params, kv: KVCache, batch: RaggedBatch, num_drafts: jax.Array,
     MoE experts (None: one device holds them all); `moe_backend`: their grouped matmuls'.
     `proposer` (a proposer with a pool: `Proposer.fill`) fills its pool `draft_kv` from the
     batch and its final-normed hidden states, with its params `draft_params`.
+    `numerics`: the target's (engine.batch_invariant); a proposer's model runs default ones.
 
     Sequence s's last 1 + num_drafts[s] tokens are its last real token and its drafts; their rows'
     logits verify the drafts. `prev_tokens` [S, num_rows] / `prev_counts` [S]: the previous step's
@@ -145,24 +163,27 @@ def mixed_step(params, kv: KVCache, batch: RaggedBatch, num_drafts: jax.Array,
                                     page_table=table)  # fmt: skip
     tokens = jnp.where(placeholder, last[src], tokens)
     batch = dataclasses.replace(batch, tokens=tokens)
-    hidden, kv, load = _forward(params, cfg, batch, kv, attention, expert_mesh, moe_backend)
+    hidden, kv, load = _forward(params, cfg, batch, kv, attention, expert_mesh, moe_backend,
+                                numerics)  # fmt: skip
     if proposer is not None:
         draft_kv = proposer.fill(draft_params, draft_kv, batch, hidden, attention)
     rows = logit_rows(batch.query_start_loc, num_drafts, num_rows)
-    logits = _constrain(compute_logits(params, cfg, hidden[rows]), logits_sharding or out_sharding)
+    logits = compute_logits(params, cfg, hidden[rows], numerics)
+    logits = _constrain(logits, logits_sharding or out_sharding)
     out = _constrain((tokens[rows[:, 1:]], shift, load), out_sharding)
     return (logits, *out), kv, draft_kv
 
 
-@partial(jax.jit, static_argnames=("num_logprobs", "out_sharding", "vocab_mesh"))
+@partial(jax.jit, static_argnames=("num_logprobs", "out_sharding", "vocab_mesh", "numerics"))
 def sample_step(logits, drafts, num_drafts, shift, sb: SamplingBatch, history=None, *,
-                num_logprobs: int, out_sharding=None, vocab_mesh=None):  # fmt: skip
+                num_logprobs: int, out_sharding=None, vocab_mesh=None,
+                numerics: Numerics = DEFAULT_NUMERICS):  # fmt: skip
     """(tokens [S, K], counts [S], logprobs [S, K], top logprobs [S, K, k], top ids [S, K, k]):
     every row sampled, and how many of them each sequence keeps (`accept_drafts`). `history`:
     (tokens [S, L], prompt lengths [S]) of the sequences, for penalties (`sampler.sample`).
     `vocab_mesh`: logits sharded by vocab over its "model" axis, sampled per shard."""
     tokens, lp, top_lp, top_ids = sample_rows(logits, sb, shift, num_logprobs, history,
-                                              vocab_mesh)  # fmt: skip
+                                              vocab_mesh, numerics)  # fmt: skip
     out = tokens, accept_drafts(tokens, drafts, num_drafts), lp, top_lp, top_ids
     return _constrain(out, out_sharding)
 
@@ -195,6 +216,7 @@ class DecodeState:
         "moe_backend",
         "speculate",
         "vocab_mesh",
+        "numerics",
     ),
     donate_argnames=("kv", "draft_kv"),
 )
@@ -203,7 +225,7 @@ def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingB
                 attention: AttentionConfig, num_steps: int, num_logprobs: int,
                 proposer: Proposer | None = None, out_sharding=None,
                 expert_mesh=None, moe_backend: str = "xla", speculate: bool = True,
-                vocab_mesh=None):  # fmt: skip
+                vocab_mesh=None, numerics: Numerics = DEFAULT_NUMERICS):  # fmt: skip
     """((tokens [R, S, K], counts [R, S], logprobs [R, S, K], top_lp [R, S, K, k], top_ids,
     expert load per round (see `_forward`) or None), final DecodeState, kv, draft_kv) over R =
     `num_steps` rounds of K = 1 + drafts tokens per row; row s keeps tokens[r, s, :counts[r, s]]
@@ -213,7 +235,8 @@ def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingB
     path): K = 1, no drafts; the proposer only follows the fed tokens (`Proposer.follow`), so
     its state and pool are what a speculative round expects. `vocab_mesh`:
     the LM head's logits stay sharded by vocab over its "model" axis and are sampled per shard
-    (the rejection sampling of a draft model's sampled drafts takes whole rows)."""
+    (the rejection sampling of a draft model's sampled drafts takes whole rows). `numerics`:
+    the target's and its sampling's (a draft model drafts with default ones)."""
     gamma = proposer.num_draft_tokens if proposer is not None and speculate else 0
     k = 1 + gamma
     rows = state.tokens.shape[0]
@@ -244,20 +267,21 @@ def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingB
             page_table=PageTable(page_ids, jnp.where(st.active, st.positions + k, 0)),
             max_q_len=k,
         )
-        hidden, kv, load = _forward(params, cfg, batch, kv, attention, expert_mesh, moe_backend)
+        hidden, kv, load = _forward(params, cfg, batch, kv, attention, expert_mesh, moe_backend,
+                                    numerics)  # fmt: skip
         if proposer is not None:
             dkv = proposer.observe(dkv, batch, hidden)
-        logits = compute_logits(params, cfg, hidden).reshape(rows, k, -1)
+        logits = compute_logits(params, cfg, hidden, numerics).reshape(rows, k, -1)
         tok, lp, top_lp, top_ids = sample_rows(
             logits, step_sb, jnp.zeros_like(st.positions), num_logprobs,
-            None if history is None else (history, st.num_prompt), vocab_mesh,
+            None if history is None else (history, st.num_prompt), vocab_mesh, numerics,
         )  # fmt: skip
         live = st.active & (st.remaining > 0)
         if q is not None:  # sampled drafts: keep each with probability min(1, p / q)
             p = filtered_probs(logits.reshape(rows * k, -1),
                                rows_of(step_sb, k)).reshape(rows, k, -1)  # fmt: skip
             tok, kept = rejection_verify(p, q, fed[:, 1:], tok[:, -1], step_sb, step_sb.position)
-            raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+            raw = log_softmax(logits.astype(jnp.float32), numerics)
             lp = jnp.take_along_axis(raw, tok[..., None], axis=-1)[..., 0]
             n = jnp.minimum(kept + 1, st.remaining)
         else:
@@ -306,6 +330,7 @@ class ModelRunner:
                                          shardings.device, attention_mesh(cfg, shardings.mesh))  # fmt: skip
         # the experts' grouped matmul: "xla" or "pallas" (raises naming engine.moe_backend)
         self.moe_backend = resolve_moe_backend(config.moe_backend, cfg, shardings.device)
+        self.numerics = resolve_numerics(config, shardings.device)
         self.proposer = proposer
         self.num_rows = 1 + (proposer.num_draft_tokens if proposer is not None else 0)
         self.scan_proposer = proposer if proposer is not None and proposer.on_device else None
@@ -368,13 +393,14 @@ class ModelRunner:
                     out_sharding=self.shardings.replicated,
                     logits_sharding=self.shardings.logits(self.cfg.vocab_size),
                     expert_mesh=self.expert_mesh, moe_backend=self.moe_backend,
-                    proposer=fill)  # fmt: skip
+                    proposer=fill, numerics=self.numerics)  # fmt: skip
 
     def _sample_static(self):
         return dict(
             num_logprobs=self.config.num_logprobs,
             out_sharding=self.shardings.replicated,
             vocab_mesh=self.vocab_mesh,
+            numerics=self.numerics,
         )
 
     def _decode_static(self, num_steps: int, speculate: bool = True):
@@ -382,7 +408,7 @@ class ModelRunner:
                     num_logprobs=self.config.num_logprobs, proposer=self.scan_proposer,
                     out_sharding=self.shardings.replicated, expert_mesh=self.expert_mesh,
                     moe_backend=self.moe_backend, speculate=speculate,
-                    vocab_mesh=self.vocab_mesh)  # fmt: skip
+                    vocab_mesh=self.vocab_mesh, numerics=self.numerics)  # fmt: skip
 
     @property
     def vocab_mesh(self):

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.engine.request import SamplingParams
+from jaxinfer.models.numerics import DEFAULT_NUMERICS, Numerics, cumsum, log_softmax, softmax
 from jaxinfer.parallel import vocab
 
 
@@ -144,16 +145,22 @@ def apply_penalties(logits, pen: Penalties, history, num_prompt, position, vocab
 
 
 def sample(
-    logits: jax.Array, sb: SamplingBatch, num_logprobs: int = 0, history=None, mesh=None
+    logits: jax.Array,
+    sb: SamplingBatch,
+    num_logprobs: int = 0,
+    history=None,
+    mesh=None,
+    numerics: Numerics = DEFAULT_NUMERICS,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """logits [S, V] fp32 -> (tokens [S], token logprob [S], top logprobs [S, k], top ids [S, k]).
     `history` = (tokens [S, L], num_prompt [S]) when `sb.penalties` is set. `mesh`: logits
     sharded by vocab on its "model" axis (`vocab.vocab_mesh`), sampled per shard (module
-    docstring); the outputs are replicated."""
+    docstring); the outputs are replicated. Batch-invariant `numerics`: the log-softmax and the
+    filters' softmax and prefix sums in a fixed order, so a row's outputs are its own."""
     if mesh is not None:
         return _sample_vocab_parallel(logits, sb, num_logprobs, history, mesh)
     logits = logits.astype(jnp.float32)
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    logprobs = log_softmax(logits, numerics)
     if sb.penalties is not None:
         logits = apply_penalties(logits, sb.penalties, *history, sb.position)
     greedy = jnp.argmax(logits, axis=-1)
@@ -161,7 +168,7 @@ def sample(
     # The sort over the vocabulary dominates a decode step's sampling cost: a batch whose rows
     # are all greedy (sb.filtered False) skips it.
     if sb.filtered:
-        greedy = jnp.where(sb.temperature > 0, _sample_filtered(logits, sb), greedy)
+        greedy = jnp.where(sb.temperature > 0, _sample_filtered(logits, sb, numerics), greedy)
     tokens = greedy.astype(jnp.int32)
     token_logprob = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     if num_logprobs == 0:
@@ -200,9 +207,10 @@ def _sample_vocab_parallel(logits, sb: SamplingBatch, num_logprobs: int, history
                          check_vma=False)(logits, sb, history)  # fmt: skip
 
 
-def _sample_filtered(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
+def _sample_filtered(logits: jax.Array, sb: SamplingBatch,
+                     numerics: Numerics = DEFAULT_NUMERICS) -> jax.Array:  # fmt: skip
     """Temperature, top-k, top-p, min-p filtering and a draw per row with its own key."""
-    order, filtered = _filtered_sorted(logits, sb)
+    order, filtered = _filtered_sorted(logits, sb, numerics)
     hi = jnp.zeros_like(sb.seed) if sb.seed_hi is None else sb.seed_hi
 
     def draw(seed, seed_hi, position, row):
@@ -213,7 +221,8 @@ def _sample_filtered(logits: jax.Array, sb: SamplingBatch) -> jax.Array:
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
 
 
-def _filtered_sorted(logits: jax.Array, sb: SamplingBatch) -> tuple[jax.Array, jax.Array]:
+def _filtered_sorted(logits: jax.Array, sb: SamplingBatch,
+                     numerics: Numerics = DEFAULT_NUMERICS) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     """(vocabulary order by descending scaled logit [R, V], those logits with the filtered-out
     ones -inf): the distribution a sampled row draws from, sorted."""
     scaled = logits / jnp.maximum(sb.temperature, 1e-6)[:, None]
@@ -223,8 +232,8 @@ def _filtered_sorted(logits: jax.Array, sb: SamplingBatch) -> tuple[jax.Array, j
     keep = (sb.top_k[:, None] == 0) | (rank < sb.top_k[:, None])
     # Applied in HF/vLLM order: top-p on the distribution renormalised after top-k; min-p is a
     # ratio to the top probability, which renormalising does not change.
-    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
-    keep &= (jnp.cumsum(probs, axis=-1) - probs) < sb.top_p[:, None]
+    probs = softmax(jnp.where(keep, sorted_logits, -jnp.inf), numerics)
+    keep &= (cumsum(probs, numerics) - probs) < sb.top_p[:, None]
     keep &= probs >= sb.min_p[:, None] * probs[:, :1]
     keep = keep.at[:, 0].set(True)  # the most likely token always survives
     return order, jnp.where(keep, sorted_logits, -jnp.inf)
@@ -310,20 +319,21 @@ def rows_of(sb: SamplingBatch, k: int, shift=0) -> SamplingBatch:
 
 
 def sample_rows(logits, sb: SamplingBatch, shift, num_logprobs: int = 0, history=None,
-                mesh=None):  # fmt: skip
+                mesh=None, numerics: Numerics = DEFAULT_NUMERICS):  # fmt: skip
     """Sample K rows per sequence: logits [S, K, V] fp32, `sb` per sequence, where row j of
     sequence s samples the token at position `sb.position[s] + shift[s] + j` (its key, so a seeded
-    request samples the same token at a position whether it is drafted or not). `history`, `mesh`:
-    see `sample` (per sequence). Returns tokens [S, K], their logprobs [S, K], top logprobs
-    [S, K, k] and ids."""
+    request samples the same token at a position whether it is drafted or not). `history`, `mesh`,
+    `numerics`: see `sample` (per sequence). Returns tokens [S, K], their logprobs [S, K], top
+    logprobs [S, K, k] and ids."""
     s, k, v = logits.shape
     if k == 1:
         sb = dataclasses.replace(sb, position=sb.position + shift)
-        return tuple(x[:, None] for x in sample(logits[:, 0], sb, num_logprobs, history, mesh))
+        out = sample(logits[:, 0], sb, num_logprobs, history, mesh, numerics)
+        return tuple(x[:, None] for x in out)
     rows = rows_of(sb, k, shift)
     if history is not None:
         history = tuple(jnp.repeat(x, k, axis=0) for x in history)
-    out = sample(logits.reshape(s * k, v), rows, num_logprobs, history, mesh)
+    out = sample(logits.reshape(s * k, v), rows, num_logprobs, history, mesh, numerics)
     return tuple(x.reshape(s, k, *x.shape[1:]) for x in out)
 
 

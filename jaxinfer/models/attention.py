@@ -17,6 +17,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxinfer.kv.cache import KVCache, write_kv
 from jaxinfer.models.batch import RaggedBatch
+from jaxinfer.models.numerics import DEFAULT_NUMERICS, Numerics
 from pallas_kernels.paged_attention import (
     BACKENDS,
     CALLER_OPTIONS,
@@ -92,6 +93,7 @@ def write_kv_and_attend(
     *,
     sliding_window: int | None = None,
     attention: AttentionConfig = XLA_ATTENTION,
+    numerics: Numerics = DEFAULT_NUMERICS,
 ) -> tuple[jax.Array, KVCache]:
     """Write this step's K/V [T, Hkv, D] (rope applied) of layer `layer` at (`page`, `offset`),
     then attend q [T, Hq, D] over the cache: returns (out [T, Hq, D], updated cache).
@@ -105,13 +107,15 @@ def write_kv_and_attend(
 
     On a mesh with a "model" axis (`attention.mesh`) each device runs this on its own heads
     (`shard_map`): its query heads, its KV heads' K/V and pages; the batch is every device's.
+    Batch-invariant `numerics` take the backend's invariant form (`dispatch.paged_attention`).
     """
+    args = (q, k, v, kv, layer, batch, page, offset, sliding_window, attention, numerics)
     if attention.mesh is not None:
-        return _per_device(q, k, v, kv, layer, batch, page, offset, sliding_window, attention)
-    return _attend(q, k, v, kv, layer, batch, page, offset, sliding_window, attention)
+        return _per_device(*args)
+    return _attend(*args)
 
 
-def _per_device(q, k, v, kv, layer, batch, page, offset, sliding_window, attention):
+def _per_device(q, k, v, kv, layer, batch, page, offset, sliding_window, attention, numerics):
     heads = PartitionSpec(None, "model", None)  # q, k, v [T, H, D]
     pages = PartitionSpec(None, None, None, None, "model", None)  # KV_AXES' kv_heads
     scales = None if kv.scales is None else PartitionSpec(None, None, None, "model")
@@ -122,7 +126,7 @@ def _per_device(q, k, v, kv, layer, batch, page, offset, sliding_window, attenti
 
     def body(q, k, v, kv, traced_layer, batch, page, offset):
         at = layer if static_layer else traced_layer
-        return _attend(q, k, v, kv, at, batch, page, offset, sliding_window, local)
+        return _attend(q, k, v, kv, at, batch, page, offset, sliding_window, local, numerics)
 
     return jax.shard_map(body, mesh=attention.mesh,
                          in_specs=(heads, heads, heads, kv_spec, rep, rep, rep, rep),
@@ -130,7 +134,7 @@ def _per_device(q, k, v, kv, layer, batch, page, offset, sliding_window, attenti
         q, k, v, kv, jnp.asarray(layer, jnp.int32), batch, page, offset)  # fmt: skip
 
 
-def _attend(q, k, v, kv, layer, batch, page, offset, sliding_window, attention):
+def _attend(q, k, v, kv, layer, batch, page, offset, sliding_window, attention, numerics):
     opts = dict(attention.options)
     if attention.backend == "pallas" and kv.dtype == jnp.float32:
         raise ValueError("attention backend 'pallas' reads bf16 or fp8 pages; this cache is "
@@ -166,6 +170,7 @@ def _attend(q, k, v, kv, layer, batch, page, offset, sliding_window, attention):
         v_page_offset=1,
         new_kv=(k, v) if fused else None,
         device=attention.device,
+        batch_invariant=numerics.batch_invariant,
         **attention.kernel_options,
     )
     if not fused:

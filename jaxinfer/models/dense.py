@@ -37,6 +37,7 @@ from jaxinfer.models.layers import (
     rope_inv_freq,
     scale_rows,
 )
+from jaxinfer.models.numerics import DEFAULT_NUMERICS, Numerics
 from jaxinfer.models.spec import Params
 from jaxinfer.quant import QuantizedWeight
 
@@ -75,37 +76,40 @@ def decoder_layer(
     layer: Any,
     kind: LayerKind,
     ffn_ctx: FfnContext | None = None,
+    numerics: Numerics = DEFAULT_NUMERICS,
 ) -> tuple[jax.Array, Any, jax.Array | None]:
     """Pre-norm attention + FFN block of kind `kind` on x [..., E] with positions [...]: (x,
-    carry, the FFN's rows per expert [X] or None).
+    carry, the FFN's rows per expert [X] or None). `numerics`: of the norms and projections
+    here (the FFN's are `ffn_ctx`'s, the attention's `attend`'s).
 
     Both norms are deferred (`deferred_rms_norm`): the row scale is applied to the outputs of the
     projections that follow them.
     """
-    h, r = deferred_rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = qkv_projection(cfg, p, h, r)
+    h, r = deferred_rms_norm(x, p["attn_norm"], cfg.rms_norm_eps, numerics)
+    q, k, v = qkv_projection(cfg, p, h, r, numerics)
     if cfg.qk_norm:
-        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, numerics)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, numerics)
     inv_freq, attention_factor = rope_inv_freq(cfg), rope_attention_factor(cfg)
     q = apply_rope(q, positions, inv_freq, attention_factor)
     k = apply_rope(k, positions, inv_freq, attention_factor)
     o, carry = attend(q, k, v, carry, layer, kind)
-    o = linear(o, p["wo"], in_dims=2)
+    o = linear(o, p["wo"], in_dims=2, numerics=numerics)
     if cfg.o_bias:
         o = o + p["bo"]
     x = x + o
-    h, r = deferred_rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    h, r = deferred_rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps, numerics)
     out, load = FFN_BLOCKS[kind.ffn].apply(cfg, p, h, r, ffn_ctx)
     return x + out, carry, load
 
 
-def qkv_projection(cfg: ModelConfig, p: dict, h: jax.Array, row_scale: jax.Array | None = None):
+def qkv_projection(cfg: ModelConfig, p: dict, h: jax.Array, row_scale: jax.Array | None = None,
+                   numerics: Numerics = DEFAULT_NUMERICS):  # fmt: skip
     """h [..., E] (times row_scale [...], when given) -> q [..., Hq, D], k and v [..., Hkv, D]: one
     matmul with the fused `w_qkv` [E, Hkv, G + 2, D] (per KV head: its G query heads, its key, its
     value; see `layer_specs`)."""
     g = cfg.q_per_kv
-    qkv = scale_rows(linear(h, p["w_qkv"]), row_scale, 3)
+    qkv = scale_rows(linear(h, p["w_qkv"], numerics=numerics), row_scale, 3)
     if cfg.qkv_bias:
         qkv = qkv + p["b_qkv"]
     q = qkv[..., :g, :].reshape(*qkv.shape[:-3], cfg.num_heads, cfg.head_dim)
@@ -116,14 +120,16 @@ def embed(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
     return params["embed"][tokens].astype(cfg.jnp_dtype)
 
 
-def compute_logits(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+def compute_logits(params: Params, cfg: ModelConfig, hidden: jax.Array,
+                   numerics: Numerics = DEFAULT_NUMERICS) -> jax.Array:  # fmt: skip
     """Final-normed hidden states [..., E] -> fp32 logits [..., V] (tied or untied head)."""
     if cfg.tie_word_embeddings:
-        return linear(hidden, params["embed"].T.astype(hidden.dtype)).astype(jnp.float32)
+        head = params["embed"].T.astype(hidden.dtype)
+        return linear(hidden, head, numerics=numerics).astype(jnp.float32)
     head = params["lm_head"]
     if not isinstance(head, QuantizedWeight):
         head = head.astype(hidden.dtype)
-    return linear(hidden, head).astype(jnp.float32)
+    return linear(hidden, head, numerics=numerics).astype(jnp.float32)
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
@@ -156,12 +162,15 @@ def forward_paged(
     expert_mesh: Any = None,
     moe_backend: str = "xla",
     return_expert_load: bool = False,
+    numerics: Numerics = DEFAULT_NUMERICS,
 ):
     """One step over a ragged batch: writes the new tokens' K/V, returns (final hidden [T, E],
     kv), and with `return_expert_load` the rows each expert of each layer took, [L, X] int32
     (zeros in dense layers; padding tokens are routed nowhere). `expert_mesh`: a mesh with an
     "expert" axis over which the MoE layers' experts are sharded (`jaxinfer.parallel.expert`);
     `moe_backend`: their grouped matmuls' ("xla" or "pallas", `moe.resolve_moe_backend`).
+    `numerics` (static): batch-invariant numerics make each token's hidden state a function of
+    its own sequence alone (`models/numerics.py`).
 
     Take logits only at the rows you sample from (`compute_logits(params, cfg, hidden[rows])`):
     the vocabulary projection of every prefill row would cost more than the rest of the step.
@@ -183,23 +192,25 @@ def forward_paged(
             offset,
             sliding_window=kind.sliding_window,
             attention=attention,
+            numerics=numerics,
         )
 
     num_tokens = batch.tokens.shape[0]
     valid = jnp.arange(num_tokens) < batch.query_start_loc[-1] if cfg.moe else None
-    ctx = FfnContext(valid, expert_mesh, moe_backend)
+    ctx = FfnContext(valid, expert_mesh, moe_backend, numerics)
     num_experts = cfg.moe.num_experts if cfg.moe else 1
 
     def layer_fn(p, x, carry, layer, *, kind):
         kv, loads = carry
-        x, kv, load = decoder_layer(cfg, p, x, batch.positions, attend, kv, layer, kind, ctx)
+        x, kv, load = decoder_layer(cfg, p, x, batch.positions, attend, kv, layer, kind, ctx,
+                                    numerics)  # fmt: skip
         if load is not None:
             loads = lax.dynamic_update_index_in_dim(loads, load, layer, 0)
         return x, (kv, loads)
 
     loads = jnp.zeros((cfg.num_layers, num_experts), jnp.int32)
     x, (kv, loads) = apply_layers(cfg, params["layers"], x, (kv, loads), layer_fn)
-    hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, numerics)
     return (hidden, kv, loads) if return_expert_load else (hidden, kv)
 
 

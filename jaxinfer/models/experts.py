@@ -1,13 +1,16 @@
 """The routed experts over rows: sort the (token, choice) rows by expert, run the experts'
 SwiGLU as grouped matmuls, unsort and sum each token's rows with their weights. The MoE block
-(`jaxinfer.models.moe`) runs them on one device (`routed_experts`), expert parallelism
-(`jaxinfer.parallel.expert`) on each device's share of the rows."""
+(`jaxinfer.models.moe`) runs them on one device (`routed_experts`, or `invariant_routed_experts`
+under batch-invariant numerics), expert parallelism (`jaxinfer.parallel.expert`) on each
+device's share of the rows."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
+from pallas_kernels.invariant import ROW_TILE
 from pallas_kernels.moe.grouped_mgpu import grouped_matmul_mgpu
 from pallas_kernels.moe.reference import grouped_matmul_ref
 
@@ -67,3 +70,49 @@ def routed_experts(h: jax.Array, weights: jax.Array, experts: jax.Array, w_gate_
     order, _, sizes = sort_rows(experts, w_gate_up.shape[0])
     y = expert_ffn(h[order // k], sizes, w_gate_up, w_down, backend)
     return combine(y, order, weights), sizes
+
+
+def invariant_routed_experts(h: jax.Array, weights: jax.Array, experts: jax.Array,
+                             w_gate_up: jax.Array, w_down: jax.Array,
+                             tile: int = ROW_TILE) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """`routed_experts` with each (token, choice) row's output a fixed function of that row
+    (batch-invariant numerics; on one device, the xla backend).
+
+    A grouped matmul over rows sorted by expert reduces each row in a way that depends on how
+    many rows each group has (the kernel tiles the groups). Here each expert's rows are laid out
+    in whole tiles of `tile` rows (an expert's last tile zero-padded, as a block-aligned MoE
+    layout does), and one loop runs every tile through its expert's SwiGLU: every product is
+    [tile, E] @ [E, 2F] and [tile, F] @ [F, E], whatever the batch. The tiles are at most
+    ceil(T * k / tile) + X (each expert pads at most one); the unused ones run on zeros. Each
+    token's k outputs are summed in choice order (elementwise, fp32).
+    """
+    t, k = experts.shape
+    x, e, _, f = w_gate_up.shape
+    order, sorted_ids, sizes = sort_rows(experts, x)
+    tiles_of = (sizes + tile - 1) // tile  # [X]
+    first_tile = jnp.cumsum(tiles_of) - tiles_of
+    first_row = jnp.cumsum(sizes) - sizes
+    expert = jnp.minimum(sorted_ids, x - 1)
+    rank = jnp.arange(t * k) - first_row[expert]
+    num_tiles = -(-(t * k) // tile) + x
+    # each sorted row's slot in the tiles; rows of no expert (padding tokens) go nowhere
+    slot = jnp.where(sorted_ids < x, first_tile[expert] * tile + rank, num_tiles * tile)
+    xs = jnp.zeros((num_tiles * tile, e), h.dtype).at[slot].set(h[order // k], mode="drop")
+    tile_expert = jnp.searchsorted(jnp.cumsum(tiles_of), jnp.arange(num_tiles), side="right",
+                                   method="compare_all")  # fmt: skip
+    tile_expert = jnp.minimum(tile_expert, x - 1)
+
+    def swiglu(args):
+        rows, i = args  # [tile, E], the tile's expert
+        gu = w_gate_up[i].reshape(e, 2 * f).astype(rows.dtype)
+        gate_up = jnp.dot(rows, gu, preferred_element_type=jnp.float32).astype(rows.dtype)
+        act = jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:]
+        down = w_down[i].astype(rows.dtype)
+        return jnp.dot(act, down, preferred_element_type=jnp.float32).astype(rows.dtype)
+
+    ys = lax.map(swiglu, (xs.reshape(num_tiles, tile, e), tile_expert)).reshape(-1, e)
+    y = unsort(ys[jnp.minimum(slot, num_tiles * tile - 1)], order).reshape(t, k, e)
+    out = weights[:, 0, None] * y[:, 0].astype(jnp.float32)
+    for j in range(1, k):  # a fixed order, elementwise
+        out = out + weights[:, j, None] * y[:, j].astype(jnp.float32)
+    return out, sizes

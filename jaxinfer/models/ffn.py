@@ -20,6 +20,7 @@ import jax
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.layers import linear, scale_rows
 from jaxinfer.models.moe import moe_ffn, moe_ffn_specs
+from jaxinfer.models.numerics import DEFAULT_NUMERICS, Numerics
 from jaxinfer.models.param_spec import ParamSpec, linear_spec
 
 
@@ -27,12 +28,13 @@ from jaxinfer.models.param_spec import ParamSpec, linear_spec
 class FfnContext:
     """What an FFN block may need beyond its input: which rows are real tokens (`valid` [T]
     bool; None: all; padding rows route to no expert) and the mesh whose "expert" axis holds
-    the experts (None: all of them on every device), and the grouped matmul's backend
-    ("xla" or "pallas": `moe.resolve_moe_backend`)."""
+    the experts (None: all of them on every device), the grouped matmul's backend
+    ("xla" or "pallas": `moe.resolve_moe_backend`), and the block's `numerics`."""
 
     valid: jax.Array | None = None
     expert_mesh: Any = None
     moe_backend: str = "xla"
+    numerics: Numerics = DEFAULT_NUMERICS
 
 
 @dataclass(frozen=True)
@@ -58,22 +60,26 @@ def dense_ffn_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
 
 
 def dense_ffn(
-    cfg: ModelConfig, p: dict, x: jax.Array, row_scale: jax.Array | None = None, ctx=None
+    cfg: ModelConfig,
+    p: dict,
+    x: jax.Array,
+    row_scale: jax.Array | None = None,
+    numerics: Numerics = DEFAULT_NUMERICS,
 ) -> jax.Array:
     """SwiGLU: down(silu(h @ gate) * (h @ up)) of h = x * row_scale, gate and up as one matmul with
     the fused `w_gate_up`; the row scale is applied to that matmul's output."""
-    gate_up = scale_rows(linear(x, p["w_gate_up"]), row_scale, 2)
+    gate_up = scale_rows(linear(x, p["w_gate_up"], numerics=numerics), row_scale, 2)
     if cfg.mlp_bias:
         gate_up = gate_up + p["b_gate_up"]
     gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
-    out = linear(jax.nn.silu(gate) * up, p["w_down"])
+    out = linear(jax.nn.silu(gate) * up, p["w_down"], numerics=numerics)
     if cfg.mlp_bias:
         out = out + p["b_down"]
     return out
 
 
 def _dense_block(cfg, p, x, row_scale=None, ctx=None):
-    return dense_ffn(cfg, p, x, row_scale), None
+    return dense_ffn(cfg, p, x, row_scale, DEFAULT_NUMERICS if ctx is None else ctx.numerics), None
 
 
 FFN_BLOCKS: dict[str, FfnBlock] = {

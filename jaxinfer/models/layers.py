@@ -16,32 +16,50 @@ from jaxinfer.models.config import (
     ModelConfig,
     YarnRopeScaling,
 )
+from jaxinfer.models.numerics import DEFAULT_NUMERICS, Numerics, row_mean
 from jaxinfer.quant import QuantizedWeight
+from pallas_kernels.invariant import row_tiled
 
 
-def linear(x: jax.Array, w: jax.Array | QuantizedWeight, in_dims: int = 1) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array | QuantizedWeight, in_dims: int = 1,
+           numerics: Numerics = DEFAULT_NUMERICS) -> jax.Array:  # fmt: skip
     """x [..., *in] @ w [*in, *out] -> [..., *out], contracting x's last `in_dims` axes with w's
     first: every matmul of the model goes through here (QKV, O, gate/up, down, the LM head; an
-    MoE's router and experts). `w` is a plain array or a `QuantizedWeight`, whose format
-    computes the product, so a new number format is a new format, not a change to the model."""
+    MoE's router and shared expert). `w` is a plain array or a `QuantizedWeight`, whose format
+    computes the product, so a new number format is a new format, not a change to the model.
+
+    Batch-invariant `numerics`: the product runs over fixed tiles of rows (`row_tiled`), so each
+    row's bits do not depend on how many rows the batch has; a format's product must then be
+    row-wise (per-token activation scales, as every shipped format's are)."""
+    if numerics.batch_invariant:
+        lead = x.shape[: x.ndim - in_dims]
+        rows = x.reshape(-1, *x.shape[x.ndim - in_dims :])
+        y = row_tiled(lambda tile: _product(tile, w, in_dims), rows)
+        return y.reshape(*lead, *y.shape[1:])
+    return _product(x, w, in_dims)
+
+
+def _product(x: jax.Array, w: jax.Array | QuantizedWeight, in_dims: int) -> jax.Array:
     if isinstance(w, QuantizedWeight):
         return w.format.matmul(x, w)
     return jnp.tensordot(x, w, axes=in_dims)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float,
+             numerics: Numerics = DEFAULT_NUMERICS) -> jax.Array:  # fmt: skip
     """RMSNorm in fp32, cast back to x.dtype before the weight multiply (as HF Llama/Qwen do)."""
-    xf = x.astype(jnp.float32) * rms_scale(x, eps)[..., None]
+    xf = x.astype(jnp.float32) * rms_scale(x, eps, numerics)[..., None]
     return weight.astype(x.dtype) * xf.astype(x.dtype)
 
 
-def rms_scale(x: jax.Array, eps: float) -> jax.Array:
+def rms_scale(x: jax.Array, eps: float, numerics: Numerics = DEFAULT_NUMERICS) -> jax.Array:
     """1 / RMS(x) over the last axis, fp32 [...]: RMSNorm(x) = weight * x * rms_scale(x)."""
     xf = x.astype(jnp.float32)
-    return jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1) + eps)
+    return jax.lax.rsqrt(row_mean(xf * xf, numerics) + eps)
 
 
-def deferred_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
+def deferred_rms_norm(x: jax.Array, weight: jax.Array, eps: float,
+                      numerics: Numerics = DEFAULT_NUMERICS) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     """RMSNorm split for a following matmul: (x * weight, row scale [...] fp32).
 
     A matmul of the normed rows equals the matmul of `x * weight` with its output rows scaled:
@@ -50,7 +68,7 @@ def deferred_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> tuple[jax.
     is left of the norm is a reduce to one scalar per row, cheaper than writing the normed rows.
     Measured faster than the up-front norm (docs/decisions.md).
     """
-    return x * weight.astype(x.dtype), rms_scale(x, eps)
+    return x * weight.astype(x.dtype), rms_scale(x, eps, numerics)
 
 
 def scale_rows(y: jax.Array, row_scale: jax.Array | None, row_dims: int) -> jax.Array:

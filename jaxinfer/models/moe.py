@@ -27,8 +27,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxinfer.models.config import ModelConfig, MoeConfig
-from jaxinfer.models.experts import routed_experts
+from jaxinfer.models.experts import invariant_routed_experts, routed_experts
 from jaxinfer.models.layers import linear, scale_rows
+from jaxinfer.models.numerics import DEFAULT_NUMERICS, Numerics, row_sum, softmax
 from jaxinfer.models.param_spec import ParamSpec, linear_spec
 from jaxinfer.parallel.expert import expert_parallel_experts
 from pallas_kernels.moe.grouped_mgpu import DTYPES as KERNEL_DTYPES
@@ -63,11 +64,15 @@ def moe_ffn_specs(cfg: ModelConfig) -> dict[str, ParamSpec]:
     return specs
 
 
-def route(m: MoeConfig, p: dict, h: jax.Array) -> tuple[jax.Array, jax.Array]:
+def route(m: MoeConfig, p: dict, h: jax.Array,
+          numerics: Numerics = DEFAULT_NUMERICS) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     """Each token's experts and their weights: (weights [T, k] fp32, experts [T, k] int32) of h
     [T, E] (already normed), as transformers' routers compute them (see `MoeConfig`)."""
-    logits = jnp.dot(h.astype(jnp.float32), p["router"].astype(jnp.float32))
-    scores = jax.nn.softmax(logits, axis=-1) if m.scoring == "softmax" else jax.nn.sigmoid(logits)
+    if numerics.batch_invariant:
+        logits = linear(h.astype(jnp.float32), p["router"].astype(jnp.float32), numerics=numerics)
+    else:
+        logits = jnp.dot(h.astype(jnp.float32), p["router"].astype(jnp.float32))
+    scores = softmax(logits, numerics) if m.scoring == "softmax" else jax.nn.sigmoid(logits)
     choice = scores + p["router_bias"] if m.score_bias else scores
     if m.num_groups > 1:
         t, per_group = h.shape[0], m.num_experts // m.num_groups
@@ -79,7 +84,7 @@ def route(m: MoeConfig, p: dict, h: jax.Array) -> tuple[jax.Array, jax.Array]:
     _, experts = lax.top_k(choice, m.experts_per_token)
     weights = jnp.take_along_axis(scores, experts, axis=1)
     if m.norm_topk_prob:
-        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+        weights = weights / (row_sum(weights, numerics, keepdims=True) + 1e-20)
     return weights * m.routed_scaling_factor, experts.astype(jnp.int32)
 
 
@@ -115,26 +120,35 @@ def resolve_moe_backend(name: str, cfg: ModelConfig, device: jax.Device | None =
 def moe_ffn(cfg: ModelConfig, p: dict, x: jax.Array, row_scale: jax.Array | None = None,
             ctx=None) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     """(output [..., E], rows per expert [X] int32) of the MoE FFN on x [..., E] (times
-    row_scale). `ctx` (`ffn.FfnContext`): which tokens are real, and the expert-parallel mesh."""
+    row_scale). `ctx` (`ffn.FfnContext`): which tokens are real, the expert-parallel mesh, the
+    grouped matmul's backend and the numerics (batch-invariant: `invariant_routed_experts`, on
+    one device)."""
     m = cfg.moe
     shape = x.shape
+    numerics = DEFAULT_NUMERICS if ctx is None else ctx.numerics
     h = scale_rows(x, row_scale, 1).reshape(-1, shape[-1])
-    weights, experts = route(m, p, h)
+    weights, experts = route(m, p, h, numerics)
     valid = None if ctx is None else ctx.valid
     if valid is not None:
         experts = jnp.where(valid.reshape(-1, 1), experts, m.num_experts)
     mesh = None if ctx is None else ctx.expert_mesh
     backend = "xla" if ctx is None else ctx.moe_backend
-    if mesh is not None:
+    if numerics.batch_invariant:
+        if mesh is not None or backend != "xla":
+            raise ValueError("batch-invariant experts run on one device with the xla backend")
+        out, sizes = invariant_routed_experts(h, weights, experts, p["w_expert_gate_up"],
+                                              p["w_expert_down"])  # fmt: skip
+    elif mesh is not None:
         out, sizes = expert_parallel_experts(h, weights, experts, p["w_expert_gate_up"],
                                              p["w_expert_down"], mesh, backend)  # fmt: skip
     else:
         out, sizes = routed_experts(h, weights, experts, p["w_expert_gate_up"],
                                     p["w_expert_down"], backend)  # fmt: skip
     if m.shared_expert_size:
-        gate_up = linear(h, p["w_shared_gate_up"])
-        shared = linear(jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :], p["w_shared_down"])
+        gate_up = linear(h, p["w_shared_gate_up"], numerics=numerics)
+        act = jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
+        shared = linear(act, p["w_shared_down"], numerics=numerics)
         if m.shared_expert_gate:
-            shared = jax.nn.sigmoid(linear(h, p["w_shared_gate"])) * shared
+            shared = jax.nn.sigmoid(linear(h, p["w_shared_gate"], numerics=numerics)) * shared
         out = out + shared.astype(jnp.float32)
     return out.astype(x.dtype).reshape(shape), sizes

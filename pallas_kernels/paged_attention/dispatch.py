@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 
+from pallas_kernels.paged_attention.invariant import ragged_paged_attention_invariant
 from pallas_kernels.paged_attention.reference import ragged_paged_attention
 
 BACKENDS = ("auto", "xla", "pallas", "cudnn")
@@ -62,6 +63,7 @@ def paged_attention(
     backend: str = "auto",
     new_kv: tuple[jax.Array, jax.Array] | None = None,
     device: jax.Device | None = None,
+    batch_invariant: bool = False,
     **kernel_options,
 ) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array]:
     """Ragged paged attention (see `reference.ragged_paged_attention` for the layout).
@@ -74,6 +76,9 @@ def paged_attention(
     `new_kv` = (k, v) [T, Hkv, D]: the Pallas kernel writes this step's K/V into the pages itself
     and the call returns (out, k_pages, v_pages) (see `ragged_paged_attention_mgpu`; other
     backends need the K/V written before the call).
+    `batch_invariant` (static): each row's output is a fixed function of its own sequence
+    (`invariant.ragged_paged_attention_invariant`, the `xla` backend's form; the kernels have
+    none yet: docs/batch_invariance.md).
     """
     backend = resolve_backend(backend, q, k_pages, device)
     if new_kv is not None and backend != "pallas":
@@ -82,6 +87,14 @@ def paged_attention(
         )
     common = dict(max_q_len=max_q_len, sm_scale=sm_scale, soft_cap=soft_cap,
                   sliding_window=sliding_window, v_page_offset=v_page_offset)  # fmt: skip
+    if batch_invariant:
+        if backend != "xla":
+            raise ValueError(f"batch-invariant attention runs on the xla backend; {backend!r} "
+                             "has no invariant form yet")  # fmt: skip
+        return ragged_paged_attention_invariant(
+            q, k_pages, v_pages, page_table, seq_lens, query_start_loc,
+            k_scales=k_scales, v_scales=v_scales, **common,
+        )  # fmt: skip
     if backend == "xla":
         return ragged_paged_attention(
             q, k_pages, v_pages, page_table, seq_lens, query_start_loc,

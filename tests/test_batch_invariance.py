@@ -1,0 +1,339 @@
+"""engine.batch_invariant (docs/batch_invariance.md): a request's logprobs are the same bits
+whatever else is scheduled with it, on CPU in float32.
+
+The parts: the invariant matmul (`layers.linear` over fixed row tiles), row reductions and
+attention (`pallas_kernels.paged_attention.invariant`) give a row alone the bits it gets inside
+any batch; an MoE model's logits likewise. The engine: probe requests run alone, then inside shuffled
+batches of 2, 5 and 8 (the 8 overflow the KV pool: preemptions), with chunked prefill at two
+chunk sizes, prefix caching, and n-gram speculation, all give the alone logprobs bit for bit.
+The control: default numerics on the same comparison differ. Engines are built without
+warm-up and share one model and one kind of shapes, so their steps share compiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.config_file import load_config
+from jaxinfer.engine.config import EngineConfig
+from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.request import SamplingParams
+from jaxinfer.kv.cache import init_kv_cache
+from jaxinfer.models.batch import build_ragged_batch
+from jaxinfer.models.dense import compute_logits, forward_paged
+from jaxinfer.models.layers import linear
+from jaxinfer.models.numerics import BATCH_INVARIANT, DEFAULT_NUMERICS, log_softmax, row_mean
+from jaxinfer.models.param_spec import is_spec
+from jaxinfer.models.presets import preset
+from jaxinfer.models.spec import param_specs
+from jaxinfer.quant import QuantizedWeight
+from jaxinfer.quant.format import WEIGHT_FORMATS
+from pallas_kernels.invariant import fixed_order_sum
+from pallas_kernels.paged_attention.invariant import ragged_paged_attention_invariant
+from pallas_kernels.paged_attention.reference import ragged_paged_attention
+
+# Steps of up to 64 tokens: a probe's prefill alone runs in a 16- or 32-token bucket, inside a
+# batch in the 64-token one, where XLA CPU's matmul changes kernel (the control shows it: with
+# at most 32 tokens a step, default numerics happen to give these comparisons the same bits).
+# 23 usable pages of 8 slots (184 tokens): the batches of 8 below need more, and preempt.
+SMALL = dict(max_num_seqs=8, max_num_batched_tokens=64, num_pages=24, page_size=8,
+             max_model_len=128, decode_steps=4, num_logprobs=2)  # fmt: skip
+PROBE_LENS = (5, 23, 41)  # prompts of the probe requests: one page, several, several chunks
+
+
+def _random_params(cfg, seed: int):
+    """Params of `cfg` drawn by numpy from their specs (`init_params` compiles its initialisers:
+    seconds per model, which this file has none to spare)."""
+    rng = np.random.default_rng(seed)
+
+    def draw(spec):
+        if spec.init == "normal":
+            x = spec.scale * rng.standard_normal(spec.shape)
+        else:
+            x = np.full(spec.shape, 1.0 if spec.init == "ones" else 0.0)
+        return jnp.asarray(x.astype(spec.dtype))
+
+    return jax.tree.map(draw, param_specs(cfg), is_leaf=is_spec)
+
+
+def _rows_alone_and_within(fn, x, ms, rng, what):
+    """fn's row r of x [1, ...] alone equals its row inside batches of each size in `ms` at
+    random positions, bit for bit."""
+    alone = np.asarray(fn(x))[0]
+    for m in ms:
+        at = int(rng.integers(m))
+        batch = rng.standard_normal((m, *x.shape[1:])).astype(np.float32)
+        batch[at] = x[0]
+        got = np.asarray(fn(jnp.asarray(batch)))[at]
+        assert np.array_equal(got, alone), f"{what}: row {at} of {m} differs from the row alone"
+
+
+# ---- the parts ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", [None, "int8"])
+def test_invariant_matmul_gives_a_row_the_same_bits_in_any_batch(fresh_seed, fmt):
+    rng = np.random.default_rng(fresh_seed)
+    k, n = 96, 40
+    w = jnp.asarray(rng.standard_normal((k, n)).astype(np.float32))
+    if fmt is not None:
+        w = QuantizedWeight(WEIGHT_FORMATS[fmt].quantize(w, 1), WEIGHT_FORMATS[fmt])
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    fn = jax.jit(lambda x: linear(x, w, numerics=BATCH_INVARIANT))
+    ms = (2, 9, 64, 65) if fmt is None else (9, 64)
+    _rows_alone_and_within(fn, x, ms, rng, f"matmul {fmt}, seed {fresh_seed}")
+
+
+def test_invariant_row_reductions_give_a_row_the_same_bits_in_any_batch(fresh_seed):
+    """The norms' mean and the sampler's log-softmax (XLA's own row sum over 576 elements rounds
+    differently from 8 rows on)."""
+    rng = np.random.default_rng(fresh_seed)
+    x = (3 * rng.standard_normal((1, 576))).astype(np.float32)
+    for name, f in (("mean", row_mean), ("log_softmax", log_softmax)):
+        fn = jax.jit(lambda x, f=f: f(x, BATCH_INVARIANT))
+        _rows_alone_and_within(fn, x, (9, 64), rng, f"{name}, seed {fresh_seed}")
+    # trailing zeros (masked keys, padding) do not change a fixed-order sum
+    row = jnp.asarray(x[0, :300])
+    padded = jnp.concatenate([row, jnp.zeros(700, jnp.float32)])
+    assert fixed_order_sum(row) == fixed_order_sum(padded), f"seed {fresh_seed}"
+
+
+def _paged(keys, vals, page_size, page_ids, num_pages, rng):
+    """K and V pools [num_pages, page_size, Hkv, D] of random values holding a sequence's keys
+    and values in pages `page_ids`."""
+    shape = (num_pages, page_size, *keys.shape[1:])
+    k_pages = (5 * rng.standard_normal(shape)).astype(np.float32)
+    v_pages = (5 * rng.standard_normal(shape)).astype(np.float32)
+    for i, page in enumerate(page_ids):
+        chunk = slice(i * page_size, min((i + 1) * page_size, len(keys)))
+        k_pages[page, : chunk.stop - chunk.start] = keys[chunk]
+        v_pages[page, : chunk.stop - chunk.start] = vals[chunk]
+    return jnp.asarray(k_pages), jnp.asarray(v_pages)
+
+
+def test_invariant_attention_gives_a_sequence_the_same_bits_in_any_batch(fresh_seed):
+    """One sequence's new rows alone (a table of its own pages) equal its rows inside a batch of
+    prefill and decode rows, with padding rows, a wider page table, other page ids, and another
+    page size; and they are the reference's up to rounding. A sliding window of 97 keys (the
+    blocks before it hold none of a row's keys: they are skipped)."""
+    rng = np.random.default_rng(fresh_seed)
+    hq, hkv, d, ctx, new = 4, 2, 16, int(rng.integers(130, 200)), 5
+    keys = rng.standard_normal((ctx, hkv, d)).astype(np.float32)
+    vals = rng.standard_normal((ctx, hkv, d)).astype(np.float32)
+    q = rng.standard_normal((new, hq, d)).astype(np.float32)
+    window = dict(sliding_window=97)
+    attend = jax.jit(partial(ragged_paged_attention_invariant, **window),
+                     static_argnames="max_q_len")  # fmt: skip
+
+    def alone(page_size):
+        pages = -(-ctx // page_size)
+        k_pages, v_pages = _paged(keys, vals, page_size, range(1, pages + 1), pages + 1, rng)
+        args = (jnp.asarray(q), k_pages, v_pages, jnp.arange(1, pages + 1)[None],
+                jnp.asarray([ctx]), jnp.asarray([0, new]))  # fmt: skip
+        return attend(*args, max_q_len=new), args
+
+    out, args = alone(8)
+    ref = jax.jit(partial(ragged_paged_attention, **window), static_argnames="max_q_len")
+    ref = ref(*args, max_q_len=new)
+    np.testing.assert_allclose(out, ref, atol=2e-6, err_msg=f"seed {fresh_seed}")
+    assert np.array_equal(alone(16)[0], out), f"page size 16 vs 8, seed {fresh_seed}"
+
+    num_pages, width = 300, 64  # the batch: the sequence is third of five, rows up to 64
+    ids = rng.permutation(np.arange(1, num_pages))[: -(-ctx // 8)]
+    k_pages, v_pages = _paged(keys, vals, 8, ids, num_pages, rng)
+    table = rng.integers(1, num_pages, (5, width)).astype(np.int32)
+    table[2, : len(ids)] = ids
+    seq_lens = np.array([30, 7, ctx, 120, 1], np.int32)
+    qsl = np.concatenate([[0], np.cumsum([3, 1, new, 40, 1])]).astype(np.int32)
+    qb = rng.standard_normal((64, hq, d)).astype(np.float32)
+    qb[qsl[2] : qsl[3]] = q
+    batched = attend(
+        jnp.asarray(qb), k_pages, v_pages, jnp.asarray(table), jnp.asarray(seq_lens),
+        jnp.asarray(qsl), max_q_len=64)  # fmt: skip
+    assert np.array_equal(np.asarray(batched)[qsl[2] : qsl[3]], out), f"seed {fresh_seed}"
+
+
+def test_an_moe_models_logits_alone_equal_its_logits_in_a_batch(fresh_seed):
+    """tiny-moe (one layer) through `forward_paged`: a prefill's logits alone equal its logits among other
+    sequences (its experts get other row counts: the tiled experts, the router's product and
+    softmax), and the default forward's up to rounding. (The default forward differs here in the
+    last bits; its experts alone kept theirs at these shapes: XLA CPU lowers `lax.ragged_dot`
+    to one dense dot over a masked operand, docs/batch_invariance.md.)"""
+    rng = np.random.default_rng(fresh_seed)
+    cfg = preset("tiny-moe", num_layers=1)  # (one layer: half the compile)
+    params = _random_params(cfg, fresh_seed)
+    kv = init_kv_cache(cfg, 40, 8, "auto")
+
+    @partial(jax.jit, static_argnames="numerics")
+    def logits(batch, numerics):
+        hidden, _ = forward_paged(params, cfg, batch, kv, numerics=numerics)
+        return compute_logits(params, cfg, hidden, numerics)
+
+    def batch_of(seqs, num_tokens):
+        pages = [list(range(1 + 4 * i, 5 + 4 * i)) for i in range(len(seqs))]
+        return build_ragged_batch(seqs, [0] * len(seqs), pages, num_tokens=num_tokens,
+                                  num_seqs=8, pages_per_seq=4)  # fmt: skip
+
+    probe = rng.integers(3, 512, int(rng.integers(2, 16))).tolist()
+    alone = np.asarray(logits(batch_of([probe], 16), BATCH_INVARIANT))[: len(probe)]
+    seqs = [rng.integers(3, 512, int(n)).tolist() for n in rng.integers(1, 17, 3)]
+    at = int(rng.integers(4))
+    seqs.insert(at, probe)
+    rows = slice(sum(map(len, seqs[:at])), sum(map(len, seqs[: at + 1])))
+    batch = batch_of(seqs, 64)
+    got = np.asarray(logits(batch, BATCH_INVARIANT))[rows]
+    assert np.array_equal(got, alone), f"sequence {at} of 4, seed {fresh_seed}"
+    default = np.asarray(logits(batch, DEFAULT_NUMERICS))[rows]
+    np.testing.assert_allclose(got, default, atol=1e-4, err_msg=f"seed {fresh_seed}")
+
+
+# ---- the engine --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = preset("tiny")
+    return cfg, _random_params(cfg, 0)
+
+
+def _engine(model, **overrides) -> Engine:
+    cfg, params = model
+    config = {**SMALL, "batch_invariant": True, **overrides}
+    return Engine(EngineConfig(model="preset:tiny", **config), cfg, params)
+
+
+def _run(engine: Engine, requests):
+    """(tokens, logprobs, top logprobs) of each request, and the sequences."""
+    seqs = [engine.add_request(p, s) for p, s in requests]
+    engine.run()
+    assert all(s.error is None for s in seqs), [s.error for s in seqs]
+    outs = [(tuple(s.output_token_ids), tuple(lp["logprob"] for lp in s.output_logprobs),
+             tuple(tuple(sorted(lp["top"].items())) for lp in s.output_logprobs))
+            for s in seqs]  # fmt: skip
+    return outs, seqs
+
+
+def _probes(rng):
+    """Greedy probes and a seeded sampled one (its tokens are invariant too)."""
+    prompts = [rng.integers(3, 512, n).tolist() for n in PROBE_LENS]
+    sampling = [SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2)] * 2 + [
+        SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2, temperature=0.8, top_p=0.9,
+                       seed=int(rng.integers(2**31)))]  # fmt: skip
+    return list(zip(prompts, sampling, strict=True))
+
+
+def _fillers(rng, n):
+    return [(rng.integers(3, 512, int(rng.integers(20, 60))).tolist(),
+             SamplingParams(max_tokens=int(rng.integers(4, 16)), ignore_eos=True, logprobs=2))
+            for _ in range(n)]  # fmt: skip
+
+
+def _batch(probes, fillers, rng):
+    """The probes and fillers shuffled: (requests, index of each probe in them)."""
+    order = rng.permutation(len(probes) + len(fillers))
+    requests = [(probes + fillers)[i] for i in order]
+    return requests, [int(np.flatnonzero(order == i)[0]) for i in range(len(probes))]
+
+
+@pytest.fixture(scope="module")
+def base(model):
+    """The engine every test's probes run alone on (the reference outputs)."""
+    return _engine(model)
+
+
+def _alone(engine: Engine, probes):
+    return [_run(engine, [p])[0][0] for p in probes]
+
+
+def test_batch_sizes_and_preemption_leave_logprobs_bitwise(base, fresh_seed):
+    rng = np.random.default_rng(fresh_seed)
+    probes = _probes(rng)
+    alone = _alone(base, probes)
+    preempted = 0
+    for size in (2, 5, 8):
+        chosen = [int(rng.integers(len(probes)))] if size == 2 else list(range(len(probes)))
+        requests, at = _batch([probes[i] for i in chosen], _fillers(rng, size - len(chosen)), rng)
+        outs, seqs = _run(base, requests)
+        preempted += sum(s.num_preemptions for s in seqs)
+        for i, j in zip(chosen, at, strict=True):
+            assert outs[j] == alone[i], f"probe {i} in a batch of {size}, seed {fresh_seed}"
+    assert preempted > 0, f"no batch preempted a request, seed {fresh_seed}"
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(max_num_batched_tokens=16),  # prefill in chunks of at most 16 tokens
+        dict(prefix_caching=True),
+        # drafts verified in mixed steps (decode_steps 1: no scans; the base decodes in scans),
+        # in chunks of at most 32 tokens
+        dict(
+            speculative={"method": "ngram", "num_draft_tokens": 3},
+            decode_steps=1,
+            max_num_batched_tokens=32,
+        ),
+    ],
+    ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()),
+)
+def test_chunking_prefix_caching_and_speculation_leave_logprobs_bitwise(model, base, variant,
+                                                                        fresh_seed):  # fmt: skip
+    rng = np.random.default_rng(fresh_seed)
+    probes = _probes(rng)
+    alone = _alone(base, probes)
+    engine = _engine(model, **variant)
+    if variant.get("prefix_caching"):  # the probes' pages cached, then hit inside the batch
+        assert _alone(engine, probes) == alone, f"seed {fresh_seed}"
+    requests, at = _batch(probes, _fillers(rng, 5), rng)
+    outs, seqs = _run(engine, requests)
+    for i, j in enumerate(at):
+        assert outs[j] == alone[i], f"probe {i}, {variant}, seed {fresh_seed}"
+    if variant.get("prefix_caching"):
+        assert sum(seqs[j].num_cached_tokens for j in at) > 0, "no prefix hit"
+    if "speculative" in variant:
+        assert sum(r.draft_tokens for r in engine.step_records) > 0, "nothing was drafted"
+
+
+def test_default_numerics_differ_on_the_same_comparison(model, base):
+    """The control: without the switch a batch of 8 changes logprobs (so the tests above can
+    fail). A fixed draw (the greedy probes): on XLA CPU a prefill row in a 16- or 32-token step
+    and in a 64-token one rounds differently (the matmul kernel changes at 64 rows). And the
+    invariant engine computes the same model: its tokens are the default's, its logprobs equal
+    up to rounding."""
+    rng = np.random.default_rng(0)
+    probes = _probes(rng)[:2]
+    engine = _engine(model, batch_invariant=False)
+    alone = _alone(engine, probes)
+    requests, at = _batch(probes, _fillers(rng, 6), rng)
+    outs, _ = _run(engine, requests)
+    assert any(outs[j][1] != alone[i][1] for i, j in enumerate(at)), "no logprob differed"
+    for (tokens, lps, _), (inv_tokens, inv_lps, _) in zip(alone, _alone(base, probes), strict=True):
+        assert tokens == inv_tokens
+        np.testing.assert_allclose(inv_lps, lps, atol=1e-4)
+
+
+# ---- the switch --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Root:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+def test_the_switch_is_a_checked_engine_key(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("engine:\n  batch_invariant: true\n")
+    assert load_config(_Root, path, what="test").engine.batch_invariant
+    over = load_config(_Root, None, ["engine.batch_invariant=true"], what="test")
+    assert over.engine.batch_invariant and not EngineConfig().batch_invariant
+    with pytest.raises(ValueError, match=r"engine\.batch_invariant"):
+        EngineConfig(batch_invariant="yes")
+    with pytest.raises(ValueError, match=r"engine\.attention_backend"):
+        EngineConfig(batch_invariant=True, attention_backend="pallas")
+    with pytest.raises(ValueError, match="one device"):
+        EngineConfig(batch_invariant=True, mesh={"model": 2})
