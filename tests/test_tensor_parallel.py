@@ -171,9 +171,11 @@ ENGINE = """
         for seq, ref in zip(got_lp, base_lp):
             for g, b in zip(seq, ref):
                 assert set(g["top"]) == set(b["top"]), (mesh, g, b)
-                err = max(abs(g["logprob"] - b["logprob"]),
-                          *(abs(g["top"][t] - b["top"][t]) for t in b["top"]))
-                assert err <= 1e-5, (f"seed {seed}", mesh, err)
+                # float32 reduced in other orders: 1e-5 relative (a logprob of -7.5 moved 1.05e-5
+                # under seed 20006749)
+                pairs = [(g["logprob"], b["logprob"]), *((g["top"][t], b["top"][t]) for t in b["top"])]
+                for x, y in pairs:
+                    assert abs(x - y) <= 1e-5 * max(1.0, abs(y)), (f"seed {seed}", mesh, x, y)
         # greedy sampling, mixed steps and decode scans never gather the vocab-sharded logits
         runner = llm.engine.runner
         greedy = [k for k in runner._executables if k[0] != "sample" or not k[1]]
