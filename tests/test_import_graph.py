@@ -138,3 +138,17 @@ def test_checker_finds_a_cycle_through_a_function_level_import(tmp_path: Path):
     assert graph["pkg.sub"] == {"pkg.sub.d"}
     assert graph["pkg.e"] == {"pkg.sub.d", "pkg.sub"}  # (pkg.sub's __init__ runs first)
     assert cycles(graph) == [["pkg.a", "pkg.b", "pkg.a"]]
+
+
+def test_kernels_stand_below_jaxinfer():
+    """`pallas_kernels/` imports nothing from `jaxinfer/`: a kernel and its reference are
+    usable alone, and what the kernels and the library both read (the KV page format of
+    `paged_attention/fp8.py`, `reference.token_sequences`) lives with the kernels."""
+    bad = []
+    for path in sorted((PACKAGE.parent / "pallas_kernels").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            bad += [(path.name, n) for n in names if within(n, "jaxinfer")]
+    assert not bad, bad
