@@ -1,10 +1,10 @@
 """The Mosaic GPU block-scaled FP8 GEMM against its fp32 reference and jaxinfer's `fp8_block`.
 
 On CPU the kernel runs under jax's GPU interpreter (TMA copies, the stage ring, the promotion of
-each 128-input block's product by its token and weight scales) on small shapes with fresh random
-weights and activations quantized by jaxinfer's own `fp8_block` format; lowering for CUDA checks
-its register layouts and shared-memory plan without a GPU; the `-m gpu` tests run it compiled at
-DeepSeek-V3's and Llama-3-8B's shapes.
+each 128-input block's product by its token and weight scales, split-K's fp32 partials) on small
+shapes with fresh random weights and activations quantized by jaxinfer's own `fp8_block` format;
+lowering for CUDA checks its register layouts and shared-memory plan without a GPU; the `-m gpu`
+tests run it compiled at DeepSeek-V3's and Llama-3-8B's shapes.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ import pytest
 
 from jaxinfer.quant import WEIGHT_FORMATS, QuantizedWeight
 from jaxinfer.quant.fp8 import quantize_activations
+from pallas_kernels.matmul import fp8_block_mgpu
 from pallas_kernels.matmul.fp8_block_mgpu import (
     E4M3,
+    choose_k_splits,
     fp8_block_matmul_mgpu,
     fp8_block_matmul_ref,
     pack_scales,
@@ -46,6 +48,15 @@ def case(seed: int, m: int, k: int, n: int):
 def rel_err(got, want) -> float:
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def assert_same_but_sum_order(got, want, what: str) -> None:
+    """Split-K against no split: the fp32 sums differ only in order (rounding far below bf16's),
+    so each bf16 output is the same or one bf16 step (2^-7 of its magnitude at most) away."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    scale = float(np.max(np.abs(want)))
+    bad = np.abs(got - want) > 2.0**-7 * np.abs(want) + 1e-4 * scale
+    assert not bad.any(), f"{what}: {int(bad.sum())} outputs differ by more than the sum order can"
 
 
 # M 5 (padded to 64), 3 steps through 2 stages (a slot refilled), and 2 token tiles x 2 output
@@ -80,6 +91,8 @@ def test_arguments_are_validated_by_name():
         (dict(wt=wt[:, :128]), "wt must be float8_e4m3fn [N, K=256]"),
         (dict(wt=wt[:64], sw=sw), "N (outputs) must be a multiple of 128"),
         (dict(sw=sw[:, :, :8]), "sw must be float32 [1, 2, 64]"),
+        (dict(k_splits=3), "k_splits must be a positive int dividing K/128 = 2, got 3"),
+        (dict(k_splits=0), "k_splits must be a positive int dividing K/128 = 2, got 0"),
     ]
     for change, message in bad:
         args = dict(xq=xq, sx=sx, wt=wt, sw=sw) | change
@@ -87,16 +100,89 @@ def test_arguments_are_validated_by_name():
             fp8_block_matmul_mgpu(**args, interpret=True)
 
 
-@pytest.mark.parametrize("m", [1, 128])
-def test_kernel_lowers_for_cuda(m):
+@pytest.mark.parametrize("m,k_splits", [(1, 1), (128, 1), (64, 2), (128, 4)])
+def test_kernel_lowers_for_cuda(m, k_splits):
     """Mosaic accepts the kernel's layouts (the fp8 tiles, the transposed weight view, the
-    row-vector scales, the bf16 output stage) for one and several token tiles."""
+    row-vector scales, the bf16 output stage; split-K's third grid axis, its K offsets in the
+    prologue and its fp32 output stage) for one and several token tiles."""
     k, n = 512, 256
     sds = jax.ShapeDtypeStruct
     args = (sds((m, k), E4M3), sds((m, k // 128), jnp.float32), sds((n, k), E4M3),
             sds((n // 128, k // 128, 64), jnp.float32))  # fmt: skip
-    call = jax.jit(lambda *a: fp8_block_matmul_mgpu(*a, interpret=False))
+    call = jax.jit(lambda *a: fp8_block_matmul_mgpu(*a, k_splits=k_splits, interpret=False))
     assert "mosaic_gpu" in call.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+# Split-K: 2 splits of 2 steps (stages clipped to them), 4 splits of one step each, and 2 token
+# tiles (M padded) with 2 splits of 4 steps through 2 stages (slots refilled at the split's own
+# K offsets).
+@pytest.mark.parametrize("m,k,n,k_splits,stages", [(64, 512, 256, 2, 4), (64, 512, 256, 4, 4),
+                                                   (70, 1024, 128, 2, 2)])  # fmt: skip
+def test_split_k_matches_reference_and_no_split_in_interpreter(fresh_seed, m, k, n, k_splits,
+                                                               stages):  # fmt: skip
+    xq, sx, wt, sw, _, _ = case(fresh_seed, m, k, n)
+    got = fp8_block_matmul_mgpu(xq, sx, wt, sw, num_stages=stages, k_splits=k_splits,
+                                interpret=True)  # fmt: skip
+    assert got.shape == (m, n) and got.dtype == jnp.bfloat16
+    what = f"m={m} k={k} n={n} k_splits={k_splits} (seed {fresh_seed})"
+    err = rel_err(got, fp8_block_matmul_ref(xq, sx, wt, sw))
+    assert err < TOL, f"{what}: rel err {err:.2e} vs reference"
+    one = fp8_block_matmul_mgpu(xq, sx, wt, sw, num_stages=stages, k_splits=1, interpret=True)
+    assert_same_but_sum_order(got, one, f"{what} vs k_splits=1")
+
+
+def test_the_format_splits_k_where_the_heuristic_says(fresh_seed):
+    """`fp8_block` on the kernel with no split given: 3 tokens (one 64-row tile) x 128 outputs
+    over K = 2048 is one program for 132 SMs, so `choose_k_splits` splits K in two; the kernel
+    then writes fp32 partials [2, 64, 128] and the product still equals XLA's."""
+    from jaxinfer.quant.fp8 import Fp8Block
+
+    k, n = 2048, 128
+    assert choose_k_splits(3, n, k) == 2
+    rng = np.random.default_rng(fresh_seed)
+    w = jnp.asarray(rng.standard_normal((k, n)) * rng.uniform(0.01, 1.0, (k, 1)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((3, k)), jnp.bfloat16)
+    kernel, xla = Fp8Block("fp8_block", backend="pallas"), Fp8Block("fp8_block", backend="xla")
+    qw = QuantizedWeight(xla.quantize(w, 1), kernel, 1)
+    assert "f32[2,64,128]" in str(jax.make_jaxpr(kernel.matmul)(x, qw)), "no split-K partials"
+    got = kernel.matmul(x, qw)
+    err = rel_err(got, xla.matmul(x, qw.replace(format=xla)))
+    assert err < TOL, f"rel err {err:.2e} vs fp8_block on XLA (seed {fresh_seed})"
+
+
+# Llama-3-8B's linears at decode (m = 64): qkv, gate/up, down, o, as (n, k)
+LLAMA3_8B_NK = ((6144, 4096), (28672, 4096), (4096, 14336), (4096, 4096))
+
+
+def check_k_splits_rule(m: int, n: int, k: int, num_sms: int, s: int) -> None:
+    """`choose_k_splits`'s documented rule, checked on its answer `s`."""
+    rows = -(-m // 64) * 64
+    tiles, blocks = rows // 64 * (n // 128), k // 128
+    what = f"m={m} n={n} k={k} num_sms={num_sms}: k_splits {s}"
+    assert blocks % s == 0, what
+    if 2 * tiles >= num_sms:  # half the SMs busy or more: no split
+        assert s == 1, what
+        return
+    allowed = [d for d in range(1, blocks + 1) if blocks % d == 0 and (d == 1 or (
+        blocks // d >= fp8_block_mgpu.MIN_STEPS_PER_SPLIT
+        and d * rows * n * 4 <= fp8_block_mgpu.MAX_PARTIAL_BYTES_FRACTION * n * k))]  # fmt: skip
+    assert s in allowed, f"{what} breaks a bound (allowed {allowed})"
+    filling = [d for d in allowed if tiles * d >= fp8_block_mgpu.WAVE_FILL * num_sms]
+    assert s == (min(filling) if filling else max(allowed)), f"{what} (allowed {allowed})"
+
+
+def test_choose_k_splits_follows_its_rule():
+    """Llama-3-8B's decode linears: the narrow ones (qkv, o, down: 32-48 output tiles for 132
+    SMs) split to about a wave, gate/up (224 tiles) does not; a prefill-sized M never splits."""
+    for n, k in LLAMA3_8B_NK:
+        for num_sms in (132, 114, 78):
+            check_k_splits_rule(64, n, k, num_sms, choose_k_splits(64, n, k, num_sms))
+        check_k_splits_rule(4096, n, k, 132, choose_k_splits(4096, n, k))
+        assert choose_k_splits(4096, n, k) == 1, (n, k)
+    chosen = {nk: choose_k_splits(64, *nk) for nk in LLAMA3_8B_NK}
+    assert chosen[(28672, 4096)] == 1, chosen
+    for nk in ((6144, 4096), (4096, 14336), (4096, 4096)):
+        assert chosen[nk] > 1 and nk[0] // 128 * chosen[nk] >= 0.85 * 132, chosen
 
 
 @pytest.mark.gpu
@@ -111,7 +197,8 @@ def test_compiled_kernel_on_gpu(fresh_seed, m, n, k):
 
 
 def test_benchmark_smoke_run_writes_rows_with_provenance(tmp_path):
-    """experiments/bench_fp8_matmul.py --smoke: every impl timed, near x @ w."""
+    """experiments/bench_fp8_matmul.py --smoke: every impl timed, near x @ w; the kernel's row
+    records its split-K factor."""
     import json
 
     import experiment_scripts
@@ -126,6 +213,26 @@ def test_benchmark_smoke_run_writes_rows_with_provenance(tmp_path):
     for r in result["rows"]:
         assert "error" not in r and r["time_us"] > 0 and r["tflops"] > 0, r
         assert r["rel_err"] < (0.01 if r["impl"] == "xla_bf16" else 0.1), r
+    (kernel,) = [r for r in result["rows"] if r["impl"] == "fp8_block_pallas"]
+    assert kernel["k_splits"] == 1 and kernel["k_splits_auto"], kernel
+
+
+def test_benchmark_forces_k_splits(tmp_path):
+    """--k-splits: one kernel row per value, each with the split it ran; one that does not
+    divide K/128 is an error row."""
+    import json
+
+    import experiment_scripts
+
+    bench = experiment_scripts.load("bench_fp8_matmul")
+    out = tmp_path / "fp8_splitk.json"
+    bench.main(["--smoke", "--out", str(out), "--shapes", "64:128:512", "--impls",
+                "fp8_block_pallas", "--k-splits", "auto", "2", "3"])  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["k_splits"], r["k_splits_auto"]) for r in rows] == [(1, True), (2, False),
+                                                                  (3, False)], rows  # fmt: skip
+    assert "error" not in rows[1] and rows[1]["rel_err"] < 0.1, rows[1]
+    assert "k_splits must be a positive int dividing K/128 = 4" in rows[2]["error"], rows[2]
 
 
 @pytest.mark.parametrize(
@@ -157,6 +264,23 @@ def test_the_pallas_backend_refuses_a_weight_it_cannot_take():
     qw = QuantizedWeight(fmt.quantize(jnp.ones((256, 96)), 1), fmt, 1)
     with pytest.raises(ValueError, match=r"last output axis multiples of 128.*\[96, 256\]"):
         fmt.matmul(jnp.ones((2, 256), jnp.bfloat16), qw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "m,n,k,k_splits",
+    [(64, 4096, 14336, 2), (64, 4096, 14336, 4), (64, 4096, 14336, 7), (64, 6144, 4096, 4),
+     (64, 4096, 4096, 8), (128, 2048, 7168, 7), (64, 4096, 14336, None), (4, 4096, 4096, None)],
+)  # fmt: skip
+def test_split_k_compiled_on_gpu(fresh_seed, m, n, k, k_splits):
+    """Split-K compiled at Llama-3-8B's decode shapes and one of DeepSeek-V3's (None: the
+    kernel's own choice), against the reference and the unsplit kernel (`pytest -m gpu`)."""
+    xq, sx, wt, sw, _, _ = case(fresh_seed, m, k, n)
+    got = fp8_block_matmul_mgpu(xq, sx, wt, sw, k_splits=k_splits)
+    what = f"m={m} k={k} n={n} k_splits={k_splits} (seed {fresh_seed})"
+    err = rel_err(got, fp8_block_matmul_ref(xq, sx, wt, sw))
+    assert err < TOL, f"{what}: rel err {err:.2e}"
+    assert_same_but_sum_order(got, fp8_block_matmul_mgpu(xq, sx, wt, sw, k_splits=1), what)
 
 
 @pytest.mark.gpu

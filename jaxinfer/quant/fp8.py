@@ -202,11 +202,14 @@ class Fp8Block(WeightFormat):
     products of at least `KERNEL_MIN_ROWS` tokens wherever it applies (128-wide blocks, K and the
     last output axis multiples of 128) on a process with one GPU, XLA elsewhere. Below 64 rows
     the kernel pads to a 64-row tile and runs N/128 programs each walking all of K, and XLA's
-    dots measured faster; from 64 rows the kernel is (docs/decisions.md). GSPMD cannot partition a Mosaic GPU call, so a sharded model
-    keeps XLA's product until its linears run under `shard_map`."""
+    dots measured faster; from 64 rows the kernel is (docs/decisions.md). GSPMD cannot partition
+    a Mosaic GPU call, so a sharded model keeps XLA's product until its linears run under
+    `shard_map`. `k_splits` is the kernel's split-K factor (None: the kernel's `choose_k_splits`
+    picks one per product, splitting K where few output tiles would leave most SMs idle)."""
 
     block: int = BLOCK
     backend: str = "auto"
+    k_splits: int | None = None
 
     def part_specs(self, spec) -> dict:
         k = math.prod(spec.shape[: spec.in_dims])
@@ -243,7 +246,9 @@ class Fp8Block(WeightFormat):
         if self._on_kernel(values.shape, out[-1], x2.shape[0]):
             from pallas_kernels.matmul.fp8_block_mgpu import fp8_block_matmul_mgpu, pack_scales
 
-            y = fp8_block_matmul_mgpu(xq, sx, values, pack_scales(scales.reshape(-1, kb)))
+            y = fp8_block_matmul_mgpu(
+                xq, sx, values, pack_scales(scales.reshape(-1, kb)), k_splits=self.k_splits
+            )
             return y.reshape(*lead, *out).astype(x.dtype)
         xb = blocks_of(xq, 1, self.block)  # [T, KB, 128] (zero-padded: adds nothing)
         wb = blocks_of(values, 1, self.block)  # [N, KB, 128]
