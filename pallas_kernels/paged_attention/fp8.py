@@ -78,20 +78,8 @@ def quantize_pages_write(
 
     s_new = page_scales[page]  # [T, Hkv]
     ratio = jnp.where(s_new > 0, base[page] / _safe(s_new), 0.0)  # 0 on a fresh page: zero it
-    # The pool's gather and scatters run on its uint8 view (a bitcast: same bytes, no copy).
-    # XLA's GPU backend has no fp8 scatter: on e4m3 it converted the whole pool to f16 and back
-    # around every write, 2-3x the decode step (docs/decisions.md).
-    bits = jax.lax.bitcast_convert_type(pages, jnp.uint8)
-    old = _from_bits(bits[(*lead, page)]).astype(jnp.float32)  # [T, ps, Hkv, D]
-    bits = bits.at[(*lead, page)].set(_bits(_to_e4m3(old * ratio[:, None, :, None])))
-    bits = bits.at[(*lead, page, offset)].set(_bits(_to_e4m3(new / _safe(s_new)[..., None])))
+    old = pages[(*lead, page)].astype(jnp.float32)  # [T, ps, Hkv, D]
+    pages = pages.at[(*lead, page)].set(_to_e4m3(old * ratio[:, None, :, None]))
+    pages = pages.at[(*lead, page, offset)].set(_to_e4m3(new / _safe(s_new)[..., None]))
     scales = scales.at[lead].set(page_scales) if lead else page_scales
-    return _from_bits(bits), scales
-
-
-def _bits(x: jax.Array) -> jax.Array:
-    return jax.lax.bitcast_convert_type(x, jnp.uint8)
-
-
-def _from_bits(x: jax.Array) -> jax.Array:
-    return jax.lax.bitcast_convert_type(x, FP8_DTYPE)
+    return pages, scales
