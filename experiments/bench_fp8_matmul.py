@@ -49,17 +49,7 @@ SHAPE_SETS = {
 }  # fmt: skip
 SHAPES = tuple(s for shapes in SHAPE_SETS.values() for s in shapes)
 SMOKE_SHAPES = ((64, 128, 256),)
-IMPLS = ("fp8_block_pallas", "xla_fp8_block", "xla_fp8_tensor", "xla_fp8_channel", "xla_bf16",
-         "xla_fp8_weight_only")
-
-
-def weight_only(x: jax.Array, a: dict) -> jax.Array:
-    """W8A16: bf16 x times fp8_channel's K-major values converted to bf16 in the product (no
-    activation quantization), the output scales after: whether XLA reads 1 byte per weight."""
-    dims = (((1,), (1,)), ((), ()))
-    y = jax.lax.dot_general(x, a["values"].astype(x.dtype), dims,
-                            preferred_element_type=jnp.float32)  # fmt: skip
-    return (y * a["scales"]).astype(x.dtype)
+IMPLS = ("fp8_block_pallas", "xla_fp8_block", "xla_fp8_tensor", "xla_fp8_channel", "xla_bf16")
 
 
 def impls(w: jax.Array, names, m: int, k_splits=("auto",)) -> list:
@@ -73,10 +63,6 @@ def impls(w: jax.Array, names, m: int, k_splits=("auto",)) -> list:
     for name in names:
         if name == "xla_bf16":
             out.append((name, lambda x, a: jnp.dot(x, a["w"]), {"w": w.astype(jnp.bfloat16)}, {}))
-            continue
-        if name == "xla_fp8_weight_only":
-            arrays = jax.jit(lambda w: WEIGHT_FORMATS["fp8_channel"].quantize(w, 1))(w)
-            out.append((name, weight_only, arrays, {}))
             continue
         if name == "fp8_block_pallas":
             arrays = jax.jit(lambda w: Fp8Block("fp8_block").quantize(w, 1))(w)
