@@ -197,42 +197,28 @@ def test_compiled_kernel_on_gpu(fresh_seed, m, n, k):
 
 
 def test_benchmark_smoke_run_writes_rows_with_provenance(tmp_path):
-    """experiments/bench_fp8_matmul.py --smoke: every impl timed, near x @ w; the kernel's row
-    records its split-K factor."""
+    """experiments/bench_fp8_matmul.py --smoke: every impl timed, near x @ w; --k-splits gives one
+    kernel row per value, each with the split it ran, and one that does not divide K/128 is an
+    error row (one smoke run)."""
     import json
 
     import experiment_scripts
 
     bench = experiment_scripts.load("bench_fp8_matmul")
     out = tmp_path / "fp8_matmul.json"
-    bench.main(["--smoke", "--out", str(out)])
+    bench.main(["--smoke", "--out", str(out), "--k-splits", "auto", "2", "3"])
     result = json.loads(out.read_text())
     for key in ("device", "jax", "commit", "date", "command", "timing_method"):
         assert key in result, key
-    assert [r["impl"] for r in result["rows"]] == list(bench.IMPLS)
-    for r in result["rows"]:
+    impls = [r["impl"] for r in result["rows"]]
+    assert impls == ["fp8_block_pallas"] * 3 + [i for i in bench.IMPLS if i != "fp8_block_pallas"]
+    kernel = [r for r in result["rows"] if r["impl"] == "fp8_block_pallas"]
+    assert [(r["k_splits"], r["k_splits_auto"]) for r in kernel] == [(1, True), (2, False),
+                                                                    (3, False)], kernel  # fmt: skip
+    assert "k_splits must be a positive int dividing K/128 = 2" in kernel[2]["error"], kernel[2]
+    for r in result["rows"][:2] + result["rows"][3:]:
         assert "error" not in r and r["time_us"] > 0 and r["tflops"] > 0, r
         assert r["rel_err"] < (0.01 if r["impl"] == "xla_bf16" else 0.1), r
-    (kernel,) = [r for r in result["rows"] if r["impl"] == "fp8_block_pallas"]
-    assert kernel["k_splits"] == 1 and kernel["k_splits_auto"], kernel
-
-
-def test_benchmark_forces_k_splits(tmp_path):
-    """--k-splits: one kernel row per value, each with the split it ran; one that does not
-    divide K/128 is an error row."""
-    import json
-
-    import experiment_scripts
-
-    bench = experiment_scripts.load("bench_fp8_matmul")
-    out = tmp_path / "fp8_splitk.json"
-    bench.main(["--smoke", "--out", str(out), "--shapes", "64:128:512", "--impls",
-                "fp8_block_pallas", "--k-splits", "auto", "2", "3"])  # fmt: skip
-    rows = json.loads(out.read_text())["rows"]
-    assert [(r["k_splits"], r["k_splits_auto"]) for r in rows] == [(1, True), (2, False),
-                                                                  (3, False)], rows  # fmt: skip
-    assert "error" not in rows[1] and rows[1]["rel_err"] < 0.1, rows[1]
-    assert "k_splits must be a positive int dividing K/128 = 4" in rows[2]["error"], rows[2]
 
 
 @pytest.mark.parametrize(
