@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import json
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -385,10 +386,13 @@ def serve(args: argparse.Namespace) -> int:
               flush=True)  # fmt: skip
         try:
             server.serve_forever()
-        except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it shut down on
-            print(f"jaxinfer serve: stopped on Ctrl-C; {server.streams_ended} open stream(s) "
+        except KeyboardInterrupt:  # Ctrl-C before uvicorn was up: it re-raises that one
+            server.signals.append(signal.SIGINT)
+        if server.signals:
+            name = "Ctrl-C" if signal.SIGINT in server.signals else "SIGTERM"
+            print(f"jaxinfer serve: stopped on {name}; {server.streams_ended} open stream(s) "
                   "ended with an error event", file=sys.stderr)  # fmt: skip
-            return 130
+            return 130 if signal.SIGINT in server.signals else 143
     finally:
         llm.close()  # (a multi-host engine's other processes exit)
     return 0

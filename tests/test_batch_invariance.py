@@ -228,15 +228,25 @@ def _probes(rng):
     return list(zip(prompts, sampling, strict=True))
 
 
-def _fillers(rng, n):
-    return [(rng.integers(3, 512, int(rng.integers(20, 60))).tolist(),
-             SamplingParams(max_tokens=int(rng.integers(4, 16)), ignore_eos=True, logprobs=2))
-            for _ in range(n)]  # fmt: skip
+def _fillers(rng, n, long=False):
+    """n filler requests of random lengths, or (`long`) of 56 prompt and 16 output tokens each:
+    with the probes that is 60 pages at the end for SMALL's 24, and every admitted request
+    grows by a page or two while decoding, so a batch of 8 preempts whatever its order (all 336
+    orders of 3 probes among 5 such fillers did; the lengths alone decide the schedule)."""
+    def lengths():
+        return (56, 16) if long else (int(rng.integers(20, 60)), int(rng.integers(4, 16)))
+
+    return [(rng.integers(3, 512, p).tolist(),
+             SamplingParams(max_tokens=o, ignore_eos=True, logprobs=2))
+            for p, o in (lengths() for _ in range(n))]  # fmt: skip
 
 
-def _batch(probes, fillers, rng):
-    """The probes and fillers shuffled: (requests, index of each probe in them)."""
-    order = rng.permutation(len(probes) + len(fillers))
+def _batch(probes, fillers, rng, probes_first=False):
+    """The probes and fillers shuffled (`probes_first`: the probes shuffled, then the fillers):
+    (requests, index of each probe in them)."""
+    n = len(probes)
+    order = (np.concatenate([rng.permutation(n), n + rng.permutation(len(fillers))])
+             if probes_first else rng.permutation(n + len(fillers)))  # fmt: skip
     requests = [(probes + fillers)[i] for i in order]
     return requests, [int(np.flatnonzero(order == i)[0]) for i in range(len(probes))]
 
@@ -258,7 +268,8 @@ def test_batch_sizes_and_preemption_leave_logprobs_bitwise(base, fresh_seed):
     preempted = 0
     for size in (2, 5, 8):
         chosen = [int(rng.integers(len(probes)))] if size == 2 else list(range(len(probes)))
-        requests, at = _batch([probes[i] for i in chosen], _fillers(rng, size - len(chosen)), rng)
+        fillers = _fillers(rng, size - len(chosen), long=size == 8)
+        requests, at = _batch([probes[i] for i in chosen], fillers, rng)
         outs, seqs = _run(base, requests)
         preempted += sum(s.num_preemptions for s in seqs)
         for i, j in zip(chosen, at, strict=True):
@@ -287,14 +298,16 @@ def test_chunking_prefix_caching_and_speculation_leave_logprobs_bitwise(model, b
     probes = _probes(rng)
     alone = _alone(base, probes)
     engine = _engine(model, **variant)
-    if variant.get("prefix_caching"):  # the probes' pages cached, then hit inside the batch
+    cached = bool(variant.get("prefix_caching"))
+    if cached:  # the probes' pages cached, then hit inside the batch (admitted before any filler
+        # can evict them)
         assert _alone(engine, probes) == alone, f"seed {fresh_seed}"
-    requests, at = _batch(probes, _fillers(rng, 5), rng)
+    requests, at = _batch(probes, _fillers(rng, 5), rng, probes_first=cached)
     outs, seqs = _run(engine, requests)
     for i, j in enumerate(at):
         assert outs[j] == alone[i], f"probe {i}, {variant}, seed {fresh_seed}"
-    if variant.get("prefix_caching"):
-        assert sum(seqs[j].num_cached_tokens for j in at) > 0, "no prefix hit"
+    if cached:
+        assert sum(seqs[j].num_cached_tokens for j in at) > 0, f"no prefix hit, seed {fresh_seed}"
     if "speculative" in variant:
         assert sum(r.draft_tokens for r in engine.step_records) > 0, "nothing was drafted"
 

@@ -93,13 +93,22 @@ class Server:
                                 lifespan="on")  # fmt: skip
         server, state = self, self.state
         self.streams_ended = 0
+        self.signals: list[int] = []  # the signals that stopped serve_forever, in order
 
         class _Uvicorn(uvicorn.Server):
+            def handle_exit(self, sig, frame):
+                server.signals.append(sig)
+                super().handle_exit(sig, frame)
+
             async def shutdown(self, sockets=None):
                 # SIGINT/SIGTERM: end the open streams first, so that they finish within the
                 # graceful timeout rather than being cancelled mid-stream
                 server.streams_ended = state.end_streams()
                 await super().shutdown(sockets)
+                # uvicorn re-raises the signals it caught once it is down, but a SIGINT raised
+                # there can reach asyncio's runner after its task is done and be lost (the
+                # process then exited 0); the caller reads `server.signals` instead
+                getattr(self, "_captured_signals", []).clear()
 
         self.uvicorn = _Uvicorn(config)
         self._thread: threading.Thread | None = None
@@ -118,6 +127,8 @@ class Server:
         return self.state.engine_loop
 
     def serve_forever(self) -> None:
+        """Serve until stopped: `stop()`, or SIGINT/SIGTERM in the main thread (then listed in
+        `signals`; the signal is not re-raised)."""
         self.uvicorn.run(sockets=[self.sock])
 
     def start(self, timeout: float = 30.0) -> Server:
