@@ -233,6 +233,7 @@ def _fillers(rng, n, long=False):
     with the probes that is 60 pages at the end for SMALL's 24, and every admitted request
     grows by a page or two while decoding, so a batch of 8 preempts whatever its order (all 336
     orders of 3 probes among 5 such fillers did; the lengths alone decide the schedule)."""
+
     def lengths():
         return (56, 16) if long else (int(rng.integers(20, 60)), int(rng.integers(4, 16)))
 
