@@ -9,6 +9,7 @@ layers). `tests/test_gpu_engine.py` runs the whole engine on the compiled kernel
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -16,9 +17,10 @@ import numpy as np
 import pytest
 from test_paged_attention_kernel import interpreter_compiles_each_thread_once
 
+from jaxinfer.engine import config as config_module
 from jaxinfer.engine.config import EngineConfig
 from jaxinfer.kv.cache import init_kv_cache
-from jaxinfer.models.attention import AttentionConfig, write_kv_and_attend
+from jaxinfer.models.attention import ATTENTION_OPTIONS, AttentionConfig, write_kv_and_attend
 from jaxinfer.models.batch import build_ragged_batch
 from jaxinfer.models.dense import forward_paged
 from jaxinfer.models.presets import preset
@@ -141,6 +143,18 @@ def test_backend_option_is_validated():
     with pytest.raises(ValueError, match=r"attention_options\.num_warps"):
         EngineConfig(model="preset:tiny", attention_options={"num_warps": 4})
     assert EngineConfig(attention_options={"split_decode_rows": False}).attention_options
+    # every option's values are checked at configuration (the kernel meets them only when a step
+    # is traced for a GPU; a CPU run would ignore them)
+    assert set(config_module._ATTENTION_OPTION_VALUES) == set(ATTENTION_OPTIONS)
+    good = dict(split_decode_rows=False, num_splits=3, num_stages=2, warp_specialized=True,
+                block_kv=128, num_consumers=2, token_major_decode=False, fused_kv_write=32)  # fmt: skip
+    assert EngineConfig(attention_options=good).attention_options == good
+    bad = dict(split_decode_rows=1, num_splits=0, num_stages="2", warp_specialized="yes",
+               block_kv=96, num_consumers=True, token_major_decode=None, fused_kv_write=-1)  # fmt: skip
+    assert set(bad) == set(good) == set(ATTENTION_OPTIONS)
+    for key, value in bad.items():
+        with pytest.raises(ValueError, match=re.escape(f"options.{key}={value!r} is invalid")):
+            EngineConfig(attention_options={key: value})
     cfg, _ = load_model()
     kv = init_kv_cache(cfg, 4, 16, dtype="float32")
     with pytest.raises(ValueError, match="bf16 or fp8"):
