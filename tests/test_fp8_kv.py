@@ -125,6 +125,53 @@ def test_batch_write_with_shared_pages_is_close_and_independent_of_token_order(f
     np.testing.assert_allclose(deq, np.asarray(one_by_one), atol=0.1 * np.abs(new).max())
 
 
+def _write_by_whole_page_arrays(pages, scales, new, page, offset, layer):
+    """The write's rule in its plainest form: per-page quantities as [P]-sized arrays."""
+    old_scales, new = scales[layer], new.astype(jnp.float32)
+    fresh = jnp.zeros(pages.shape[1], bool).at[page].max(offset == 0)
+    base = jnp.where(fresh[:, None], 0.0, old_scales)
+    amax = jnp.max(jnp.abs(new), axis=-1)
+    page_scales = base.at[page].max(jnp.where(amax > 0, jnp.maximum(amax / E4M3_MAX, 1e-38), 0.0))
+    s_new = page_scales[page]
+    ratio = jnp.where(s_new > 0, base[page] / jnp.where(s_new > 0, s_new, 1.0), 0.0)
+    q = lambda x: jnp.clip(x, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)  # noqa: E731
+    old = pages[layer, page].astype(jnp.float32)
+    pages = pages.at[layer, page].set(q(old * ratio[:, None, :, None]))
+    safe = jnp.where(s_new > 0, s_new, 1.0)
+    pages = pages.at[layer, page, offset].set(q(new / safe[..., None]))
+    return pages, scales.at[layer].set(page_scales)
+
+
+def test_write_equals_the_rule_on_whole_page_arrays_bit_for_bit(fresh_seed):
+    """Random writes into a stacked pool (shared, fresh, growing and reused pages, zero tokens)
+    give the same pages and scales, bit for bit, as the rule computed on [P]-sized arrays."""
+    rng = np.random.default_rng(fresh_seed)
+    layers, num_pages, ps, hkv, d = 3, 9, 4, 2, 8
+    pages, scales = quantize_pages(jnp.asarray(rng.standard_normal((layers, num_pages, ps, hkv, d))
+                                               * rng.uniform(0.1, 10, (layers, num_pages, 1, hkv, 1))))  # fmt: skip
+    write = jax.jit(quantize_pages_write)
+    want_write = jax.jit(_write_by_whole_page_arrays)
+    for _ in range(6):
+        # A batch of sequences, each writing its next tokens into consecutive slots of its pages.
+        page, offset = [], []
+        for p in rng.choice(np.arange(1, num_pages), rng.integers(1, 4), replace=False):
+            start = int(rng.integers(0, ps))
+            n = int(rng.integers(1, ps - start + 1))
+            page += [p] * n
+            offset += range(start, start + n)
+        page, offset = np.array(page, np.int32), np.array(offset, np.int32)
+        new = rng.standard_normal((len(page), hkv, d)) * rng.choice([0.0, 0.5, 20.0], len(page))[
+            :, None, None
+        ]  # fmt: skip
+        new, layer = jnp.asarray(new, jnp.float32), jnp.int32(rng.integers(layers))
+        got = write(pages, scales, new, jnp.asarray(page), jnp.asarray(offset), layer=layer)
+        want = want_write(pages, scales, new, jnp.asarray(page), jnp.asarray(offset), layer)
+        for a, b, name in zip(got, want, ("pages", "scales"), strict=True):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                          err_msg=f"{name}, seed {fresh_seed}")  # fmt: skip
+        pages, scales = got
+
+
 def test_reused_page_does_not_inherit_a_stale_scale(fresh_seed):
     rng = np.random.default_rng(fresh_seed)
     pages, scales = empty_pool(4, 8, 2, 16)

@@ -63,23 +63,27 @@ def quantize_pages_write(
 
     Without `layer`, `pages` is one pool [P, ps, Hkv, D] with `scales` [P, Hkv]; with it (may be
     traced), stacked pools [L, P, ps, Hkv, D] with scales [L, P, Hkv] and only layer `layer` is
-    touched. Pages are only updated by scatters (`.at[...].set`), so a donated pool stays in place.
-    Several tokens may hit the same page (a prefill chunk): every per-page quantity is computed
-    once per page and gathered per token, so duplicate scatters write identical values.
+    touched. Several tokens may hit the same page (a prefill chunk): every per-page quantity is
+    computed once per distinct page and gathered per token, so duplicate scatters write identical
+    values. Every temporary is sized by T, never by P, and both arrays are only updated by scatters
+    (`.at[...].set`) at the tokens' pages, so donated arrays stay in place (a [P]-sized scale
+    temporary written back whole cost a copy of every layer's scales per write on the H200).
     """
     lead = () if layer is None else (layer,)
-    num_pages = pages.shape[len(lead)]
-    old_scales = scales[lead] if lead else scales  # [P, Hkv]: small, sliced freely
+    num_tokens = page.shape[0]
     new = new.astype(jnp.float32)
-
-    fresh = jnp.zeros(num_pages, bool).at[page].max(offset == 0)  # [P]
+    # The distinct pages of this write (`slot`: each token's), padded to T entries past the pool.
+    num_pages = pages.shape[len(lead)]
+    uniq, slot = jnp.unique(page, size=num_tokens, fill_value=num_pages, return_inverse=True)
+    slot = slot.reshape(num_tokens)
+    fresh = jnp.zeros(num_tokens, bool).at[slot].max(offset == 0)
+    old_scales = scales.at[(*lead, uniq)].get(mode="fill", fill_value=0.0)  # [T, Hkv]
     base = jnp.where(fresh[:, None], 0.0, old_scales)
-    page_scales = base.at[page].max(_scale_for(jnp.max(jnp.abs(new), axis=-1)))  # [P, Hkv]
+    grown = base.at[slot].max(_scale_for(jnp.max(jnp.abs(new), axis=-1)))  # [T, Hkv] per page
 
-    s_new = page_scales[page]  # [T, Hkv]
-    ratio = jnp.where(s_new > 0, base[page] / _safe(s_new), 0.0)  # 0 on a fresh page: zero it
+    s_new = grown[slot]  # [T, Hkv]: each token's page's scale after the write
+    ratio = jnp.where(s_new > 0, base[slot] / _safe(s_new), 0.0)  # 0 on a fresh page: zero it
     old = pages[(*lead, page)].astype(jnp.float32)  # [T, ps, Hkv, D]
     pages = pages.at[(*lead, page)].set(_to_e4m3(old * ratio[:, None, :, None]))
     pages = pages.at[(*lead, page, offset)].set(_to_e4m3(new / _safe(s_new)[..., None]))
-    scales = scales.at[lead].set(page_scales) if lead else page_scales
-    return pages, scales
+    return pages, scales.at[(*lead, page)].set(s_new)
