@@ -87,6 +87,25 @@ def refused(capsys):
     return run
 
 
+# ---- The CPU suite compiles far more than it runs (tiny models, many step shapes; a warm
+# compilation cache takes test_engine.py from 46 to 12 s): it asks XLA for little optimization
+# (`jax_disable_most_optimizations`: LLVM -O0, no expensive passes; 15-25% less time per file).
+# Set in the environment, so the Pythons the tests start inherit it; an explicit setting wins. A
+# run that selects the GPU tests compiles as a user's program does.
+OPTIMIZATIONS_ENV = "JAX_DISABLE_MOST_OPTIMIZATIONS"
+
+
+def pytest_configure(config):
+    markexpr = config.getoption("markexpr") or ""
+    if "gpu" in markexpr and "not gpu" not in markexpr:
+        return
+    os.environ.setdefault(OPTIMIZATIONS_ENV, "1")
+    if "jax" in sys.modules:  # (imported already: the flag's default was read then)
+        sys.modules["jax"].config.update(
+            "jax_disable_most_optimizations", os.environ[OPTIMIZATIONS_ENV] not in ("", "0")
+        )
+
+
 # ---- `--only-tests FILE`: run exactly the tests whose node ids FILE lists, one a line (a shard of
 # the GPU suite, experiments/run_gpu_tests.py --shard). Node ids on the command line would not do:
 # pytest would also run the files the other arguments name; `--deselect` matches id prefixes.
