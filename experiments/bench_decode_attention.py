@@ -18,6 +18,7 @@ options since removed: docs/decisions.md, "Paged attention kernel").
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -30,10 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_paged_attention as bpa
 
 from jaxinfer.provenance import provenance, require_gpu
-from pallas_kernels.paged_attention import CALLER_OPTIONS, KERNEL_OPTIONS, paged_attention
+from pallas_kernels.paged_attention import PagedAttentionInputs, paged_attention
+from pallas_kernels.paged_attention.mosaic_gpu import KernelOptions
 
-# The kernel's tuning keywords (the caller's `fused_kv_write` is not one) and which are booleans.
-TUNING_OPTIONS = tuple(k for k in KERNEL_OPTIONS if k not in CALLER_OPTIONS)
+# The kernel's tuning options and which are booleans.
+TUNING_OPTIONS = tuple(f.name for f in dataclasses.fields(KernelOptions))
 BOOL_OPTIONS = ("split_decode_rows", "warp_specialized", "token_major_decode")
 
 
@@ -107,9 +109,9 @@ def main(argv=None) -> dict:
                 ref = np.asarray(bpa.decode_reference(inp, inp.sets[0]), np.float32)
                 for config, opts in zip(args.configs, args.options, strict=True):
 
-                    def op(q, k, v, table, lens, qsl, opts=opts):
-                        return paged_attention(q, k, v, table, lens, qsl, max_q_len=1,
-                                               backend="pallas", **opts)  # fmt: skip
+                    def op(q, *ops, opts=opts):
+                        x = PagedAttentionInputs(q, *ops, max_q_len=1)
+                        return paged_attention(x, backend="pallas", options=KernelOptions(**opts))
 
                     row = {"batch": b, "context": ctx, "page_size": ps, "config": config,
                            "q_heads": heads[0], "kv_heads": heads[1], "head_dim": head_dim}  # fmt: skip

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.provenance import provenance, require_gpu
-from pallas_kernels.paged_attention import paged_attention
+from pallas_kernels.paged_attention import PagedAttentionInputs, paged_attention
+from pallas_kernels.paged_attention.mosaic_gpu import KernelOptions
 
 HERE = Path(__file__).resolve().parent
 VARIANTS = {  # name -> (backend, kernel options)
@@ -140,14 +141,14 @@ def main(argv=None) -> dict:
         **stats,
         "rows": [],
     }
-    ref = paged_attention(q, *operands, max_q_len=args.chunk, backend="xla")
+    ref = paged_attention(PagedAttentionInputs(q, *operands, max_q_len=args.chunk), backend="xla")
     ref = np.asarray(ref[:n], np.float32)
     for name in args.variants:
         backend, opts = VARIANTS[name]
 
-        def op(q, k, v, table, lens, qsl, backend=backend, opts=opts):
-            return paged_attention(q, k, v, table, lens, qsl, max_q_len=args.chunk,
-                                   backend=backend, **opts)  # fmt: skip
+        def op(q, *ops, backend=backend, opts=opts):
+            return paged_attention(PagedAttentionInputs(q, *ops, max_q_len=args.chunk),
+                                   backend=backend, options=KernelOptions(**opts))  # fmt: skip
 
         row = {"variant": name, "backend": backend, **opts}
         try:

@@ -38,8 +38,12 @@ import numpy as np
 from jax import lax
 
 from jaxinfer.provenance import provenance, require_gpu
+from pallas_kernels.paged_attention import (
+    PagedAttentionInputs,
+    paged_attention,
+    ragged_paged_attention,
+)
 from pallas_kernels.paged_attention import cudnn as cudnn_pa
-from pallas_kernels.paged_attention import paged_attention, ragged_paged_attention
 
 L2_BYTES = 50e6  # H100/H200 L2: K/V sets that fit may be served from it, not from HBM
 FP8 = "float8_e4m3fn"
@@ -250,7 +254,9 @@ def decode_reference(inp: DecodeInputs, pools: PoolSet) -> jax.Array:
             v = dequantize_pages(v_pages[ids], v_scales[ids])
         local = jnp.arange(ids.shape[0], dtype=jnp.int32).reshape(table.shape)
         qsl = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
-        return ragged_paged_attention(q.astype(jnp.float32), k, v, local, lens, qsl, max_q_len=1)
+        return ragged_paged_attention(
+            PagedAttentionInputs(q.astype(jnp.float32), k, v, local, lens, qsl, max_q_len=1)
+        )
 
     outs = [
         one(inp.q[i : i + chunk], pools.k_pages, pools.v_pages, pools.page_table[i : i + chunk],
@@ -329,8 +335,9 @@ def prepare_decode(impl: str, case: Case, inp: DecodeInputs, on_gpu: bool) -> Pr
             _check_xla_reference_fits(case, case.batch, max_kv, len(inp.sets) * case.kv_bytes)
 
         def op(q, k, v, table, lens, qsl, ks, vs):
-            return paged_attention(q, k, v, table, lens, qsl, max_q_len=1, k_scales=ks,
-                                   v_scales=vs, backend=backend)  # fmt: skip
+            x = PagedAttentionInputs(q, k, v, table, lens, qsl, max_q_len=1, k_scales=ks,
+                                     v_scales=vs)  # fmt: skip
+            return paged_attention(x, backend=backend)
 
         sets = [(s.k_pages, s.v_pages, s.page_table, inp.seq_lens, inp.query_start_loc,
                  s.k_scales, s.v_scales) for s in inp.sets]  # fmt: skip
@@ -361,8 +368,9 @@ def prepare_decode(impl: str, case: Case, inp: DecodeInputs, on_gpu: bool) -> Pr
     if impl == "cudnn_paged":
         cudnn_pa.check_supported(max_q_len=1, kv_dtype=case.kv_dtype)
         convert = jax.jit(cudnn_pa.to_cudnn_layout)
-        converted = [convert(inp.q, s.k_pages, s.v_pages, s.page_table, inp.seq_lens,
-                             inp.query_start_loc) for s in inp.sets]  # fmt: skip
+        converted = [convert(PagedAttentionInputs(inp.q, s.k_pages, s.v_pages, s.page_table,
+                                                  inp.seq_lens, inp.query_start_loc, max_q_len=1))
+                     for s in inp.sets]  # fmt: skip
         assert converted[0].q.shape[0] == case.batch, "pool of B * pages_per_seq pages: no dummies"
 
         def op(q, k, v, table, q_seqlen, kv_seqlen):
@@ -381,8 +389,8 @@ def prepare_prefill(impl: str, case: Case, inp: PrefillInputs, on_gpu: bool) -> 
         if backend == "xla":
             _check_xla_reference_fits(case, b * n, n, 3 * case.kv_bytes)
 
-        def op(q, k, v, table, lens, qsl):
-            return paged_attention(q, k, v, table, lens, qsl, max_q_len=n, backend=backend)
+        def op(q, *ops):
+            return paged_attention(PagedAttentionInputs(q, *ops, max_q_len=n), backend=backend)
 
         lens = jnp.full((b,), n, jnp.int32)
         qsl = jnp.arange(b + 1, dtype=jnp.int32) * n
@@ -572,11 +580,13 @@ def run_checks(smoke: bool, impls: tuple[str, ...], record) -> None:
     for c in check_cases(smoke):
         x = make_check_inputs(c, rng)
         max_q_len = max(c.q_lens)
+        rest = (x["page_table"], x["seq_lens"], x["query_start_loc"])
         opts = dict(max_q_len=max_q_len, soft_cap=c.soft_cap, sliding_window=c.sliding_window)
-        ref = ragged_paged_attention(
-            x["q"].astype(jnp.float32), x["k_f32"], x["v_f32"], x["page_table"], x["seq_lens"],
-            x["query_start_loc"], **opts,
-        )[: x["num_real"]]  # fmt: skip
+        ref = ragged_paged_attention(PagedAttentionInputs(
+            x["q"].astype(jnp.float32), x["k_f32"], x["v_f32"], *rest, **opts,
+        ))[: x["num_real"]]  # fmt: skip
+        inputs = PagedAttentionInputs(x["q"], x["k_pages"], x["v_pages"], *rest, **opts,
+                                      k_scales=x["k_scales"], v_scales=x["v_scales"])  # fmt: skip
         for impl in impls:
             backend = {"jaxinfer_pallas": "pallas", "cudnn_paged": "cudnn"}.get(impl)
             if backend is None or (backend == "cudnn" and (max_q_len != 1 or c.soft_cap or
@@ -584,9 +594,7 @@ def run_checks(smoke: bool, impls: tuple[str, ...], record) -> None:
                 continue
             row = {"impl": impl, **dataclasses.asdict(c)}
             try:
-                fn = jax.jit(functools.partial(paged_attention, backend=backend, **opts))
-                out = fn(x["q"], x["k_pages"], x["v_pages"], x["page_table"], x["seq_lens"],
-                         x["query_start_loc"], k_scales=x["k_scales"], v_scales=x["v_scales"])  # fmt: skip
+                out = jax.jit(functools.partial(paged_attention, backend=backend))(inputs)
                 out = out[: x["num_real"]].astype(jnp.float32)
                 err = jnp.linalg.norm(out - ref, axis=(1, 2)) / jnp.linalg.norm(ref, axis=(1, 2))
                 row.update(rel_err=rel_err(out, ref), max_row_rel_err=float(jnp.max(err)),

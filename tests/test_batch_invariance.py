@@ -35,8 +35,8 @@ from jaxinfer.models.spec import param_specs
 from jaxinfer.quant import QuantizedWeight
 from jaxinfer.quant.format import WEIGHT_FORMATS
 from pallas_kernels.invariant import fixed_order_sum
+from pallas_kernels.paged_attention import PagedAttentionInputs, ragged_paged_attention
 from pallas_kernels.paged_attention.invariant import ragged_paged_attention_invariant
-from pallas_kernels.paged_attention.reference import ragged_paged_attention
 
 # Steps of up to 64 tokens: a probe's prefill alone runs in a 16- or 32-token bucket, inside a
 # batch in the 64-token one, where XLA CPU's matmul changes kernel (the control shows it: with
@@ -127,20 +127,18 @@ def test_invariant_attention_gives_a_sequence_the_same_bits_in_any_batch(fresh_s
     keys = rng.standard_normal((ctx, hkv, d)).astype(np.float32)
     vals = rng.standard_normal((ctx, hkv, d)).astype(np.float32)
     q = rng.standard_normal((new, hq, d)).astype(np.float32)
-    window = dict(sliding_window=97)
-    attend = jax.jit(partial(ragged_paged_attention_invariant, **window),
-                     static_argnames="max_q_len")  # fmt: skip
+    attend = jax.jit(ragged_paged_attention_invariant)
 
     def alone(page_size):
         pages = -(-ctx // page_size)
         k_pages, v_pages = _paged(keys, vals, page_size, range(1, pages + 1), pages + 1, rng)
-        args = (jnp.asarray(q), k_pages, v_pages, jnp.arange(1, pages + 1)[None],
-                jnp.asarray([ctx]), jnp.asarray([0, new]))  # fmt: skip
-        return attend(*args, max_q_len=new), args
+        x = PagedAttentionInputs(jnp.asarray(q), k_pages, v_pages, jnp.arange(1, pages + 1)[None],
+                                 jnp.asarray([ctx]), jnp.asarray([0, new]), max_q_len=new,
+                                 sliding_window=97)  # fmt: skip
+        return attend(x), x
 
-    out, args = alone(8)
-    ref = jax.jit(partial(ragged_paged_attention, **window), static_argnames="max_q_len")
-    ref = ref(*args, max_q_len=new)
+    out, x = alone(8)
+    ref = jax.jit(ragged_paged_attention)(x)
     np.testing.assert_allclose(out, ref, atol=2e-6, err_msg=f"seed {fresh_seed}")
     assert np.array_equal(alone(16)[0], out), f"page size 16 vs 8, seed {fresh_seed}"
 
@@ -153,9 +151,9 @@ def test_invariant_attention_gives_a_sequence_the_same_bits_in_any_batch(fresh_s
     qsl = np.concatenate([[0], np.cumsum([3, 1, new, 40, 1])]).astype(np.int32)
     qb = rng.standard_normal((64, hq, d)).astype(np.float32)
     qb[qsl[2] : qsl[3]] = q
-    batched = attend(
+    batched = attend(PagedAttentionInputs(
         jnp.asarray(qb), k_pages, v_pages, jnp.asarray(table), jnp.asarray(seq_lens),
-        jnp.asarray(qsl), max_q_len=64)  # fmt: skip
+        jnp.asarray(qsl), max_q_len=64, sliding_window=97))  # fmt: skip
     assert np.array_equal(np.asarray(batched)[qsl[2] : qsl[3]], out), f"seed {fresh_seed}"
 
 

@@ -7,12 +7,14 @@ mask from kv_seqlen), so the layout conversion is checked against the reference 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.paged_attention import cudnn, ragged_paged_attention
+from pallas_kernels.paged_attention import PagedAttentionInputs, cudnn, ragged_paged_attention
 
 
 def emulated_cudnn(inputs: cudnn.CudnnPagedInputs, sm_scale: float) -> jax.Array:
@@ -32,8 +34,9 @@ def emulated_cudnn(inputs: cudnn.CudnnPagedInputs, sm_scale: float) -> jax.Array
 
 
 def decode_batch(rng, ctx_lens, num_pages, *, page_size=16, num_kv_heads=2, group=4, head_dim=32):
-    """Decode batch in our layout: sequence s has ctx_lens[s] tokens (incl. the new one; 0 means a
-    slot with no query token). Pages are shuffled; unused pages and key slots hold NaN."""
+    """Decode batch in our layout (`PagedAttentionInputs`): sequence s has ctx_lens[s] tokens (incl.
+    the new one; 0 means a slot with no query token). Pages are shuffled; unused pages and key
+    slots hold NaN."""
     needed = [-(-n // page_size) for n in ctx_lens]
     pages_per_seq = max(needed) + 1
     assert sum(needed) < num_pages
@@ -54,8 +57,11 @@ def decode_batch(rng, ctx_lens, num_pages, *, page_size=16, num_kv_heads=2, grou
     q_lens = [int(n > 0) for n in ctx_lens]
     q = rng.standard_normal((sum(q_lens) + 2, num_kv_heads * group, head_dim))
     qsl = np.concatenate([[0], np.cumsum(q_lens)])
-    return (jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16),
-            jnp.asarray(table), jnp.asarray(ctx_lens, jnp.int32), jnp.asarray(qsl, jnp.int32))  # fmt: skip
+    return PagedAttentionInputs(
+        jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16),
+        jnp.asarray(table), jnp.asarray(ctx_lens, jnp.int32), jnp.asarray(qsl, jnp.int32),
+        max_q_len=1,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -70,18 +76,16 @@ def decode_batch(rng, ctx_lens, num_pages, *, page_size=16, num_kv_heads=2, grou
 def test_cudnn_layout_conversion_matches_reference(num_pages):
     rng = np.random.default_rng(num_pages)
     ctx_lens = [37, 1, 0, 64]  # slot 2 has no query token; 64 tokens fill 4 pages exactly
-    args = decode_batch(rng, ctx_lens, num_pages)
-    q, k_pages, v_pages, table, seq_lens, qsl = args
-    inputs = cudnn.to_cudnn_layout(*args)
+    x = decode_batch(rng, ctx_lens, num_pages)
+    inputs = cudnn.to_cudnn_layout(x)
     rows, _, cols, _ = inputs.page_table.shape
-    assert rows >= len(ctx_lens) and cols >= table.shape[1]
+    assert rows >= len(ctx_lens) and cols >= x.page_table.shape[1]
     assert inputs.k_pages.shape[0] == rows * cols
     if num_pages != 31:
-        assert inputs.k_pages is k_pages  # no copy of the pools
-    out = emulated_cudnn(inputs, q.shape[-1] ** -0.5)
-    got = cudnn.from_cudnn_output(out, qsl, q.shape[0], jnp.float32)
-    want = ragged_paged_attention(q.astype(jnp.float32), k_pages, v_pages, table, seq_lens, qsl,
-                                  max_q_len=1)  # fmt: skip
+        assert inputs.k_pages is x.k_pages  # no copy of the pools
+    out = emulated_cudnn(inputs, x.q.shape[-1] ** -0.5)
+    got = cudnn.from_cudnn_output(out, x.query_start_loc, x.q.shape[0], jnp.float32)
+    want = ragged_paged_attention(dataclasses.replace(x, q=x.q.astype(jnp.float32)))
     np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
 
 
@@ -102,18 +106,16 @@ def test_unsupported_features_raise_not_implemented_naming_them(kwargs, named):
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the no-GPU message")
 def test_without_gpu_the_backend_says_it_needs_one():
-    args = decode_batch(np.random.default_rng(0), [5, 9], 8)
+    x = decode_batch(np.random.default_rng(0), [5, 9], 8)
     with pytest.raises(NotImplementedError, match="GPU"):
-        cudnn.cudnn_paged_attention(*args, max_q_len=1)
+        cudnn.cudnn_paged_attention(x)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_pages", [4 * 5, 31])
 def test_cudnn_paged_attention_matches_reference_on_gpu(num_pages):
     rng = np.random.default_rng(1)
-    args = decode_batch(rng, [37, 1, 0, 64], num_pages, head_dim=128)
-    got = jax.jit(cudnn.cudnn_paged_attention, static_argnames="max_q_len")(*args, max_q_len=1)
-    q, k_pages, v_pages, table, seq_lens, qsl = args
-    want = ragged_paged_attention(q.astype(jnp.float32), k_pages, v_pages, table, seq_lens, qsl,
-                                  max_q_len=1)  # fmt: skip
+    x = decode_batch(rng, [37, 1, 0, 64], num_pages, head_dim=128)
+    got = jax.jit(cudnn.cudnn_paged_attention)(x)
+    want = ragged_paged_attention(dataclasses.replace(x, q=x.q.astype(jnp.float32)))
     np.testing.assert_allclose(got.astype(jnp.float32), want, atol=2e-2, rtol=2e-2)

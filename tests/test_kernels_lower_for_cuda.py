@@ -9,46 +9,43 @@ jax's Mosaic; the GPU machine's newer jax compiles them in the `-m gpu` tests). 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.paged_attention.mosaic_gpu import ragged_paged_attention_mgpu
+from pallas_kernels.paged_attention import PagedAttentionInputs
+from pallas_kernels.paged_attention.mosaic_gpu import KernelOptions, ragged_paged_attention_mgpu
 
 BF16, FP8 = jnp.bfloat16, jnp.float8_e4m3fn
 
 
 def lower_attention(*, num_tokens, num_seqs, max_q_len, num_kv_heads=8, group=4, head_dim=128,
-                    page_size=64, kv_dtype=BF16, shared_pool=False, new_kv=False, **kw):  # fmt: skip
-    """Lowered HLO text of one call of the kernel (compiled, not interpreted) for CUDA."""
+                    page_size=64, kv_dtype=BF16, shared_pool=False, new_kv=False, soft_cap=None,
+                    sliding_window=None, **options):  # fmt: skip
+    """Lowered HLO text of one call of the kernel (compiled, not interpreted) for CUDA, with
+    `KernelOptions(**options)`."""
     num_pages = 64
     sds = jax.ShapeDtypeStruct
     q = sds((num_tokens, num_kv_heads * group, head_dim), BF16)
     pages = sds((num_pages, page_size, num_kv_heads, head_dim), kv_dtype)
     table, lens = sds((num_seqs, 8), jnp.int32), sds((num_seqs,), jnp.int32)
     qsl = sds((num_seqs + 1,), jnp.int32)
-    args = [q, pages, table, lens, qsl] if shared_pool else [q, pages, pages, table, lens, qsl]
-    if kv_dtype == FP8:
-        kw.update(k_scales=sds((num_pages, num_kv_heads), jnp.float32))
-        kw["v_scales"] = kw["k_scales"]
-    if new_kv:
-        args.append(sds((num_tokens, num_kv_heads, head_dim), BF16))
+    scales = sds((num_pages, num_kv_heads), jnp.float32) if kv_dtype == FP8 else None
+    x = PagedAttentionInputs(q, pages, pages, table, lens, qsl, max_q_len=max_q_len,
+                             k_scales=scales, v_scales=scales, soft_cap=soft_cap,
+                             sliding_window=sliding_window,
+                             v_page_offset=int(shared_pool))  # fmt: skip
+    k_new = sds((num_tokens, num_kv_heads, head_dim), BF16) if new_kv else None
 
-    def call(*a):
-        a = list(a)
-        extra = {}
-        if new_kv:
-            k_new = a.pop()
-            extra["new_kv"] = (k_new, k_new)
-        if shared_pool:
-            a.insert(2, a[1])
-            extra["v_page_offset"] = 1
-        scales = {k: jnp.zeros(v.shape, v.dtype) for k, v in kw.items() if k.endswith("_scales")}
-        opts = {k: v for k, v in kw.items() if not k.endswith("_scales")}
-        return ragged_paged_attention_mgpu(*a, max_q_len=max_q_len, interpret=False, **scales,
-                                           **opts, **extra)  # fmt: skip
+    def call(x, k_new):
+        if shared_pool:  # one pool array for K and V
+            x = dataclasses.replace(x, v_pages=x.k_pages)
+        kv = None if k_new is None else (k_new, k_new)
+        return ragged_paged_attention_mgpu(x, KernelOptions(**options), interpret=False, new_kv=kv)
 
-    return jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return jax.jit(call).trace(x, k_new).lower(lowering_platforms=("cuda",)).as_text()
 
 
 DECODE = dict(num_tokens=64, num_seqs=64, max_q_len=1)  # one split: token-major outputs

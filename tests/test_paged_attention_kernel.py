@@ -18,6 +18,7 @@ kernel on the device.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import secrets
@@ -28,8 +29,12 @@ import numpy as np
 import pytest
 from test_paged_attention_reference import make_case
 
-from pallas_kernels.paged_attention import paged_attention, ragged_paged_attention
-from pallas_kernels.paged_attention.mosaic_gpu import ragged_paged_attention_mgpu
+from pallas_kernels.paged_attention import (
+    PagedAttentionInputs,
+    paged_attention,
+    ragged_paged_attention,
+)
+from pallas_kernels.paged_attention.mosaic_gpu import KernelOptions, ragged_paged_attention_mgpu
 
 E4M3_MAX = 448.0
 
@@ -97,7 +102,9 @@ def interleave(k, v):
 
 
 def run_case(*, q_lens, ctx_lens, page_size, num_kv_heads, group, head_dim, fp8=False,
-             interpret=True, shared_pool=False, pad_tokens=3, **kw):  # fmt: skip
+             interpret=True, shared_pool=False, pad_tokens=3, soft_cap=None, sliding_window=None,
+             device=None, **options):  # fmt: skip
+    """The kernel with `KernelOptions(**options)` against the reference on a `make_case` batch."""
     seed = secrets.randbelow(2**31)
     rng = np.random.default_rng(seed)
     q, k_pages, v_pages, table, lens, qsl, _, _ = make_case(
@@ -113,21 +120,21 @@ def run_case(*, q_lens, ctx_lens, page_size, num_kv_heads, group, head_dim, fp8=
         k_in, v_in = jnp.asarray(k_pages, jnp.bfloat16), jnp.asarray(v_pages, jnp.bfloat16)
         k_ref, v_ref = np.asarray(k_in, np.float32), np.asarray(v_in, np.float32)
         extra = {}
-    max_q = max(q_lens)
-    common = dict(max_q_len=max_q, soft_cap=kw.get("soft_cap"),
-                  sliding_window=kw.get("sliding_window"))  # fmt: skip
+    common = dict(max_q_len=max(q_lens), soft_cap=soft_cap, sliding_window=sliding_window)
     tab, sl, loc = jnp.asarray(table), jnp.asarray(lens), jnp.asarray(qsl)
     if shared_pool:  # one pool, K and V of a page side by side
         k_in = v_in = interleave(k_in, v_in)
         if fp8:
             extra = dict.fromkeys(("k_scales", "v_scales"), interleave(k_scales, v_scales))
-        out = ragged_paged_attention_mgpu(qb, k_in, v_in, tab * 2, sl, loc, interpret=interpret,
-                                          v_page_offset=1, **kw, **extra, max_q_len=max_q)  # fmt: skip
+        x = PagedAttentionInputs(qb, k_in, v_in, tab * 2, sl, loc, v_page_offset=1, **common,
+                                 **extra)  # fmt: skip
     else:
-        out = ragged_paged_attention_mgpu(qb, k_in, v_in, tab, sl, loc, interpret=interpret, **kw,
-                                          **extra, max_q_len=max_q)  # fmt: skip
-    ref = ragged_paged_attention(qb.astype(jnp.float32), jnp.asarray(k_ref), jnp.asarray(v_ref),
-                                 tab, sl, loc, **common)  # fmt: skip
+        x = PagedAttentionInputs(qb, k_in, v_in, tab, sl, loc, **common, **extra)
+    out = ragged_paged_attention_mgpu(x, KernelOptions(**options), interpret=interpret,
+                                      device=device)  # fmt: skip
+    ref = ragged_paged_attention(PagedAttentionInputs(
+        qb.astype(jnp.float32), jnp.asarray(k_ref), jnp.asarray(v_ref), tab, sl, loc, **common,
+    ))  # fmt: skip
     out, ref = np.asarray(out, np.float32), np.asarray(ref)
     n = sum(q_lens)
     assert out.shape == q.shape and out.dtype == np.float32
@@ -231,7 +238,7 @@ def test_token_major_decode_outputs(monkeypatch, q_lens, ctx_lens, group, warp_s
 
 
 def run_write_case(*, q_lens, ctx_lens, page_size=16, num_kv_heads=2, group=4, head_dim=64,
-                   shared_pool=True, interpret=True, pad_tokens=2, **kw):  # fmt: skip
+                   shared_pool=True, interpret=True, pad_tokens=2, **options):  # fmt: skip
     """Decode with `new_kv`: the kernel writes each token's K/V into its slot, then attends.
 
     The new tokens' slots are NaN on input (a tile loaded before the write lands, or from the
@@ -256,26 +263,28 @@ def run_write_case(*, q_lens, ctx_lens, page_size=16, num_kv_heads=2, group=4, h
             k_new[t], v_new[t] = k_pages[page, slot], v_pages[page, slot]
             k_in[page, slot] = v_in[page, slot] = np.nan
     qb = jnp.asarray(q, jnp.bfloat16)
-    args = dict(seq_lens=jnp.asarray(lens), query_start_loc=jnp.asarray(qsl), max_q_len=1,
-                new_kv=(jnp.asarray(k_new, jnp.bfloat16), jnp.asarray(v_new, jnp.bfloat16)),
-                interpret=interpret, **kw)  # fmt: skip
+    rest = (jnp.asarray(lens), jnp.asarray(qsl))
+    kw = dict(new_kv=(jnp.asarray(k_new, jnp.bfloat16), jnp.asarray(v_new, jnp.bfloat16)),
+              interpret=interpret)  # fmt: skip
     if shared_pool:
         pool = interleave(jnp.asarray(k_in, jnp.bfloat16), jnp.asarray(v_in, jnp.bfloat16))
-        out, k_out, v_out = ragged_paged_attention_mgpu(qb, pool, pool, jnp.asarray(table) * 2,
-                                                        v_page_offset=1, **args)  # fmt: skip
+        x = PagedAttentionInputs(qb, pool, pool, jnp.asarray(table) * 2, *rest, max_q_len=1,
+                                 v_page_offset=1)  # fmt: skip
+        out, k_out, v_out = ragged_paged_attention_mgpu(x, KernelOptions(**options), **kw)
         assert k_out is v_out
         both = np.asarray(k_out, np.float32).reshape(-1, 2, *k_pages.shape[1:])
         k_out, v_out = both[:, 0], both[:, 1]
     else:
-        out, k_out, v_out = ragged_paged_attention_mgpu(
-            qb, jnp.asarray(k_in, jnp.bfloat16), jnp.asarray(v_in, jnp.bfloat16),
-            jnp.asarray(table), **args)  # fmt: skip
+        x = PagedAttentionInputs(qb, jnp.asarray(k_in, jnp.bfloat16),
+                                 jnp.asarray(v_in, jnp.bfloat16), jnp.asarray(table), *rest,
+                                 max_q_len=1)  # fmt: skip
+        out, k_out, v_out = ragged_paged_attention_mgpu(x, KernelOptions(**options), **kw)
         k_out, v_out = np.asarray(k_out, np.float32), np.asarray(v_out, np.float32)
     assert np.array_equal(k_out, k_pages, equal_nan=True), f"K pages (seed {seed})"
     assert np.array_equal(v_out, v_pages, equal_nan=True), f"V pages (seed {seed})"
-    ref = ragged_paged_attention(qb.astype(jnp.float32), jnp.asarray(k_pages),
-                                 jnp.asarray(v_pages), jnp.asarray(table), jnp.asarray(lens),
-                                 jnp.asarray(qsl), max_q_len=1)  # fmt: skip
+    ref = ragged_paged_attention(PagedAttentionInputs(
+        qb.astype(jnp.float32), jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.asarray(table),
+        *rest, max_q_len=1))  # fmt: skip
     out, ref = np.asarray(out, np.float32), np.asarray(ref)
     n = sum(q_lens)
     assert np.isfinite(out[:n]).all(), f"non-finite output (seed {seed})"
@@ -310,21 +319,27 @@ def test_new_kv_is_validated():
     pages = jnp.zeros((6, 16, 2, 64), jnp.bfloat16)
     table, lens, qsl = jnp.ones((3, 2), jnp.int32), jnp.ones((3,), jnp.int32), jnp.arange(4)
     kv = (jnp.zeros((4, 2, 64), jnp.bfloat16),) * 2
-    call = functools.partial(ragged_paged_attention_mgpu, q, pages, pages, table, lens, qsl,
-                             interpret=True)  # fmt: skip
+    x = PagedAttentionInputs(q, pages, pages, table, lens, qsl, max_q_len=1)
+    call = functools.partial(ragged_paged_attention_mgpu, interpret=True)
     with pytest.raises(ValueError, match="max_q_len 1"):
-        call(max_q_len=2, new_kv=kv)
+        call(dataclasses.replace(x, max_q_len=2), new_kv=kv)
     with pytest.raises(ValueError, match="warp_specialized=False"):
-        call(max_q_len=1, new_kv=kv, warp_specialized=True)
+        call(x, KernelOptions(warp_specialized=True), new_kv=kv)
     with pytest.raises(ValueError, match=r"new_kv must be \(k, v\)"):
-        call(max_q_len=1, new_kv=(kv[0][:, :1], kv[1]))
+        call(x, new_kv=(kv[0][:, :1], kv[1]))
     p8 = pages.astype(jnp.float8_e4m3fn)
     scales = jnp.ones((6, 2), jnp.float32)
     with pytest.raises(ValueError, match="fp8 pages"):
-        ragged_paged_attention_mgpu(q, p8, p8, table, lens, qsl, max_q_len=1, new_kv=kv,
-                                    k_scales=scales, v_scales=scales, interpret=True)  # fmt: skip
+        call(dataclasses.replace(x, k_pages=p8, v_pages=p8, k_scales=scales, v_scales=scales),
+             new_kv=kv)  # fmt: skip
     with pytest.raises(ValueError, match="only the pallas backend"):
-        paged_attention(q, pages, pages, table, lens, qsl, max_q_len=1, backend="xla", new_kv=kv)
+        paged_attention(x, backend="xla", new_kv=kv)
+    with pytest.raises(ValueError, match=r"block_kv=96 is invalid: must be 64 or 128"):
+        KernelOptions(block_kv=96)
+    with pytest.raises(ValueError, match=r"num_splits=0 is invalid: must be an int >= 1"):
+        KernelOptions(num_splits=0)
+    with pytest.raises(ValueError, match=r"split_decode_rows=1 is invalid: must be a bool"):
+        KernelOptions(split_decode_rows=1)
 
 
 @pytest.mark.parametrize("head_dim,group,num_kv_heads", [(128, 8, 1), (256, 2, 2), (64, 1, 4)])
@@ -394,20 +409,23 @@ def test_dispatcher_routes_to_the_kernel_and_validates(fresh_seed):
     rng = np.random.default_rng(fresh_seed)
     q, k, v, table, lens, qsl, _, _ = make_case(rng, q_lens=[1, 1], ctx_lens=[20, 5], page_size=16,
                                                 num_kv_heads=1, group=2, head_dim=64)  # fmt: skip
-    args = [jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16),
-            jnp.asarray(table), jnp.asarray(lens), jnp.asarray(qsl)]  # fmt: skip
-    out = paged_attention(*args, max_q_len=1, backend="pallas", interpret=True)
-    ref = paged_attention(*args, max_q_len=1, backend="xla")
+    x = PagedAttentionInputs(jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16),
+                             jnp.asarray(v, jnp.bfloat16), jnp.asarray(table), jnp.asarray(lens),
+                             jnp.asarray(qsl), max_q_len=1)  # fmt: skip
+    out = paged_attention(x, backend="pallas")  # (interpreted: the default on a CPU)
+    ref = paged_attention(x, backend="xla")
     np.testing.assert_allclose(np.asarray(out[:2], np.float32), np.asarray(ref[:2], np.float32),
                                atol=3e-2, rtol=3e-2)  # fmt: skip
     with pytest.raises(ValueError, match="attention backend"):
-        paged_attention(*args, max_q_len=1, backend="triton")
+        paged_attention(x, backend="triton")
     with pytest.raises(NotImplementedError, match="page_size"):
         bad = jnp.zeros((4, 8, 1, 64), jnp.bfloat16)
-        ragged_paged_attention_mgpu(args[0], bad, bad, *args[3:], max_q_len=1, interpret=True)
+        ragged_paged_attention_mgpu(
+            dataclasses.replace(x, k_pages=bad, v_pages=bad), interpret=True
+        )
     with pytest.raises(ValueError, match="k_scales"):
-        k8 = args[1].astype(jnp.float8_e4m3fn)
-        ragged_paged_attention_mgpu(args[0], k8, k8, *args[3:], max_q_len=1, interpret=True)
+        k8 = x.k_pages.astype(jnp.float8_e4m3fn)
+        ragged_paged_attention_mgpu(dataclasses.replace(x, k_pages=k8, v_pages=k8), interpret=True)
 
 
 @pytest.mark.gpu

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.kv.cache import SCRATCH_PAGE, KVCache, PageTable, token_slots, write_kv
-from pallas_kernels.paged_attention import ragged_paged_attention
+from pallas_kernels.paged_attention import PagedAttentionInputs, ragged_paged_attention
 
 
 def make_case(rng, *, q_lens, ctx_lens, page_size, num_kv_heads, group, head_dim, pad_tokens=3):
@@ -66,17 +66,9 @@ def naive_attention(q, qsl, k_seqs, v_seqs, sliding_window=None):
 
 def run_reference(q, k_pages, v_pages, table, lens, qsl, **kw):
     max_q = int(np.max(np.diff(qsl)))
+    arrays = map(jnp.asarray, (q, k_pages, v_pages, table, lens, qsl))
     return np.asarray(
-        ragged_paged_attention(
-            jnp.asarray(q),
-            jnp.asarray(k_pages),
-            jnp.asarray(v_pages),
-            jnp.asarray(table),
-            jnp.asarray(lens),
-            jnp.asarray(qsl),
-            max_q_len=max(max_q, 1),
-            **kw,
-        )
+        ragged_paged_attention(PagedAttentionInputs(*arrays, max_q_len=max(max_q, 1), **kw))
     )
 
 

@@ -11,22 +11,15 @@ import math
 from dataclasses import field
 from typing import Annotated, Any
 
-from pydantic import (
-    AfterValidator,
-    Field,
-    Strict,
-    TypeAdapter,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import AfterValidator, Field, Strict, field_validator, model_validator
 
 from jaxinfer.config_file import Count, Flag, NonNegative, invalid, one_of, schema
 from jaxinfer.engine.block_manager import ALLOCATION_POLICIES
 from jaxinfer.engine.policies import POLICIES
 from jaxinfer.kv.cache import KV_DTYPES
-from jaxinfer.models.attention import ATTENTION_BACKENDS, ATTENTION_OPTIONS
+from jaxinfer.models.attention import ATTENTION_BACKENDS, ATTENTION_OPTIONS, CALLER_OPTIONS
 from jaxinfer.models.moe import MOE_BACKENDS
+from pallas_kernels.paged_attention.mosaic_gpu import KernelOptions
 
 DATA_PARALLEL_BACKENDS = ("auto", "process")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -202,23 +195,6 @@ def _pages(num_pages: int | str) -> int | str:
     return num_pages
 
 
-# The values each kernel option takes (checked here: the kernel would meet a bad one only when
-# a step is traced for a GPU, and other backends ignore the options)
-_ATTENTION_OPTION_VALUES = {
-    name: (kind, TypeAdapter(values))
-    for name, kind, values in (
-        ("split_decode_rows", "true or false", Flag),
-        ("num_splits", "an int >= 1", Count),
-        ("num_stages", "an int >= 1", Count),
-        ("warp_specialized", "true or false", Flag),
-        ("block_kv", "64 or 128", Annotated[int, Strict(), one_of(64, 128)]),
-        ("num_consumers", "an int >= 1", Count),
-        ("token_major_decode", "true or false", Flag),
-        ("fused_kv_write", "true, false or a token limit >= 0", Flag | NonNegative),
-    )
-}
-
-
 @schema("engine.")
 class EngineConfig:
     # "tiny"/"tiny-draft": shipped reference models; "smollm2": SmolLM2-135M-Instruct from its
@@ -330,12 +306,15 @@ class EngineConfig:
             if key not in ATTENTION_OPTIONS:
                 raise ValueError(f"engine.attention_options.{key} is unknown: the Pallas kernel's "
                                  f"options are {', '.join(ATTENTION_OPTIONS)}")  # fmt: skip
-            kind, adapter = _ATTENTION_OPTION_VALUES[key]
-            try:
-                adapter.validate_python(value)
-            except ValidationError:
-                raise ValueError(f"engine.attention_options.{key}={value!r} is invalid: must be "
-                                 f"{kind}") from None  # fmt: skip
+            if key in CALLER_OPTIONS:  # fused_kv_write
+                if type(value) is not bool and not (type(value) is int and value >= 0):
+                    raise ValueError(f"engine.attention_options.{key}={value!r} is invalid: must "
+                                     "be true, false or a token limit >= 0")  # fmt: skip
+                continue
+            try:  # (checked here: the kernel would meet a bad value only when tracing for a GPU)
+                KernelOptions(**{key: value})
+            except ValueError as e:
+                raise ValueError(f"engine.attention_options.{e}") from None
         return options
 
     @field_validator("compiler_options")

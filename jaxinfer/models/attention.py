@@ -20,15 +20,18 @@ from jaxinfer.models.batch import RaggedBatch
 from jaxinfer.models.numerics import DEFAULT_NUMERICS, Numerics
 from pallas_kernels.paged_attention import (
     BACKENDS,
-    CALLER_OPTIONS,
-    KERNEL_OPTIONS,
+    PagedAttentionInputs,
     paged_attention,
     resolve_backend,
 )
-from pallas_kernels.paged_attention.mosaic_gpu import fused_kv_write_reason
+from pallas_kernels.paged_attention.mosaic_gpu import KernelOptions, fused_kv_write_reason
 
 ATTENTION_BACKENDS = BACKENDS
-ATTENTION_OPTIONS = KERNEL_OPTIONS
+# Options this module acts on, not the kernel: `fused_kv_write` (true, false or a token limit)
+# lets a decode step's kernel write the new K/V itself (`new_kv`) instead of an XLA scatter
+# before it (`write_kv_and_attend`).
+CALLER_OPTIONS = ("fused_kv_write",)
+ATTENTION_OPTIONS = (*(f.name for f in dataclasses.fields(KernelOptions)), *CALLER_OPTIONS)
 # Decode steps of at most this many tokens write their K/V in the attention kernel (option
 # `fused_kv_write`: true = this limit, an int = another, false = never): measured faster up to
 # batch 64, not beyond (docs/decisions.md).
@@ -37,11 +40,11 @@ FUSED_KV_WRITE_MAX_TOKENS = 64
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    """Static: which paged-attention backend a step uses, the Pallas kernel's tuning keywords
-    ((name, value) pairs of `ATTENTION_OPTIONS` and `fused_kv_write`; other backends ignore
-    them), the device the kernels are built for (its SM count, whether to interpret; None:
-    the default device), and the mesh whose "model" axis splits the heads (None: attention runs
-    as one program; `parallel.tensor.attention_mesh`)."""
+    """Static: which paged-attention backend a step uses, the Pallas kernel's options ((name,
+    value) pairs of `ATTENTION_OPTIONS`: `KernelOptions`' fields and `fused_kv_write`; other
+    backends ignore them), the device the kernels are built for (its SM count, whether to
+    interpret; None: the default device), and the mesh whose "model" axis splits the heads
+    (None: attention runs as one program; `parallel.tensor.attention_mesh`)."""
 
     backend: str = "xla"
     options: tuple[tuple[str, object], ...] = ()
@@ -56,8 +59,9 @@ class AttentionConfig:
         object.__setattr__(self, "options", tuple(sorted(dict(self.options).items())))
 
     @property
-    def kernel_options(self) -> dict[str, object]:
-        return {k: v for k, v in self.options if k not in CALLER_OPTIONS}
+    def kernel_options(self) -> KernelOptions:
+        """The kernel's tuning (raises ValueError naming a bad option)."""
+        return KernelOptions(**{k: v for k, v in self.options if k not in CALLER_OPTIONS})
 
 
 XLA_ATTENTION = AttentionConfig()  # the reference backend, the default of the model functions
@@ -155,7 +159,7 @@ def _attend(q, k, v, kv, layer, batch, page, offset, sliding_window, attention, 
     if not fused:
         kv = write_kv(kv, layer, k, v, page, offset)
     pool, pool_scales = kv.pool()
-    out = paged_attention(
+    inputs = PagedAttentionInputs(
         q,
         pool,
         pool,
@@ -164,14 +168,17 @@ def _attend(q, k, v, kv, layer, batch, page, offset, sliding_window, attention, 
         batch.query_start_loc,
         max_q_len=batch.max_q_len,
         sliding_window=sliding_window,
-        backend=backend,
         k_scales=pool_scales,
         v_scales=pool_scales,
         v_page_offset=1,
+    )
+    out = paged_attention(
+        inputs,
+        backend=backend,
+        options=attention.kernel_options,
         new_kv=(k, v) if fused else None,
         device=attention.device,
         batch_invariant=numerics.batch_invariant,
-        **attention.kernel_options,
     )
     if not fused:
         return out, kv

@@ -9,7 +9,7 @@ paged_attention` (private; same signature in jax 0.10.2 and 0.11). Its layout:
 - `page_table_k`, `page_table_v`: [B, 1, blocks_per_seq, 1] int32.
 - `q_seqlen`, `kv_seqlen`: [B] int32; the padding mask keeps keys [0, kv_seqlen).
 
-`to_cudnn_layout` converts our ragged layout (see `reference.py`); what it costs per call:
+`to_cudnn_layout` converts our ragged layout (`PagedAttentionInputs`); what it costs per call:
 
 - q: gather each sequence's one query row into [S', 1, Hq, D] (S' * Hq * D elements; negligible).
 - page table: reshape (free) plus, when the pool size is not S * pages_per_seq, padding with extra
@@ -35,6 +35,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.paged_attention.inputs import PagedAttentionInputs
 
 _API = "jax._src.cudnn.fused_attention_stablehlo.paged_attention"
 
@@ -106,19 +108,13 @@ def _factor_pool(num_pages: int, num_seqs: int, pages_per_seq: int) -> tuple[int
     return None
 
 
-def to_cudnn_layout(
-    q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    page_table: jax.Array,
-    seq_lens: jax.Array,
-    query_start_loc: jax.Array,
-) -> CudnnPagedInputs:
+def to_cudnn_layout(x: PagedAttentionInputs) -> CudnnPagedInputs:
     """Our decode-only ragged layout -> cuDNN's (see the module docstring for what it costs).
 
     Sequences with no query token and dummy sequences get kv_seqlen >= 1 (one real key, never a
     fully masked row) and their output rows are dropped by `from_cudnn_output`.
     """
+    q, k_pages, v_pages, page_table = x.q, x.k_pages, x.v_pages, x.page_table
     num_pages = k_pages.shape[0]
     num_seqs, pages_per_seq = page_table.shape
     factors = _factor_pool(num_pages, num_seqs, pages_per_seq)
@@ -130,9 +126,9 @@ def to_cudnn_layout(
     else:
         rows, cols = factors
     table = jnp.zeros((rows, cols), jnp.int32).at[:num_seqs, :pages_per_seq].set(page_table)
-    kv_len = jnp.ones((rows,), jnp.int32).at[:num_seqs].set(jnp.maximum(seq_lens, 1))
+    kv_len = jnp.ones((rows,), jnp.int32).at[:num_seqs].set(jnp.maximum(x.seq_lens, 1))
     num_tokens = q.shape[0]
-    q_rows = jnp.clip(query_start_loc[:-1], 0, num_tokens - 1)
+    q_rows = jnp.clip(x.query_start_loc[:-1], 0, num_tokens - 1)
     q_seq = (
         jnp.zeros((rows, *q.shape[1:]), k_pages.dtype)
         .at[:num_seqs]
@@ -173,8 +169,8 @@ def cudnn_paged_decode(
 ) -> jax.Array:
     """cuDNN's paged attention call alone, on operands in its layout (`CudnnPagedInputs`).
 
-    V's page table is K's plus `v_page_offset` (K and V in one pool; see `reference`). Returns
-    [B, 1, Hq, D] in q.dtype. This is what a benchmark should time.
+    V's page table is K's plus `v_page_offset` (K and V in one pool: `PagedAttentionInputs`).
+    Returns [B, 1, Hq, D] in q.dtype. This is what a benchmark should time.
     """
     paged_attention, mask_type = _cudnn_api()
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
@@ -192,35 +188,15 @@ def cudnn_paged_decode(
     )
 
 
-def cudnn_paged_attention(
-    q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    page_table: jax.Array,
-    seq_lens: jax.Array,
-    query_start_loc: jax.Array,
-    *,
-    max_q_len: int,
-    sm_scale: float | None = None,
-    soft_cap: float | None = None,
-    sliding_window: int | None = None,
-    k_scales: jax.Array | None = None,
-    v_scales: jax.Array | None = None,
-    v_page_offset: int = 0,
-) -> jax.Array:
-    """Ragged paged attention in our layout (see `reference.ragged_paged_attention`) via cuDNN.
+def cudnn_paged_attention(x: PagedAttentionInputs) -> jax.Array:
+    """Attention as `PagedAttentionInputs` describes it, via cuDNN.
 
     Decode-only (`max_q_len == 1`), bf16/f16 pages; q is cast to the pages' dtype and the result
     back to q.dtype. Raises NotImplementedError for anything else (see the module docstring).
     """
-    check_supported(
-        max_q_len=max_q_len,
-        soft_cap=soft_cap,
-        sliding_window=sliding_window,
-        kv_dtype=k_pages.dtype,
-        k_scales=k_scales,
-        v_scales=v_scales,
-    )
-    inputs = to_cudnn_layout(q, k_pages, v_pages, page_table, seq_lens, query_start_loc)
-    out = cudnn_paged_decode(*inputs, sm_scale=sm_scale, v_page_offset=v_page_offset)
-    return from_cudnn_output(out, query_start_loc, q.shape[0], q.dtype)
+    x.check()
+    check_supported(max_q_len=x.max_q_len, soft_cap=x.soft_cap, sliding_window=x.sliding_window,
+                    kv_dtype=x.k_pages.dtype, k_scales=x.k_scales, v_scales=x.v_scales)  # fmt: skip
+    out = cudnn_paged_decode(*to_cudnn_layout(x), sm_scale=x.sm_scale,
+                             v_page_offset=x.v_page_offset)  # fmt: skip
+    return from_cudnn_output(out, x.query_start_loc, x.q.shape[0], x.q.dtype)

@@ -17,9 +17,8 @@ takes one of two paths by `max_q_len`. Here instead, for every row alike:
   select, not an update by exp(0) = 1 and + 0), so how many blocks the loop runs past a row's
   last key changes nothing.
 
-Layout and arguments are the reference's (see its docstring); `max_q_len` is accepted and unused
-(decode and prefill rows take the same path). FP8 pages are dequantized by their scales as the
-reference does. Padding rows are zero.
+Inputs: `PagedAttentionInputs`; `max_q_len` is unused (decode and prefill rows take the same
+path). FP8 pages are dequantized by their scales as the reference does. Padding rows are zero.
 """
 
 from __future__ import annotations
@@ -29,43 +28,28 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.invariant import fixed_order_sum
+from pallas_kernels.paged_attention.inputs import PagedAttentionInputs
 from pallas_kernels.paged_attention.reference import token_sequences
 
 KEY_BLOCK = 128  # key positions per block of the online softmax
 
 
 def ragged_paged_attention_invariant(
-    q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    page_table: jax.Array,
-    seq_lens: jax.Array,
-    query_start_loc: jax.Array,
-    *,
-    max_q_len: int | None = None,
-    sm_scale: float | None = None,
-    soft_cap: float | None = None,
-    sliding_window: int | None = None,
-    k_scales: jax.Array | None = None,
-    v_scales: jax.Array | None = None,
-    v_page_offset: int = 0,
-    key_block: int = KEY_BLOCK,
+    x: PagedAttentionInputs, key_block: int = KEY_BLOCK
 ) -> jax.Array:
-    """Causal GQA attention of each sequence's new tokens over its paged context, [T, Hq, D] in
-    q.dtype, each row computed alone (module docstring); softmax and sums in fp32."""
-    del max_q_len  # one path for every row
+    """Attention as `PagedAttentionInputs` describes it, each row computed alone (module
+    docstring); softmax and sums in fp32. `key_block`: key positions per block."""
+    x.check()
+    q, page_table, query_start_loc = x.q, x.page_table, x.query_start_loc
     num_tokens, num_q_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, _ = k_pages.shape
+    _, page_size, num_kv_heads, _ = x.k_pages.shape
     pages_per_seq = page_table.shape[1]
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"q heads ({num_q_heads}) not a multiple of kv heads ({num_kv_heads})")
     group = num_q_heads // num_kv_heads
-    scale = head_dim**-0.5 if sm_scale is None else sm_scale
 
     seq, valid = token_sequences(query_start_loc, num_tokens)
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     t = jnp.arange(num_tokens)
-    q_pos = seq_lens[seq] - q_lens[seq] + (t - query_start_loc[seq])
+    q_pos = x.seq_lens[seq] - q_lens[seq] + (t - query_start_loc[seq])
     q_pos = jnp.where(valid, q_pos, -1)  # padding rows: no keys
     rows_table = page_table[seq]  # [T, pages_per_seq]
     qg = q.astype(jnp.float32).reshape(num_tokens, 1, num_kv_heads, group, head_dim)
@@ -73,23 +57,21 @@ def ragged_paged_attention_invariant(
     def gather(pages, scales, pos, offset):  # keys at positions pos [B] of each row's sequence
         col = jnp.minimum(pos // page_size, pages_per_seq - 1)
         ids = rows_table[:, col] + offset  # [T, B]
-        x = pages[ids, (pos % page_size)[None, :]].astype(jnp.float32)  # [T, B, Hkv, D]
-        if scales is not None:
-            x = x * scales[ids][..., None]
-        return x
+        keys = pages[ids, (pos % page_size)[None, :]].astype(jnp.float32)  # [T, B, Hkv, D]
+        return keys if scales is None else keys * scales[ids][..., None]
 
     def block(j, state):
         m, denom, acc = state  # [T, Hkv, G], [T, Hkv, G], [T, Hkv, G, D]
         pos = j * key_block + jnp.arange(key_block)
         ok = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] < pages_per_seq * page_size)
-        if sliding_window is not None:
-            ok &= pos[None, :] > q_pos[:, None] - sliding_window
+        if x.sliding_window is not None:
+            ok &= pos[None, :] > q_pos[:, None] - x.sliding_window
         ok4 = ok[:, :, None, None]
-        k = jnp.where(ok4, gather(k_pages, k_scales, pos, 0), 0.0)
-        v = jnp.where(ok4, gather(v_pages, v_scales, pos, v_page_offset), 0.0)
-        s = fixed_order_sum(qg * k[:, :, :, None, :], axis=-1) * scale  # [T, B, Hkv, G]
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
+        k = jnp.where(ok4, gather(x.k_pages, x.k_scales, pos, 0), 0.0)
+        v = jnp.where(ok4, gather(x.v_pages, x.v_scales, pos, x.v_page_offset), 0.0)
+        s = fixed_order_sum(qg * k[:, :, :, None, :], axis=-1) * x.scale  # [T, B, Hkv, G]
+        if x.soft_cap is not None:
+            s = x.soft_cap * jnp.tanh(s / x.soft_cap)
         s = jnp.where(ok[:, :, None, None], s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)  # 0 while m is -inf (no key yet)

@@ -1,7 +1,7 @@
 """Ragged paged attention for Hopper in Mosaic GPU (Pallas): decode, prefill chunks, FP8 K/V.
 
 One kernel serves decode batches, chunked-prefill batches and batches that mix them (the engine's
-mixed step): the same layout as `reference.ragged_paged_attention`, whose docstring describes it.
+mixed step): the contract of `PagedAttentionInputs`, whose docstring describes the layout.
 
 How the work is cut
 -------------------
@@ -77,6 +77,7 @@ GPU interpreter (`interpret=True`), which is how the tests check it against the 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -89,6 +90,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _compat
 from pallas_kernels._mgpu import ROWS, swizzled_smem, wgmma_dot
+from pallas_kernels.paged_attention.inputs import PagedAttentionInputs
 from pallas_kernels.paged_attention.reference import token_sequences
 
 LOG2E = math.log2(math.e)
@@ -154,44 +156,61 @@ def _online_softmax(s, acc, m_i, l_i, mask=None):
     return p, acc, m_new, l_new
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelOptions:
+    """The kernel's tuning (static, hashable; `engine.attention_options` less `fused_kv_write`).
+    None: chosen per launch (defaults measured: the module docstring).
+
+    - `num_splits`: parts each sequence's context is cut into (default: enough to fill the GPU
+      for decode, 1 for prefill).
+    - `num_stages`: depth of the shared-memory pipeline; `warp_specialized`: a producer
+      warpgroup; `block_kv` (64 or 128): keys per tile; `num_consumers`: consumer warpgroups of
+      64 query rows each.
+    - `split_decode_rows`: in a batch with `max_q_len > 1`, the sequences with exactly one new
+      token go through the decode configuration (a second launch; the options above then apply
+      to the prefill part only).
+    - `token_major_decode`: a decode-only batch (`max_q_len == 1`, no more tokens than
+      sequences) with one context split writes its outputs in token order from the kernel
+      (False: through the per-block layout and a gather, as other batches).
+    """
+
+    num_splits: int | None = None
+    num_stages: int | None = None
+    warp_specialized: bool | None = None
+    block_kv: int | None = None
+    num_consumers: int | None = None
+    split_decode_rows: bool = True
+    token_major_decode: bool = True
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "block_kv":
+                ok, want = type(value) is int and value in (64, 128), "64 or 128"
+            elif f.name in ("num_splits", "num_stages", "num_consumers"):
+                ok, want = type(value) is int and value >= 1, "an int >= 1"
+            else:
+                ok, want = type(value) is bool, "a bool"
+            if not ok and not (value is None and f.default is None):
+                raise ValueError(
+                    f"{f.name}={value!r} is invalid: must be {want}"
+                    f"{' or None (the default)' if f.default is None else ''}"
+                )
+
+
+DEFAULT_OPTIONS = KernelOptions()
+
+
 def ragged_paged_attention_mgpu(
-    q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    page_table: jax.Array,
-    seq_lens: jax.Array,
-    query_start_loc: jax.Array,
+    x: PagedAttentionInputs,
+    options: KernelOptions | None = None,
     *,
-    max_q_len: int,
-    sm_scale: float | None = None,
-    soft_cap: float | None = None,
-    sliding_window: int | None = None,
-    k_scales: jax.Array | None = None,
-    v_scales: jax.Array | None = None,
-    num_splits: int | None = None,
-    num_stages: int | None = None,
-    warp_specialized: bool | None = None,
-    block_kv: int | None = None,
-    num_consumers: int | None = None,
-    split_decode_rows: bool = True,
-    token_major_decode: bool = True,
-    v_page_offset: int = 0,
     new_kv: tuple[jax.Array, jax.Array] | None = None,
     interpret: bool | None = None,
     device: jax.Device | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array]:
-    """Same contract as `reference.ragged_paged_attention` (`v_page_offset` included); returns
-    [T, Hq, D] in q.dtype.
+    """Attention as `PagedAttentionInputs` describes it, tuned by `options` (None: defaults).
 
-    `num_splits` (static) cuts each sequence's context into that many parts (default: enough to
-    fill the GPU for decode, 1 for prefill); `num_stages` is the depth of the shared-memory
-    pipeline; `warp_specialized` adds a producer warpgroup; `block_kv` (64 or 128) keys per tile;
-    `num_consumers` consumer warpgroups of 64 query rows each. Defaults: see the module docstring.
-    In a batch with `max_q_len > 1`, `split_decode_rows` sends the sequences with exactly one new
-    token through the decode configuration (a second launch; the tuning options above then apply
-    to the prefill part only). `token_major_decode` lets a decode-only batch (`max_q_len == 1`,
-    no more tokens than sequences) with one context split write its outputs in token order from
-    the kernel (False: through the per-block layout and a gather, as other batches).
     `interpret` runs the kernel under the GPU interpreter (default: when `device` is not a GPU).
     `device` (static): the device the kernel runs on, for that default and for the SM count the
     default split count fills (None: `jax.devices()[0]`).
@@ -203,20 +222,25 @@ def ragged_paged_attention_mgpu(
     call returns (out, k_pages, v_pages) (the same array twice when `k_pages is v_pages`).
     Padding tokens write nothing. Without it the caller writes the K/V before the call.
     """
+    x.check()
+    options = DEFAULT_OPTIONS if options is None else options
+    q, k_pages, v_pages, page_table = x.q, x.k_pages, x.v_pages, x.page_table
+    seq_lens, query_start_loc, max_q_len = x.seq_lens, x.query_start_loc, x.max_q_len
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
     pages_per_seq = page_table.shape[1]
-    _check_inputs(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, k_scales, v_scales)
-    v_page_offset = _static_offset(v_page_offset)
+    reason = unsupported_reason(num_q_heads, num_kv_heads, head_dim, page_size, k_pages.dtype)
+    if reason is not None:
+        raise NotImplementedError(reason)
     if new_kv is not None:
-        reason = fused_kv_write_reason(max_q_len, k_pages.dtype, warp_specialized,
+        reason = fused_kv_write_reason(max_q_len, k_pages.dtype, options.warp_specialized,
                                        num_q_heads // num_kv_heads)  # fmt: skip
         if reason is not None:
             raise ValueError(f"new_kv (K/V written by the kernel): {reason}")
         _check_new_kv(new_kv, num_tokens, k_pages.shape)
     group = num_q_heads // num_kv_heads
-    quantized = k_scales is not None
-    scale = head_dim**-0.5 if sm_scale is None else float(sm_scale)
+    quantized = x.k_scales is not None
+    scale = float(x.scale)
     interpret = _compat.default_interpret(device) if interpret is None else interpret
     sms = _compat.num_sms(device)
     compute_dtype = jnp.float16 if quantized else jnp.bfloat16  # e4m3 converts only to f16
@@ -224,17 +248,15 @@ def ragged_paged_attention_mgpu(
     stride = group + 2 if new_kv is not None else group
     geometry = dict(group=group, head_dim=head_dim, quantized=quantized, page_size=page_size,
                     pages_per_seq=pages_per_seq)  # fmt: skip
-    tuning = dict(num_splits=num_splits, num_stages=num_stages, warp_specialized=warp_specialized,
-                  block_kv=block_kv, num_consumers=num_consumers)  # fmt: skip
 
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     if max_q_len == 1:
-        parts = [(_plan(decode=True, **geometry, **tuning, row_stride=stride), q_lens > 0)]
-    elif split_decode_rows:
+        parts = [(_plan(decode=True, **geometry, tuning=options, row_stride=stride), q_lens > 0)]
+    elif options.split_decode_rows:
         parts = [(_plan(decode=True, **geometry), q_lens == 1),
-                 (_plan(decode=False, **geometry, **tuning), q_lens > 1)]  # fmt: skip
+                 (_plan(decode=False, **geometry, tuning=options), q_lens > 1)]  # fmt: skip
     else:
-        parts = [(_plan(decode=False, **geometry, **tuning), q_lens > 0)]
+        parts = [(_plan(decode=False, **geometry, tuning=options), q_lens > 0)]
 
     # ---- queries, token-major per KV head: row (t * group + g) of head h is query head
     # h * group + g of token t, pre-scaled. A query block is then a contiguous run of rows, which
@@ -259,12 +281,12 @@ def ragged_paged_attention_mgpu(
     )
 
     launch = dict(num_kv_heads=num_kv_heads, group=group, kv_dtype=jnp.dtype(k_pages.dtype),
-                  soft_cap=soft_cap, sliding_window=sliding_window, v_page_offset=v_page_offset,
-                  sms=sms, interpret=interpret)  # fmt: skip
+                  soft_cap=x.soft_cap, sliding_window=x.sliding_window,
+                  v_page_offset=x.v_page_offset, sms=sms, interpret=interpret)  # fmt: skip
     write_kv = new_kv is not None
     plan0, take0 = parts[0]
     num_seqs = q_lens.shape[0]
-    if (plan0.decode and len(parts) == 1 and token_major_decode and num_tokens <= num_seqs
+    if (plan0.decode and len(parts) == 1 and options.token_major_decode and num_tokens <= num_seqs
             and _resolve_splits(plan0, num_seqs, num_kv_heads, sms) == 1):  # fmt: skip
         # One split: the kernel writes each token's rows in place ([T, Hq, D]) and the zeros of
         # the padding tokens, so no gather (an XLA fusion per layer) runs after it.
@@ -273,7 +295,7 @@ def ragged_paged_attention_mgpu(
         b = jnp.arange(num_seqs, dtype=jnp.int32)
         zero_row = jnp.where((b >= query_start_loc[-1]) & (b < num_tokens), b, -1)
         meta = jnp.concatenate([meta, zero_row[:, None]], axis=1)
-        out = _launch(plan0, meta, qt, page_table, k_pages, v_pages, k_scales, v_scales,
+        out = _launch(plan0, meta, qt, page_table, k_pages, v_pages, x.k_scales, x.v_scales,
                       token_major=num_tokens, write_kv=write_kv, **launch)  # fmt: skip
         if write_kv:
             out, k_pages, v_pages = out
@@ -286,7 +308,7 @@ def ragged_paged_attention_mgpu(
     for plan, take in parts:
         meta, first_blk = _query_blocks(plan, take, q_lens, seq_lens, query_start_loc, num_tokens,
                                         stride if plan.decode else group)  # fmt: skip
-        ob = _launch(plan, meta, qt, page_table, k_pages, v_pages, k_scales, v_scales,
+        ob = _launch(plan, meta, qt, page_table, k_pages, v_pages, x.k_scales, x.v_scales,
                      write_kv=write_kv, **launch)  # fmt: skip
         if write_kv:  # (decode-only: this is the one launch)
             ob, k_pages, v_pages = ob
@@ -340,9 +362,10 @@ class _Plan(NamedTuple):
     row_stride: int  # rows per token in the query layout: group (+ 2 with the new K/V rows)
 
 
-def _plan(*, decode, group, head_dim, quantized, page_size, pages_per_seq, num_splits=None,
-          num_stages=None, warp_specialized=None, block_kv=None, num_consumers=None,
-          row_stride=None) -> _Plan:  # fmt: skip
+def _plan(*, decode, group, head_dim, quantized, page_size, pages_per_seq,
+          tuning: KernelOptions = DEFAULT_OPTIONS, row_stride=None) -> _Plan:  # fmt: skip
+    num_consumers, block_kv, num_stages = tuning.num_consumers, tuning.block_kv, tuning.num_stages
+    warp_specialized, num_splits = tuning.warp_specialized, tuning.num_splits
     # Decode: one consumer warpgroup, 64-key tiles. Prefill: two consumers (128 query rows)
     # share each K/V tile, 128 keys per tile (64 for fp8, whose f16 copies also need room).
     if num_consumers is None:  # (fp8 at head dim 256 needs the room for its f16 copies)
@@ -350,8 +373,6 @@ def _plan(*, decode, group, head_dim, quantized, page_size, pages_per_seq, num_s
         num_consumers = 1 if one else 2
     if block_kv is None:  # 128-key tiles of head dim 256 would not fit shared memory twice over
         block_kv = 64 if decode or quantized or head_dim > 128 else 128
-    if block_kv not in (64, 128):
-        raise ValueError(f"block_kv must be 64 or 128, got {block_kv}")
     # A block's rows are loaded from an 8-aligned row (TMA into 8-row tiles), up to
     # `max_shift` rows before its first query row: room for the shift is part of the block.
     # Tokens are `row_stride` rows apart (group, or group + 2 with the new K/V rows: decode only).
@@ -483,43 +504,6 @@ def unsupported_reason(num_q_heads, num_kv_heads, head_dim, page_size, kv_dtype)
     if jnp.dtype(kv_dtype) not in (*FP8_DTYPES, jnp.dtype(jnp.bfloat16)):
         return f"kv dtype {jnp.dtype(kv_dtype)}: the kernel reads bf16 or fp8 pages"
     return None
-
-
-def _static_offset(v_page_offset) -> int:
-    try:
-        off = int(v_page_offset)
-    except TypeError as e:  # a tracer
-        raise TypeError(f"v_page_offset must be a static int, got {v_page_offset!r}") from e
-    if off < 0:
-        raise ValueError(f"v_page_offset must be >= 0, got {off}")
-    return off
-
-
-def _check_inputs(q, k_pages, v_pages, page_table, seq_lens, query_start_loc, k_scales, v_scales):
-    _, num_q_heads, head_dim = q.shape
-    num_pages, page_size, num_kv_heads, d_k = k_pages.shape
-    if v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
-        raise ValueError(f"v_pages {v_pages.shape} {v_pages.dtype} must match k_pages "
-                         f"{k_pages.shape} {k_pages.dtype}")  # fmt: skip
-    if d_k != head_dim:
-        raise ValueError(f"head dim of q ({head_dim}) and k_pages ({d_k}) differ")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"q heads ({num_q_heads}) not a multiple of kv heads ({num_kv_heads})")
-    if page_table.ndim != 2 or seq_lens.shape != (page_table.shape[0],):
-        raise ValueError(f"page_table {page_table.shape} / seq_lens {seq_lens.shape} mismatch")
-    if query_start_loc.shape != (page_table.shape[0] + 1,):
-        raise ValueError(f"query_start_loc {query_start_loc.shape} must be [num_seqs + 1]")
-    quantized = jnp.dtype(k_pages.dtype) in FP8_DTYPES
-    if quantized != (k_scales is not None) or (k_scales is None) != (v_scales is None):
-        raise ValueError("k_scales and v_scales are required exactly when the pages are fp8 "
-                         f"(pages are {k_pages.dtype})")  # fmt: skip
-    want = (num_pages, num_kv_heads)
-    if quantized and (k_scales.shape != want or v_scales.shape != want):
-        raise ValueError(f"k_scales {k_scales.shape} / v_scales {v_scales.shape} must be "
-                         f"[num_pages, Hkv] = {want}")  # fmt: skip
-    reason = unsupported_reason(num_q_heads, num_kv_heads, head_dim, page_size, k_pages.dtype)
-    if reason is not None:
-        raise NotImplementedError(reason)
 
 
 # ---- The kernel: one program per (query block, KV head, context split), in named stages.
