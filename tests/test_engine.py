@@ -325,6 +325,10 @@ def test_compiler_options_reach_each_kinds_compile(model, prompts):
     runner.cfg = dataclasses.replace(runner.cfg, hidden_size=4096)  # "auto" at the 8B's size
     runner.config.compiler_options = {}
     assert not runner.decode_cuda_graphs and runner._compiler_options("decode") == cmdbuf
+    plain = runner.config.quant
+    runner.config.quant = dataclasses.replace(plain, weights="fp8_static")
+    assert runner.decode_cuda_graphs  # quantized weights keep them at any size
+    runner.config.quant = plain
     runner.cfg = engine.model_config
     runner.config.compiler_options = {"all": {"xla_gpu_graph_min_graph_size": 7},
                                "sample": {"xla_gpu_graph_min_graph_size": None, "xla_bogus": 1}}  # fmt: skip

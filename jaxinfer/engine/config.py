@@ -23,7 +23,8 @@ from pallas_kernels.paged_attention.mosaic_gpu import KernelOptions
 
 DATA_PARALLEL_BACKENDS = ("auto", "process")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# Models from this hidden size decode without CUDA graphs under decode_cuda_graphs "auto".
+# Models from this hidden size decode without CUDA graphs under decode_cuda_graphs "auto",
+# unless their weights are quantized.
 GRAPHS_OFF_FROM_HIDDEN = 4096
 # Which warm-up executables an entry of `compiler_options` applies to ("all": every one).
 EXECUTABLE_KINDS = ("all", "mixed", "decode", "sample")
@@ -257,8 +258,8 @@ class EngineConfig:
         }
     )
     # Decode scans captured as CUDA graphs (XLA command buffers): true, false, or "auto": on for
-    # models of hidden size < 4096, whose steps are many small kernels, off from 4096, where the
-    # graphs made steps slower (docs/decisions.md). Off is `xla_gpu_enable_command_buffer: ""` under the
+    # models of hidden size < 4096 or with quantized weights, whose steps are many small kernels,
+    # off for bf16 from 4096, where the graphs made steps slower (docs/decisions.md). Off is `xla_gpu_enable_command_buffer: ""` under the
     # decode kind's compiler_options, which may override it.
     decode_cuda_graphs: Annotated[bool | str, one_of(True, False, "auto")] = "auto"
     # Top-k logprobs computed on device (static; requests may ask <= this)

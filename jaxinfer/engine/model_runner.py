@@ -592,8 +592,9 @@ class ModelRunner:
     def decode_cuda_graphs(self) -> bool:
         """Whether decode scans run as CUDA graphs (`EngineConfig.decode_cuda_graphs`)."""
         choice = self.config.decode_cuda_graphs
-        if choice == "auto":
-            return self.cfg.hidden_size < GRAPHS_OFF_FROM_HIDDEN
+        if choice == "auto":  # (quantized weights add small kernels per layer: docs/decisions.md)
+            quantized = self.config.quant.weights != "none"
+            return quantized or self.cfg.hidden_size < GRAPHS_OFF_FROM_HIDDEN
         return bool(choice)
 
     def _compiler_options(
