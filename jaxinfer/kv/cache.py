@@ -192,16 +192,14 @@ def write_kv(
     scatter of [T, 2, Hkv, D].
 
     FP8 pages are quantized on write (and touched pages requantized when their scale grows); that
-    path writes K and V as half-pages with scales of their own (one write of 2T rows).
+    path writes K and V as separate half-pages (two scatters).
     """
     if kv.is_quantized:
         num_layers, num_pages, _, page_size, hkv, d = kv.pages.shape
         halves = kv.pages.reshape(num_layers, num_pages * 2, page_size, hkv, d)
         scales = kv.scales.reshape(num_layers, num_pages * 2, hkv)
-        halves, scales = quantize_pages_write(
-            halves, scales, jnp.concatenate([k, v]), jnp.concatenate([2 * page, 2 * page + 1]),
-            jnp.concatenate([offset, offset]), layer=layer,
-        )  # fmt: skip
+        halves, scales = quantize_pages_write(halves, scales, k, 2 * page, offset, layer=layer)
+        halves, scales = quantize_pages_write(halves, scales, v, 2 * page + 1, offset, layer=layer)
         return KVCache(halves.reshape(kv.pages.shape), scales.reshape(kv.scales.shape))
     new = jnp.stack([k, v], axis=1).astype(kv.pages.dtype)  # [T, 2, Hkv, D]
     return KVCache(kv.pages.at[layer, page, :, offset].set(new), None)

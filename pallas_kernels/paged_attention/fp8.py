@@ -63,26 +63,23 @@ def quantize_pages_write(
 
     Without `layer`, `pages` is one pool [P, ps, Hkv, D] with `scales` [P, Hkv]; with it (may be
     traced), stacked pools [L, P, ps, Hkv, D] with scales [L, P, Hkv] and only layer `layer` is
-    touched. Several tokens may hit the same page (a prefill chunk): every per-page quantity is
-    computed once per page and gathered per token, so duplicate scatters write identical values.
-    Both arrays are only updated by scatters at the tokens' pages, indexed through the flattened
-    [L * P] page axis (a scatter at (layer, page) made XLA copy the layer's pool out and back on
-    the H200), so donated arrays stay in place.
+    touched. Pages are only updated by scatters (`.at[...].set`), so a donated pool stays in place.
+    Several tokens may hit the same page (a prefill chunk): every per-page quantity is computed
+    once per page and gathered per token, so duplicate scatters write identical values.
     """
-    num_pages, hkv = scales.shape[-2:]
-    idx = page if layer is None else layer * num_pages + page  # into the flattened page axis
-    flat_pages = pages.reshape(-1, *pages.shape[-3:])
-    flat_scales = scales.reshape(-1, hkv)
+    lead = () if layer is None else (layer,)
+    num_pages = pages.shape[len(lead)]
+    old_scales = scales[lead] if lead else scales  # [P, Hkv]: small, sliced freely
     new = new.astype(jnp.float32)
 
-    fresh = jnp.zeros(num_pages, bool).at[page].max(offset == 0)[page]  # [T]
-    base = jnp.where(fresh[:, None], 0.0, flat_scales[idx])  # [T, Hkv]: 0 starts a page afresh
-    amax = _scale_for(jnp.max(jnp.abs(new), axis=-1))
-    s_new = jnp.maximum(base, jnp.zeros((num_pages, hkv)).at[page].max(amax)[page])  # per page
+    fresh = jnp.zeros(num_pages, bool).at[page].max(offset == 0)  # [P]
+    base = jnp.where(fresh[:, None], 0.0, old_scales)
+    page_scales = base.at[page].max(_scale_for(jnp.max(jnp.abs(new), axis=-1)))  # [P, Hkv]
 
-    ratio = jnp.where(s_new > 0, base / _safe(s_new), 0.0)  # 0 on a fresh page: zero it
-    old = flat_pages[idx].astype(jnp.float32)  # [T, ps, Hkv, D]
-    flat_pages = flat_pages.at[idx].set(_to_e4m3(old * ratio[:, None, :, None]))
-    flat_pages = flat_pages.at[idx, offset].set(_to_e4m3(new / _safe(s_new)[..., None]))
-    flat_scales = flat_scales.at[idx].set(s_new)
-    return flat_pages.reshape(pages.shape), flat_scales.reshape(scales.shape)
+    s_new = page_scales[page]  # [T, Hkv]
+    ratio = jnp.where(s_new > 0, base[page] / _safe(s_new), 0.0)  # 0 on a fresh page: zero it
+    old = pages[(*lead, page)].astype(jnp.float32)  # [T, ps, Hkv, D]
+    pages = pages.at[(*lead, page)].set(_to_e4m3(old * ratio[:, None, :, None]))
+    pages = pages.at[(*lead, page, offset)].set(_to_e4m3(new / _safe(s_new)[..., None]))
+    scales = scales.at[lead].set(page_scales) if lead else page_scales
+    return pages, scales
