@@ -47,8 +47,7 @@ def sort_rows(experts: jax.Array, num_experts: int):
 def unsort(y_sorted: jax.Array, order: jax.Array) -> jax.Array:
     """Rows y_sorted[i] = y[order[i]] back in their first order: y. The inverse permutation is
     an int scatter of one id per row, then the rows move by a gather: XLA:GPU runs a scatter of
-    whole rows far slower than a gather (the row scatter took 16% of the 30B-A3B shape's mixed
-    step device time, e2e_qwen3_30b_a3b_profile.json)."""
+    whole rows far slower than a gather (docs/decisions.md, "MoE `combine`")."""
     n = order.shape[0]
     inverse = jnp.zeros(n, jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
     return y_sorted[inverse]
