@@ -119,14 +119,19 @@ def main(argv: list[str] | None = None) -> int:
             shard = split(collected, n)[i - 1]
             only = tmp / "shard_tests.txt"
             only.write_text("".join(f"{nodeid}\n" for nodeid in shard))
-            pytest_args = ["--only-tests", str(only), *pytest_args]
+            # `--only-tests=FILE` as one word: pytest reads its paths before conftest.py declares
+            # the option, so a separate FILE would be taken for the tests' root. The shard's files
+            # are named, so only they are collected (and the conftest beside them is loaded).
+            files = [f for f in dict.fromkeys(i.split("::")[0] for i in shard)
+                     if f not in pytest_args]  # fmt: skip
+            pytest_args = [f"--only-tests={only}", *pytest_args, *files]
             sharding = {"shard": f"{i}/{n}", "shard_tests": shard, "collected": collected}
         cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", f"--junitxml={junit}",
                *pytest_args]  # fmt: skip
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         tests = parse_junit(junit) if junit.exists() else []
         # the command less its temporary files: the JUnit report, a shard's list (`shard_tests`)
-        shown = [{str(tmp / "shard_tests.txt"): "<shard_tests>"}.get(a, a)
+        shown = [{f"--only-tests={tmp / 'shard_tests.txt'}": "--only-tests=<shard_tests>"}.get(a, a)
                  for a in cmd if a != f"--junitxml={junit}"]  # fmt: skip
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     result = {

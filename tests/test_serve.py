@@ -17,13 +17,16 @@ import time
 
 import httpx
 import numpy as np
-import openai
 import pytest
 
 from jaxinfer.engine.compile_counter import compile_count
 from jaxinfer.engine.llm import LLM
 from jaxinfer.engine.request import SamplingParams
 from jaxinfer.serve.server import ServeOptions, Server
+
+# the official client is a test extra; the GPU image lacks it, and its `-m gpu` collection
+# (experiments/run_gpu_tests.py) must not stop at this file, which has no GPU test
+openai = pytest.importorskip("openai")
 
 KW = dict(max_num_seqs=32, max_num_batched_tokens=256, num_pages=192, page_size=16,
           max_model_len=256, decode_steps=4, num_logprobs=3, decode_buckets=[8, 32])  # fmt: skip
