@@ -1,6 +1,7 @@
 """tests/conftest.py's hooks, run by pytest on a tiny test folder with this conftest: a CPU run
 prints how many GPU-only tests it deselected, and a failing test names its fresh seed, which
-replays it. Each in one process and under xdist (`make test` runs `-n 2`)."""
+replays it. Each in one process and under xdist (`make test` runs `-n 2`). And the `optimized`
+marker: its test compiles with XLA's optimizations, the others as the suite says."""
 
 from __future__ import annotations
 
@@ -80,3 +81,25 @@ def test_only_tests_runs_exactly_the_listed_node_ids(folder, extra):
     assert bad.ret != 0  # (under xdist the workers' refusal is an internal error: no message)
     if not extra:
         assert "--only-tests: 1 listed tests were not collected" in bad.stderr.str()
+
+
+def _suite_setting() -> bool:
+    import os
+
+    from conftest import OPTIMIZATIONS_ENV
+
+    return os.environ.get(OPTIMIZATIONS_ENV, "") not in ("", "0")
+
+
+@pytest.mark.optimized
+def test_a_test_marked_optimized_compiles_with_xla_optimizations():
+    import jax
+
+    assert jax.config.read("jax_disable_most_optimizations") is False
+
+
+def test_an_unmarked_test_compiles_as_the_suite_says():
+    """(After a marked test too: the marker's fixture puts the suite's setting back.)"""
+    import jax
+
+    assert jax.config.read("jax_disable_most_optimizations") is _suite_setting()

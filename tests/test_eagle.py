@@ -83,6 +83,7 @@ def test_eagle_output_equals_plain_output_token_for_token(fresh_seed, engines):
     assert _acceptance(engines["trained"])[0] > 0, f"seed {fresh_seed}: nothing kept"
 
 
+@pytest.mark.optimized
 def test_training_raises_the_heads_agreement_with_the_target(fresh_seed, tmp_path):
     """`train_eagle` on tiny, briefly, on text files drawn by the seed: the held-out share of
     positions where the head's argmax is the target's (a first greedy draft's acceptance) rises
@@ -120,6 +121,7 @@ def test_a_trained_head_is_accepted_more_than_a_random_one(fresh_seed, engines):
     )
 
 
+@pytest.mark.optimized
 def test_sampled_drafts_follow_the_q_handed_to_the_verifier(fresh_seed, engines):
     """Rejection sampling is exact if each draft is drawn from the q the verifier divides by
     (the rule itself: test_speculative.py). 2,000 rows share one context, each with its own

@@ -263,6 +263,7 @@ def test_bad_kv_dtype_fails_naming_the_key():
         init_kv_cache(preset("tiny"), 4, 8, "int8")
 
 
+@pytest.mark.optimized
 def test_engine_with_fp8_cache_generates_nearly_the_same_greedy_tokens():
     kw = dict(max_num_seqs=4, max_num_batched_tokens=64, num_pages=64, max_model_len=256)
     prompts = ["def read_lines(path):\n", "import numpy as np\n\nclass ", "# A paged KV cache"]

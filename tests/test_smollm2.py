@@ -145,6 +145,7 @@ def first_divergence(model, prompt: list[int], ours: list[int], theirs: list[int
             f"transformers' top-2 gap {top2[1] - top2[0]:.3g}")  # fmt: skip
 
 
+@pytest.mark.optimized
 def test_greedy_64_tokens_match_transformers_generate(llm, hf_model):
     """5 plain and 5 chat prompts in one engine call, against one left-padded `generate` (EOS
     neither stops nor is suppressed, on both sides: 64 tokens each)."""
