@@ -192,3 +192,38 @@ def test_benchmark_smoke_run_writes_rows_with_provenance(tmp_path):
 def test_compiled_kernel_on_gpu(fresh_seed, fmt, n, k, m):
     """The same check, compiled, at Llama-3-8B's FFN shapes (run on the device: `pytest -m gpu`)."""
     check_case(fresh_seed, fmt, m, k, n, interpret=False)
+
+
+@pytest.mark.parametrize("fmt", list(PARTS))
+def test_formats_products_run_on_the_kernel_as_their_xla_product(fresh_seed, fmt):
+    """jaxinfer's 4-bit formats wired to the kernel (`intq.w4_kernel_product`): a weight with two
+    input and two output axes (flattened as the format lays it out) gives the format's own XLA
+    product; "auto" keeps XLA's on a CPU; the kernel's limits are refused by name. nvfp4's tensor
+    scale is one per logical output, so its weight has one output axis."""
+    import dataclasses
+
+    from jaxinfer.quant import WEIGHT_FORMATS, QuantizedWeight
+
+    rng = np.random.default_rng(fresh_seed)
+    shape = (2, 128, 128) if fmt == "nvfp4" else (2, 128, 2, 64)
+    w = jnp.asarray(rng.standard_normal(shape) * 0.05, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((3, 5, 2, 128)), jnp.bfloat16)
+    wf = WEIGHT_FORMATS[fmt]
+    qw = QuantizedWeight(wf.quantize(w, 2), wf, 2)
+
+    def product(backend):
+        f = dataclasses.replace(wf, backend=backend)
+        return f.matmul(x, dataclasses.replace(qw, format=f))
+
+    want = product("xla")
+    got = product("pallas")
+    assert got.shape == want.shape == (3, 5, *shape[2:])
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=2e-2, atol=2e-2, err_msg=f"seed {fresh_seed}")  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(product("auto")), np.asarray(want))
+    with pytest.raises(ValueError, match="pallas backend takes"):
+        f = dataclasses.replace(wf, backend="pallas")
+        f.matmul(x.astype(jnp.float32), dataclasses.replace(qw, format=f))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        f = dataclasses.replace(wf, backend="triton")
+        f.matmul(x, dataclasses.replace(qw, format=f))

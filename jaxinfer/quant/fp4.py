@@ -35,7 +35,14 @@ import jax.numpy as jnp
 
 from jaxinfer.quant.format import QuantizedWeight, WeightFormat, register_format
 from jaxinfer.quant.fp8 import E4M3, E4M3_MAX, blocks_of, check_finite, expand, safe_scale, to_e4m3
-from jaxinfer.quant.intq import group_spec, k_major, pack_nibbles, packed_spec, unpack_nibbles
+from jaxinfer.quant.intq import (
+    group_spec,
+    k_major,
+    pack_nibbles,
+    packed_spec,
+    unpack_nibbles,
+    w4_kernel_product,
+)
 
 E2M1_MAX = 6.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0..7; 8..15 are their negatives
@@ -69,6 +76,7 @@ class Fp4(WeightFormat):
 
     kind: str = "nv"
     block: int = 16
+    backend: str = "auto"  # the product: `intq.w4_kernel_product`, else XLA's
 
     def part_specs(self, spec) -> dict:
         values = packed_spec(spec)
@@ -117,6 +125,9 @@ class Fp4(WeightFormat):
         return (vk * block * tensor).reshape(v.shape)  # (vk * block) is exact: one rounding
 
     def matmul(self, x: jax.Array, qw: QuantizedWeight) -> jax.Array:
+        y = w4_kernel_product(self, x, qw, self.backend)
+        if y is not None:
+            return y
         return jnp.tensordot(x, self.dequantize(qw).astype(x.dtype), axes=qw.in_dims)
 
 

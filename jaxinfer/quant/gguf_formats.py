@@ -32,7 +32,14 @@ import numpy as np
 from jaxinfer.quant.format import QuantizedWeight, WeightFormat, register_format
 from jaxinfer.quant.fp8 import blocks_of, check_finite, safe_scale
 from jaxinfer.quant.ggml import GGML_TYPES, Components
-from jaxinfer.quant.intq import group_spec, k_major, pack_nibbles, packed_spec, unpack_nibbles
+from jaxinfer.quant.intq import (
+    group_spec,
+    k_major,
+    pack_nibbles,
+    packed_spec,
+    unpack_nibbles,
+    w4_kernel_product,
+)
 
 QK = 32  # llama.cpp's QK8_0 = QK4_1
 
@@ -42,6 +49,7 @@ class GgufBlocks(WeightFormat):
     """A GGML block type (`type_name` in `ggml.GGML_TYPES`: Q8_0 or Q4_1) as a weight format."""
 
     type_name: str = "Q8_0"
+    backend: str = "auto"  # q4_1's product: `intq.w4_kernel_product`, else XLA's
 
     @property
     def _min(self) -> bool:
@@ -94,6 +102,9 @@ class GgufBlocks(WeightFormat):
         return jnp.transpose(x, (1, 2, 0)).reshape(shape)
 
     def matmul(self, x: jax.Array, qw: QuantizedWeight) -> jax.Array:
+        y = w4_kernel_product(self, x, qw, self.backend) if self._min else None
+        if y is not None:
+            return y
         return jnp.tensordot(x, self.dequantize(qw).astype(x.dtype), axes=qw.in_dims)
 
 

@@ -11,8 +11,10 @@ A weight [*in, *out] with K = prod(in) (the flattened input, row-major like HF's
 G = ceil(K/128) groups of 128 consecutive inputs (the last one may be partial); the groups lie
 along the input, so fused outputs (q/k/v, gate/up) never share a scale. Rounding is to nearest,
 ties to even. Nibble order (`pack_nibbles`): byte i of the packed axis holds input 2i in its low
-nibble and input 2i+1 in its high nibble. The product dequantizes in the graph to the
-activation's dtype and runs a plain dot (the 4-bit Pallas kernel is in `pallas_kernels/matmul/w4_mgpu.py`).
+nibble and input 2i+1 in its high nibble. The product of int4_g128_sym (and of nvfp4,
+mxfp4 and q4_1) runs on the 4-bit Mosaic GPU kernel at decode sizes on one GPU
+(`w4_kernel_product`); elsewhere it dequantizes in the graph to the activation's dtype and runs a
+plain dot.
 """
 
 from __future__ import annotations
@@ -62,6 +64,49 @@ def group_spec(spec, group: int, dtype, init="ones", scale=1.0):
                                scale=scale, in_dims=0)  # fmt: skip
 
 
+# The 4-bit formats' "auto" backend: the Mosaic GPU kernel up to this many tokens (its measured
+# range; XLA's product dequantizes the whole weight each call, docs/decisions.md).
+W4_KERNEL_MAX_ROWS = 64
+BACKENDS = ("auto", "pallas", "xla")
+
+
+def w4_kernel_product(fmt: WeightFormat, x: jax.Array, qw: QuantizedWeight,
+                      backend: str) -> jax.Array | None:  # fmt: skip
+    """x @ qw on the 4-bit kernel (`pallas_kernels.matmul.w4_matmul`, under its interpreter on a
+    CPU) when `backend` picks it, else None (the format's XLA product). "pallas": always, an error
+    where the kernel cannot run it; "auto": bf16 x of at most `W4_KERNEL_MAX_ROWS` tokens in a
+    process with one GPU (GSPMD cannot partition a Mosaic GPU call), shapes the kernel takes."""
+    if backend not in BACKENDS:
+        raise ValueError(f"{fmt.name}: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "xla":
+        return None
+    from pallas_kernels.matmul.reference import PARTS
+    from pallas_kernels.matmul.w4_mgpu import MAX_M, TILE_K, TILE_N
+
+    values = qw.arrays["values"]  # [*in[:-1], in[-1]/2, *out]
+    lead, out = x.shape[: x.ndim - qw.in_dims], values.shape[qw.in_dims :]
+    k, n = math.prod(x.shape[x.ndim - qw.in_dims :]), math.prod(out)
+    rows = math.prod(lead)
+    names = PARTS.get(fmt.name, {})
+    fits = (bool(names) and x.dtype == jnp.bfloat16 and 1 <= rows <= MAX_M and k % TILE_K == 0
+            and n % TILE_N == 0 and qw.arrays.get("tensor_scale", jnp.zeros(())).size == 1)  # fmt: skip
+    if backend == "pallas" and not fits:
+        raise ValueError(f"{fmt.name}: the pallas backend takes the formats {sorted(PARTS)} with "
+                         f"bf16 x of 1..{MAX_M} tokens, K a multiple of {TILE_K}, N of {TILE_N} "
+                         f"and one tensor scale; got x {x.dtype} {list(x.shape)}, output "
+                         f"{list(out)}")  # fmt: skip
+    if backend == "auto" and not (fits and rows <= W4_KERNEL_MAX_ROWS and jax.device_count() == 1
+                                  and jax.default_backend() == "gpu"):  # fmt: skip
+        return None
+    from pallas_kernels.matmul import w4_matmul
+
+    parts = {name: qw.arrays[name].reshape(() if name == "tensor_scale" else (-1, n))
+             for name in names}  # fmt: skip
+    y = w4_matmul(x.reshape(rows, k), values.reshape(k // 2, n), fmt=fmt.name, backend="pallas",
+                  **parts)  # fmt: skip
+    return y.reshape(*lead, *out).astype(x.dtype)
+
+
 def k_major(w: jax.Array, in_dims: int) -> jax.Array:
     """[*in, *out] -> [K, *out]."""
     return w.reshape(-1, *w.shape[in_dims:])
@@ -97,6 +142,7 @@ class Int4(WeightFormat):
 
     asym: bool = False
     group: int = GROUP
+    backend: str = "auto"  # the product: `w4_kernel_product` (sym only), else XLA's
 
     def part_specs(self, spec) -> dict:
         # random init: q = 0 decodes to -8 * s (sym) or 0 (asym), s ~ N(0, spec.scale / 8)
@@ -133,6 +179,9 @@ class Int4(WeightFormat):
         return ((qk - z) * self._full(qw.arrays["scales"], qk)).reshape(q.shape)
 
     def matmul(self, x: jax.Array, qw: QuantizedWeight) -> jax.Array:
+        y = w4_kernel_product(self, x, qw, self.backend)
+        if y is not None:
+            return y
         return jnp.tensordot(x, self.dequantize(qw).astype(x.dtype), axes=qw.in_dims)
 
 
