@@ -144,6 +144,12 @@ def fp8_dot(xq: jax.Array, values: jax.Array) -> jax.Array:
     return jax.lax.dot_general(xq, values, dims, preferred_element_type=jnp.float32)
 
 
+def one_gpu() -> bool:
+    """Whether this process runs on exactly one GPU: where a format's "auto" backend may take a
+    Mosaic GPU kernel (GSPMD cannot partition its call)."""
+    return jax.default_backend() == "gpu" and jax.device_count() == 1
+
+
 def _flat(x: jax.Array, qw: QuantizedWeight) -> tuple[jax.Array, jax.Array, tuple, tuple]:
     """(x as [T, K], values as [N, K], x's leading shape, the logical output shape)."""
     values = qw.arrays["values"]
@@ -269,8 +275,7 @@ class Fp8Block(WeightFormat):
                              f"and the last output axis multiples of {BLOCK}; got block "
                              f"{self.block}, [N, K] = {list(nk)}, last output axis {n_last}")  # fmt: skip
         if self.backend == "auto":
-            one_gpu = jax.default_backend() == "gpu" and jax.device_count() == 1
-            return fits and one_gpu and rows >= KERNEL_MIN_ROWS
+            return fits and one_gpu() and rows >= KERNEL_MIN_ROWS
         return self.backend == "pallas"
 
 

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.quant.format import QuantizedWeight, WeightFormat, register_format
-from jaxinfer.quant.fp8 import blocks_of, check_finite, expand, safe_scale
+from jaxinfer.quant.fp8 import blocks_of, check_finite, expand, one_gpu, safe_scale
 
 GROUP = 128
 
@@ -74,8 +74,8 @@ def w4_kernel_product(fmt: WeightFormat, x: jax.Array, qw: QuantizedWeight,
                       backend: str) -> jax.Array | None:  # fmt: skip
     """x @ qw on the 4-bit kernel (`pallas_kernels.matmul.w4_matmul`, under its interpreter on a
     CPU) when `backend` picks it, else None (the format's XLA product). "pallas": always, an error
-    where the kernel cannot run it; "auto": bf16 x of at most `W4_KERNEL_MAX_ROWS` tokens in a
-    process with one GPU (GSPMD cannot partition a Mosaic GPU call), shapes the kernel takes."""
+    where the kernel cannot run it; "auto": bf16 x of at most `W4_KERNEL_MAX_ROWS` tokens on
+    `one_gpu()`, shapes the kernel takes."""
     if backend not in BACKENDS:
         raise ValueError(f"{fmt.name}: backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "xla":
@@ -88,15 +88,15 @@ def w4_kernel_product(fmt: WeightFormat, x: jax.Array, qw: QuantizedWeight,
     k, n = math.prod(x.shape[x.ndim - qw.in_dims :]), math.prod(out)
     rows = math.prod(lead)
     names = PARTS.get(fmt.name, {})
+    one_tensor_scale = "tensor_scale" not in qw.arrays or qw.arrays["tensor_scale"].size == 1
     fits = (bool(names) and x.dtype == jnp.bfloat16 and 1 <= rows <= MAX_M and k % TILE_K == 0
-            and n % TILE_N == 0 and qw.arrays.get("tensor_scale", jnp.zeros(())).size == 1)  # fmt: skip
+            and n % TILE_N == 0 and one_tensor_scale)  # fmt: skip
     if backend == "pallas" and not fits:
         raise ValueError(f"{fmt.name}: the pallas backend takes the formats {sorted(PARTS)} with "
                          f"bf16 x of 1..{MAX_M} tokens, K a multiple of {TILE_K}, N of {TILE_N} "
                          f"and one tensor scale; got x {x.dtype} {list(x.shape)}, output "
                          f"{list(out)}")  # fmt: skip
-    if backend == "auto" and not (fits and rows <= W4_KERNEL_MAX_ROWS and jax.device_count() == 1
-                                  and jax.default_backend() == "gpu"):  # fmt: skip
+    if backend == "auto" and not (fits and rows <= W4_KERNEL_MAX_ROWS and one_gpu()):
         return None
     from pallas_kernels.matmul import w4_matmul
 
