@@ -9,10 +9,10 @@ weights shaped like a fused `w_qkv` (partial 128-blocks in both K and N) and a t
 `wo`:
 
 - quantize on the GPU and on the CPU backend: the stored codes and scales agree bit for bit but
-  for at most 0.1% of them, each one code step (ulp) off (both backends divide in IEEE fp32 and
-  round to nearest even, so a difference can only come from a different reduction order or a
-  contracted multiply-add near a rounding boundary), and the dequantized weights agree to fp32
-  rounding where the codes do;
+  for at most 0.1% of them, each one code step (ulp) off (scales are amax / qmax corrected to the
+  true float32 quotient on both backends, `fp8.safe_scale`, though XLA:GPU's own division may be
+  2 ulp off; a code can differ only from a value within that of a rounding boundary), and the
+  dequantized weights agree to fp32 rounding where the codes do;
 - `format.matmul(x, qw)` on the GPU against dequantize-then-dot on the CPU, summed in fp64: the
   W8A8 reference quantizes the activations as the format does (per token, per 128 channels, or
   by the static input scale), so the only differences left are the GEMM's accumulation (Hopper's

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.quant.fp8 import FP8_CHANNEL
+from jaxinfer.quant.fp8 import E4M3_MAX, FP8_CHANNEL, corrected_quotient
 from jaxinfer.quant.gguf_formats import Q4_1, Q8_0
 from jaxinfer.quant.intq import INT8, unpack_nibbles
 
@@ -88,3 +88,23 @@ def test_scales_are_amax_over_qmax(fmt, qmax, fresh_seed):
     for quantize in (fmt.quantize, jax.jit(fmt.quantize, static_argnums=1)):
         got = np.asarray(quantize(jnp.asarray(w), 1)["scales"]).reshape(-1)
         np.testing.assert_array_equal(got, want, err_msg=f"{fmt.name}, seed {fresh_seed}")
+
+
+@pytest.mark.parametrize("qmax", [E4M3_MAX, 127.0, 15.0, 7.0, 6.0 * E4M3_MAX])
+def test_a_quotient_a_few_ulp_off_is_corrected_to_the_true_one(qmax, fresh_seed):
+    """What safe_scale relies on where the backend's own division is off (XLA:GPU's div.full
+    is within 2 ulp; XLA's reciprocal multiply within 1): from any quotient up to 3 ulp from
+    amax / qmax, over amaxes from 2^-80 to 2^100, the correction lands on the
+    correctly rounded quotient (numpy's float32 division)."""
+    rng = np.random.default_rng(fresh_seed)
+    a = (rng.uniform(1, 2, 20000) * np.exp2(rng.integers(-80, 100, 20000))).astype(F32)
+    want = (a / F32(qmax)).astype(F32)
+    fix = jax.jit(lambda a, q: corrected_quotient(a, q, qmax))
+    for steps in (-3, -2, -1, 0, 1, 2, 3):
+        q = want.view(np.int32) + np.int32(steps)
+        got = np.asarray(fix(a, q.view(F32)))
+        bad = np.flatnonzero(got != want)
+        assert bad.size == 0, (
+            f"qmax {qmax}, quotient {steps} ulp off: {bad.size} wrong, e.g. amax {a[bad[0]]!r}"
+            f" -> {got[bad[0]]!r} not {want[bad[0]]!r}; seed {fresh_seed}"
+        )

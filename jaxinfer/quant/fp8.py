@@ -81,15 +81,36 @@ def expand(s: jax.Array, axis: int, size: int, n: int) -> jax.Array:
 
 
 def safe_scale(amax: jax.Array, qmax: float) -> jax.Array:
-    """amax / qmax, a correctly rounded float32 division, or 1 where the block is all zeros (so
-    values stay 0, never NaN).
+    """amax / qmax correctly rounded in float32 on every backend, or 1 where the block is all zeros
+    (so values stay 0, never NaN).
 
-    XLA rewrites a division by a constant into a multiplication by its rounded reciprocal, which
-    can land one ulp off amax / qmax; the optimization barrier hides the divisor's value from it.
+    Neither backend divides exactly on its own: XLA rewrites a division by a constant into a
+    multiplication by the rounded reciprocal, and XLA:GPU's division (PTX div.full) may be 2 ulp
+    off. So the quotient q is corrected once by its exact residual r = amax - q * qmax: q splits
+    into a high half (low 12 mantissa bits cleared) and the rest, each with at most 12 significant
+    bits, so with a qmax of at most 12 significant bits (checked) both products and both subtractions are exact.
+    q + r / qmax then rounds to the true quotient: that lies at least ulp / (2 * 2^12) from a
+    rounding midpoint (qmax's odd part cannot make amax a midpoint times qmax), far more than the
+    correction's own error. (Not below quotients of about 2^-100, where the correction is a
+    subnormal, which XLA:CPU flushes to zero.)
     """
+    mantissa, _ = math.frexp(qmax)
+    if qmax <= 0 or (mantissa * 2**12) % 1:
+        raise ValueError(f"safe_scale: qmax {qmax} must be positive with <= 12 significant bits")
     amax = jnp.asarray(amax, jnp.float32)
-    s = amax / jax.lax.optimization_barrier(jnp.full_like(amax, qmax))
+    s = corrected_quotient(amax, amax / jnp.float32(qmax), qmax)
     return jnp.where(amax > 0, s, 1.0)
+
+
+def corrected_quotient(a: jax.Array, q: jax.Array, qmax: float) -> jax.Array:
+    """a / qmax correctly rounded, from a float32 quotient q within a few ulp of it (see
+    `safe_scale`; q where the correction is not finite)."""
+    q_hi = jax.lax.bitcast_convert_type(
+        jax.lax.bitcast_convert_type(q, jnp.uint32) & jnp.uint32(0xFFFFF000), jnp.float32
+    )
+    r = (a - q_hi * jnp.float32(qmax)) - (q - q_hi) * jnp.float32(qmax)
+    s = q + r * jnp.float32(1 / qmax)
+    return jnp.where(jnp.isfinite(s), s, q)
 
 
 def to_e4m3(x: jax.Array) -> jax.Array:
