@@ -88,20 +88,21 @@ def w4_kernel_product(fmt: WeightFormat, x: jax.Array, qw: QuantizedWeight,
     k, n = math.prod(x.shape[x.ndim - qw.in_dims :]), math.prod(out)
     rows = math.prod(lead)
     names = PARTS.get(fmt.name, {})
-    one_tensor_scale = "tensor_scale" not in qw.arrays or qw.arrays["tensor_scale"].size == 1
     fits = (bool(names) and x.dtype == jnp.bfloat16 and 1 <= rows <= MAX_M and k % TILE_K == 0
-            and n % TILE_N == 0 and one_tensor_scale)  # fmt: skip
+            and n % TILE_N == 0)  # fmt: skip
     if backend == "pallas" and not fits:
         raise ValueError(f"{fmt.name}: the pallas backend takes the formats {sorted(PARTS)} with "
-                         f"bf16 x of 1..{MAX_M} tokens, K a multiple of {TILE_K}, N of {TILE_N} "
-                         f"and one tensor scale; got x {x.dtype} {list(x.shape)}, output "
+                         f"bf16 x of 1..{MAX_M} tokens, K a multiple of {TILE_K} and N of {TILE_N}; "
+                         f"got x {x.dtype} {list(x.shape)}, output "
                          f"{list(out)}")  # fmt: skip
     if backend == "auto" and not (fits and rows <= W4_KERNEL_MAX_ROWS and one_gpu()):
         return None
     from pallas_kernels.matmul import w4_matmul
 
-    parts = {name: qw.arrays[name].reshape(() if name == "tensor_scale" else (-1, n))
-             for name in names}  # fmt: skip
+    parts = {name: qw.arrays[name].reshape(-1, n) for name in names if name != "tensor_scale"}
+    if "tensor_scale" in names:  # nvfp4: one per logical output [*out[:-1]], applied per column
+        ts = qw.arrays["tensor_scale"]
+        parts["tensor_scale"] = jnp.broadcast_to(ts[..., None], out).reshape(n)
     y = w4_matmul(x.reshape(rows, k), values.reshape(k // 2, n), fmt=fmt.name, backend="pallas",
                   **parts)  # fmt: skip
     return y.reshape(*lead, *out).astype(x.dtype)

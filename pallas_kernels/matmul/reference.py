@@ -5,7 +5,7 @@ importable without jaxinfer. A weight [K, N] (K inputs, N outputs):
 
     values  uint8 [K/2, N]: input 2i in the low nibble of byte i, input 2i+1 in the high nibble
     int4_g128_sym  scales fp32 [K/128, N]               w = (q - 8) * s
-    nvfp4          block_scales e4m3 [K/16, N], tensor_scale fp32 []
+    nvfp4          block_scales e4m3 [K/16, N], tensor_scale fp32 [] or [N]
                                                         w = e2m1(q) * block_scale * tensor_scale
     mxfp4          scales uint8 [K/32, N] (E8M0)        w = e2m1(q) * 2^(e - 127)
     q4_1           d, m float16 [K/32, N]               w = d * q + m
@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 
 GROUP_SIZES = {"int4_g128_sym": 128, "nvfp4": 16, "mxfp4": 32, "q4_1": 32}
-# The arrays besides `values` each format takes, with their dtypes (`tensor_scale` is a scalar).
+# The arrays besides `values` each format takes, with their dtypes (`tensor_scale`: one, or one per
+# output, applied to the product's fp32 output).
 PARTS = {
     "int4_g128_sym": {"scales": jnp.float32},
     "nvfp4": {"block_scales": jnp.float8_e4m3fn, "tensor_scale": jnp.float32},

@@ -152,9 +152,10 @@ def check_inputs(x, values, fmt: str, parts: dict) -> None:
     dec = DECODERS[fmt]
     for name, dtype in want.items():
         a = parts[name]
-        shape = () if name == dec.output_scale else (k // dec.group, n)
-        if tuple(a.shape) != shape or a.dtype != jnp.dtype(dtype):
-            raise ValueError(f"{name} must be {jnp.dtype(dtype)} {list(shape)} for fmt {fmt!r} "
+        shapes = [(), (n,)] if name == dec.output_scale else [(k // dec.group, n)]
+        if tuple(a.shape) not in shapes or a.dtype != jnp.dtype(dtype):
+            shape = " or ".join(str(list(s)) for s in shapes)
+            raise ValueError(f"{name} must be {jnp.dtype(dtype)} {shape} for fmt {fmt!r} "
                              f"(K={k}, N={n}), got {a.dtype} {list(a.shape)}")  # fmt: skip
 
 
