@@ -85,24 +85,77 @@ def test_eagle_output_equals_plain_output_token_for_token(fresh_seed, engines):
 
 @pytest.mark.optimized
 def test_training_raises_the_heads_agreement_with_the_target(fresh_seed, tmp_path):
-    """`train_eagle` on tiny, briefly, on text files drawn by the seed: the held-out share of
-    positions where the head's argmax is the target's (a first greedy draft's acceptance) rises
-    from a random head's (~0) by at least 0.05 (about 0.1 seen)."""
+    """`train_eagle` on tiny, briefly, on the target's own replies (`data: generated`) to
+    prompts on text files, two draft steps unrolled: the held-out share of positions where the
+    head's argmax is the target's rises from a random head's (~0) by at least 0.05, for the
+    first draft and for the second, fed the head's own features (about 0.3-0.5 seen)."""
     from jaxinfer.engine.eagle import load_head
     from jaxinfer.train.eagle import load_eagle_config, train_eagle
 
     tc = load_eagle_config(None, ["name=eagle-test", "target=tiny", f"out_dir={tmp_path}",
                                   f"exclude_modules=[{','.join(UNSEEN)}]", "max_files=20",
+                                  "data=generated", "prompts=24", "heldout_prompts=6",
+                                  "reply_tokens=48", "unroll=2",
                                   "seq_len=64", "batch_size=8", "steps=40", "lr=3e-3",
                                   "warmup_steps=4", "eval_every=40", "eval_windows=8",
                                   f"seed={fresh_seed % 2**16}"])  # fmt: skip
     summary = train_eagle(tc, log=lambda *_: None)
     before, after = summary["heldout_agreement_before"], summary["heldout_agreement"]
     assert after >= before + 0.05, f"seed {fresh_seed}: agreement {before} -> {after}"
+    second = summary["heldout_agreement_by_step"][1]
+    assert second >= 0.05, f"seed {fresh_seed}: second draft's agreement {second}"
+    assert (tmp_path / "generated.npz").is_file()
     head, info = load_head(
         tc.head, LLM("tiny", warmup=False, num_pages=4, max_model_len=48).engine.runner.cfg
     )
     assert info["train"]["steps"] == 40 and head["fc"].shape == (512, 256)
+
+
+def test_unrolled_training_steps_see_what_drafting_sees(fresh_seed):
+    """Training's draft step s at position i (`head_forward_unrolled`) is what drafting computes
+    there: a causal forward of the head in which positions up to the chain's start c = i - s + 1
+    read the target's features and each later one the head's own previous output, built one
+    draft at a time from scratch. The loss's agreement of step s is the share of positions
+    i >= s - 1 of every window where g_s's argmax is the target's."""
+    from jaxinfer.engine.eagle import SHARED_KEYS, head_forward, init_head, shifted_features
+    from jaxinfer.engine.loading import load_model
+    from jaxinfer.models.attention import causal_attention
+    from jaxinfer.models.dense import compute_logits
+    from jaxinfer.train.eagle import head_forward_unrolled, head_loss
+
+    cfg, params, _ = load_model("tiny", "float32", 0)
+    shared = {k: params[k] for k in SHARED_KEYS if k in params}
+    head = init_head(cfg, jax.random.key(fresh_seed % 2**31))
+    rng = np.random.default_rng(fresh_seed)
+    n, steps = 8, 3
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, n)), jnp.int32)
+    hidden = jnp.asarray(rng.standard_normal((2, n, cfg.hidden_size)), jnp.float32)
+    gs = head_forward_unrolled(head, shared, cfg, hidden, tokens, steps)
+
+    def dense(feats, toks):
+        pos = jnp.broadcast_to(jnp.arange(toks.shape[1]), toks.shape)
+        attend = lambda q, k, v, carry, layer, kind: (causal_attention(q, k, v), carry)  # noqa: E731
+        return head_forward(head, shared, cfg, feats, toks, pos, attend, None)[0]
+
+    for c in range(n - steps + 1):
+        feats = shifted_features(hidden)[:, : c + 1]
+        for s in range(1, steps + 1):
+            want = dense(feats, tokens[:, : c + s])[:, -1]
+            np.testing.assert_allclose(np.asarray(gs[s - 1][:, c + s - 1]), np.asarray(want),
+                                       rtol=1e-5, atol=1e-5,
+                                       err_msg=f"chain at {c}, step {s}; seed {fresh_seed}")  # fmt: skip
+            feats = jnp.concatenate([feats, want[:, None]], axis=1)
+
+    # window 0's target agrees with draft step 1 everywhere, window 1's is noise
+    noise = jnp.asarray(rng.standard_normal((1, n, cfg.vocab_size)), jnp.float32)
+    target_logits = jnp.concatenate([compute_logits(shared, cfg, gs[0])[:1], noise])
+    _, agree = head_loss(head, shared, cfg, hidden, target_logits, tokens, None, distill="soft",
+                         feature_weight=1.0, feature_noise=0.0, unroll=steps)  # fmt: skip
+    for s, g in enumerate(gs):
+        hit = np.argmax(np.asarray(compute_logits(shared, cfg, g)), -1) == np.argmax(
+            np.asarray(target_logits), -1
+        )
+        assert float(agree[s]) == pytest.approx(hit[:, s:].mean(), abs=1e-6), (s, fresh_seed)
 
 
 def test_a_trained_head_is_accepted_more_than_a_random_one(fresh_seed, engines):

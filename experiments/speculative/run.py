@@ -28,10 +28,11 @@ decode steps that speculated (`speculative_step_fraction`).
         eagle:eagle-smollm2 --batches 1 --max-tokens 64 \
         --out experiments/results/cpu/speculative_eagle_smollm2.json        # SmolLM2, CPU
 
-Workloads: "grounded", prompts that end asking for a copy of code they contain (an
-input-grounded task where n-gram lookup pays: the output repeats the prompt; Python source of
-the standard library, the reference models' training domain), and "open", the same code without
-the request (free continuation).
+Workloads (`jaxinfer/workload/code_prompts.py`, on Python source of the standard library, the
+reference models' domain): "grounded", prompts that end asking for a copy of code they contain
+(an input-grounded task where n-gram lookup pays: the output repeats the prompt), "open", the
+same code without the request (free continuation), and "chat", a user turn under the model's
+chat template asking to explain, comment or test the code (models with a chat template).
 """
 
 from __future__ import annotations
@@ -46,27 +47,16 @@ from jaxinfer.engine.llm import LLM
 from jaxinfer.engine.request import SamplingParams
 from jaxinfer.metrics.summary import summarize
 from jaxinfer.provenance import provenance
+from jaxinfer.workload.code_prompts import KINDS, prompt_text, snippets
 
 SOURCES = ("textwrap", "shlex", "fnmatch", "heapq", "bisect", "colorsys", "string", "queue")
 
 
-def code_snippets(n: int, chars: int) -> list[str]:
-    """n pieces of standard-library Python source, `chars` characters each."""
-    out = []
-    for name in SOURCES:
-        src = inspect.getsource(__import__(name))
-        out += [src[i : i + chars] for i in range(0, len(src) - chars, chars)]
-    return [out[i % len(out)] for i in range(n)]
-
-
-def prompts_of(workload: str, tokenizer, n: int, chars: int) -> list[list[int]]:
-    snippets = code_snippets(n, chars)
-    if workload == "grounded":
-        texts = [f"```python\n{s}\n```\nThe same code again, unchanged:\n```python\n"
-                 for s in snippets]  # fmt: skip
-    else:
-        texts = snippets
-    return [tokenizer.encode(t).ids for t in texts]
+def prompts_of(workload: str, llm: LLM, n: int, chars: int) -> list[list[int]]:
+    """n prompts of `workload` (`code_prompts.KINDS`) on pieces of the SOURCES modules."""
+    pieces = snippets([inspect.getsource(__import__(name)) for name in SOURCES], n, chars)
+    return [llm.tokenizer.encode(prompt_text(workload, s, i, llm.render_chat)).ids
+            for i, s in enumerate(pieces)]  # fmt: skip
 
 
 def speculative_config(method: str, gamma: int) -> dict:
@@ -171,7 +161,13 @@ def main(argv=None) -> None:
     ap.add_argument("--num-draft-tokens", type=int, default=4)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--waves", type=int, default=2, help="requests per batch slot")
-    ap.add_argument("--workloads", nargs="+", default=["grounded", "open"])
+    ap.add_argument(
+        "--min-requests",
+        type=int,
+        default=0,
+        help="at least this many requests per point (more waves at small batches)",
+    )
+    ap.add_argument("--workloads", nargs="+", default=["grounded", "open"], choices=KINDS)
     ap.add_argument("--snippet-chars", type=int, default=400)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -185,10 +181,11 @@ def main(argv=None) -> None:
     methods = ["none", *[m for m in args.methods if m != "none"]]
     result = {**provenance(), "args": vars(args) | {"out": str(args.out), "plot": str(args.plot)},
               "rows": []}  # fmt: skip
-    tokenizer = LLM(args.model, warmup=False, num_pages=4, max_model_len=48).tokenizer
+    prompter = LLM(args.model, warmup=False, num_pages=4, max_model_len=48)  # its tokenizer
     sampling = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True,
                               temperature=args.temperature, seed=0)  # fmt: skip
-    points = [(wl, batch, prompts_of(wl, tokenizer, batch * args.waves, args.snippet_chars))
+    waves = {b: max(args.waves, -(-args.min_requests // b)) for b in args.batches}
+    points = [(wl, batch, prompts_of(wl, prompter, batch * waves[batch], args.snippet_chars))
               for wl in args.workloads for batch in args.batches]  # fmt: skip
     base = {}  # (workload, batch) -> (tokens, output tok/s) of "none"
     args.out.parent.mkdir(parents=True, exist_ok=True)

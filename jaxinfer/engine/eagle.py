@@ -58,7 +58,7 @@ from jaxinfer.engine.proposer import Proposer, Round
 from jaxinfer.engine.request import Sequence
 from jaxinfer.engine.sampler import DRAFT_STREAM, draw_from, filtered_probs
 from jaxinfer.kv.cache import KVCache, init_kv_cache, token_slots
-from jaxinfer.models.attention import causal_attention, write_kv_and_attend
+from jaxinfer.models.attention import write_kv_and_attend
 from jaxinfer.models.batch import RaggedBatch, rows_batch
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.dense import compute_logits, decoder_layer, embed
@@ -114,17 +114,6 @@ def head_forward(head: dict, shared: dict, target: ModelConfig, feats: jax.Array
     x, carry, _ = decoder_layer(hcfg, layer, x, positions, attend, carry, np.int32(0),
                                 hcfg.layer(0))  # fmt: skip
     return rms_norm(x, shared["final_norm"], target.rms_norm_eps), carry
-
-
-def head_forward_dense(head: dict, shared: dict, target: ModelConfig, feats: jax.Array,
-                       tokens: jax.Array) -> jax.Array:  # fmt: skip
-    """g [B, L, E] over whole windows (training): causal attention, no cache."""
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-
-    def attend(q, k, v, carry, layer, kind):
-        return causal_attention(q, k, v), carry
-
-    return head_forward(head, shared, target, feats, tokens, positions, attend, None)[0]
 
 
 def shifted_features(hidden: jax.Array) -> jax.Array:

@@ -35,7 +35,7 @@ from pydantic import Field, model_validator
 from jaxinfer.config_file import Count, load_config, one_of, schema
 from jaxinfer.engine.eagle import (
     SHARED_KEYS,
-    head_forward_dense,
+    head_forward,
     init_head,
     save_head,
     shifted_features,
@@ -80,6 +80,20 @@ class EagleTrainConfig:
     eval_every: Count = 100
     eval_windows: Count = 16
     seed: int = 0
+    # The text: "text", the split's files as they are; "generated", the target's own greedy
+    # replies to `prompts` prompts (`workload.code_prompts`, every kind in turn, on pieces of
+    # `snippet_chars` characters of the split's files; `heldout_prompts` for the held-out
+    # windows), `reply_tokens` each, kept in <out_dir>/generated.npz for the next run.
+    data: Annotated[str, one_of("text", "generated")] = "text"
+    prompts: Count = 512
+    heldout_prompts: Count = 16
+    snippet_chars: Count = 400
+    reply_tokens: Count = 192
+    # Training-time test (Li et al. 2025, EAGLE-3): `unroll` draft steps, step s fed
+    # the head's own outputs of step s - 1 as its features, as drafting does; step s's loss
+    # weighs unroll_decay^(s-1).
+    unroll: Count = 1
+    unroll_decay: Annotated[float, Field(gt=0)] = 0.8
 
     _warmup = model_validator(mode="after")(warmup_in_range)
 
@@ -97,8 +111,8 @@ def load_eagle_config(path: str | Path | None, overrides=()) -> EagleTrainConfig
     return load_config(EagleTrainConfig, path, overrides, what="train")
 
 
-def text_stream(tokenizer, tc: EagleTrainConfig, eos: int, split: str) -> np.ndarray:
-    """The split's files as one int32 token stream of the target's tokenizer, EOS between."""
+def split_texts(tc: EagleTrainConfig, split: str) -> list[str]:
+    """The texts of the split's files (less `exclude_modules`; `max_files` of the train split)."""
     corpus = stdlib_corpus(heldout_fraction=tc.heldout_fraction)
     files = corpus.train if split == "train" else corpus.heldout
     skip = {m.replace(".", "/") for m in tc.exclude_modules}
@@ -106,30 +120,89 @@ def text_stream(tokenizer, tc: EagleTrainConfig, eos: int, split: str) -> np.nda
              and f.parent.as_posix() not in skip]  # fmt: skip
     if split == "train" and tc.max_files is not None:
         files = files[: tc.max_files]
-    texts = [(corpus.root / f).read_text(encoding="utf-8", errors="replace") for f in files]
+    return [(corpus.root / f).read_text(encoding="utf-8", errors="replace") for f in files]
+
+
+def text_stream(tokenizer, tc: EagleTrainConfig, eos: int, split: str) -> np.ndarray:
+    """The split's files as one int32 token stream of the target's tokenizer, EOS between."""
     parts = []
-    for enc in tokenizer.encode_batch(texts):
+    for enc in tokenizer.encode_batch(split_texts(tc, split)):
         parts += [np.asarray(enc.ids, np.int32), np.asarray([eos], np.int32)]
     return np.concatenate(parts)
 
 
+def chain_attention(q: jax.Array, ks: list[jax.Array], vs: list[jax.Array]) -> jax.Array:
+    """Attention of draft step s = len(ks) over windows, as drafting sees its cache: the query
+    at position i reads step 1's (true-feature) keys at positions <= i - s + 1 and step r's key
+    at position i - s + r for r = 2..s (the chain of drafts since the round's last true
+    feature). q [B, L, Hq, D], ks / vs: s arrays [B, L, Hkv, D], step 1 first; softmax in fp32.
+    With one step it is causal attention."""
+    s = len(ks)
+    b, n, hq, d = q.shape
+    hkv = ks[0].shape[2]
+    qg = q.reshape(b, n, hkv, hq // hkv, d).astype(jnp.float32) * d**-0.5
+    i = jnp.arange(n)
+    main = jnp.einsum("bqhgd,bkhd->bhgqk", qg, ks[0].astype(jnp.float32))
+    scores = [jnp.where(i[None, :] <= i[:, None] - (s - 1), main, -jnp.inf)]
+    chain_v = []
+    for r in range(2, s + 1):
+        back = s - r  # step r's key sits `back` positions before the query
+        k_r, v_r = (jnp.roll(a, back, axis=1).astype(jnp.float32) for a in (ks[r - 1], vs[r - 1]))
+        sc = jnp.einsum("bqhgd,bqhd->bhgq", qg, k_r)
+        scores.append(jnp.where(i >= back, sc, -jnp.inf)[..., None])
+        chain_v.append(v_r)
+    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", probs[..., :n], vs[0].astype(jnp.float32))
+    for r, v_r in enumerate(chain_v):
+        out = out + jnp.einsum("bhgq,bqhd->bqhgd", probs[..., n + r], v_r)
+    return out.reshape(b, n, hq, d).astype(q.dtype)
+
+
+def head_forward_unrolled(head, shared, cfg: ModelConfig, hidden: jax.Array, tokens: jax.Array,
+                          steps: int, noise: jax.Array | None = None) -> list[jax.Array]:  # fmt: skip
+    """[g of draft step 1 .. steps], each [B, L, E]: step 1 reads the target's f one position
+    back (plus `noise`), step s > 1 the head's own step s - 1 output one position back, and
+    attends as `chain_attention` says. g_s at i drafts token i + 1 after s - 1 drafts."""
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    feats = shifted_features(hidden) + (0 if noise is None else noise)
+    gs, kvs = [], ()
+    for _ in range(steps):
+
+        def attend(q, k, v, carry, layer, kind):
+            ks, vs = [*(c[0] for c in carry), k], [*(c[1] for c in carry), v]
+            return chain_attention(q, ks, vs), (*carry, (k, v))
+
+        g, kvs = head_forward(head, shared, cfg, feats, tokens, positions, attend, kvs)
+        gs.append(g)
+        feats = shifted_features(g)
+    return gs
+
+
 def head_loss(head, shared, cfg: ModelConfig, hidden, target_logits, tokens, key, *,
-              distill: str, feature_weight: float, feature_noise: float):  # fmt: skip
-    """(loss, top-1 agreement) of the head on windows: tokens [B, L], the frozen target's f
-    [B, L, E] and logits [B, L, V]."""
-    feats = shifted_features(hidden)
+              distill: str, feature_weight: float, feature_noise: float, unroll: int = 1,
+              unroll_decay: float = 1.0):  # fmt: skip
+    """(loss, top-1 agreement per draft step [unroll]) of the head on windows: tokens [B, L],
+    the frozen target's f [B, L, E] and logits [B, L, V]. Step s counts positions i >= s - 1
+    (a chain that starts at or after the window's first token)."""
+    noise = None
     if feature_noise:
-        feats = feats + jax.random.uniform(key, feats.shape, feats.dtype, -1, 1) * feature_noise
-    g = head_forward_dense(head, shared, cfg, feats, tokens)
-    logits = compute_logits(shared, cfg, g)
-    if distill == "soft":
-        ce = optax.softmax_cross_entropy(logits, jax.nn.softmax(target_logits)).mean()
-    else:
-        labels = jnp.argmax(target_logits, -1)
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-    feature = optax.huber_loss(g.astype(jnp.float32), hidden.astype(jnp.float32)).mean()
-    agree = jnp.mean(jnp.argmax(logits, -1) == jnp.argmax(target_logits, -1))
-    return ce + feature_weight * feature, agree
+        noise = jax.random.uniform(key, hidden.shape, hidden.dtype, -1, 1) * feature_noise
+    gs = head_forward_unrolled(head, shared, cfg, hidden, tokens, unroll, noise)
+    labels = jnp.argmax(target_logits, -1)
+    soft = jax.nn.softmax(target_logits) if distill == "soft" else None
+    loss, agree, total = 0.0, [], 0.0
+    for s, g in enumerate(gs):
+        logits = compute_logits(shared, cfg, g)
+        if soft is not None:
+            ce = optax.softmax_cross_entropy(logits, soft)
+        else:
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+        valid = jnp.broadcast_to(jnp.arange(tokens.shape[1]) >= s, ce.shape)
+        w = unroll_decay**s
+        loss, total = loss + w * jnp.sum(ce * valid) / jnp.sum(valid), total + w
+        agree.append(jnp.sum((jnp.argmax(logits, -1) == labels) * valid) / jnp.sum(valid))
+    feature = optax.huber_loss(gs[0].astype(jnp.float32), hidden.astype(jnp.float32)).mean()
+    return loss / total + feature_weight * feature, jnp.stack(agree)
 
 
 def _target_pass(target_params, cfg, tokens):
@@ -137,28 +210,76 @@ def _target_pass(target_params, cfg, tokens):
     return hidden, compute_logits(target_params, cfg, hidden)
 
 
-@partial(jax.jit, static_argnames=("cfg", "tx", "distill", "feature_weight", "feature_noise"),
-         donate_argnums=(0, 1))  # fmt: skip
-def train_step(head, opt_state, target_params, tokens, key, *, cfg, tx, distill, feature_weight,
-               feature_noise):  # fmt: skip
+LOSS_OPTIONS = ("distill", "feature_weight", "feature_noise", "unroll", "unroll_decay")
+
+
+@partial(jax.jit, static_argnames=("cfg", "tx", *LOSS_OPTIONS), donate_argnums=(0, 1))
+def train_step(head, opt_state, target_params, tokens, key, *, cfg, tx, **loss_options):
     hidden, target_logits = _target_pass(target_params, cfg, tokens)  # frozen: no gradient
     shared = {k: target_params[k] for k in SHARED_KEYS if k in target_params}
 
     def loss_fn(h):
-        return head_loss(h, shared, cfg, hidden, target_logits, tokens, key, distill=distill,
-                         feature_weight=feature_weight, feature_noise=feature_noise)  # fmt: skip
+        return head_loss(h, shared, cfg, hidden, target_logits, tokens, key, **loss_options)
 
     (loss, agree), grads = jax.value_and_grad(loss_fn, has_aux=True)(head)
     updates, opt_state = tx.update(grads, opt_state, head)
     return optax.apply_updates(head, updates), opt_state, loss, agree
 
 
-@partial(jax.jit, static_argnames=("cfg", "distill"))
-def eval_step(head, target_params, tokens, *, cfg, distill):
+@partial(jax.jit, static_argnames=("cfg", "distill", "unroll", "unroll_decay"))
+def eval_step(head, target_params, tokens, *, cfg, distill, unroll, unroll_decay):
     hidden, target_logits = _target_pass(target_params, cfg, tokens)
     shared = {k: target_params[k] for k in SHARED_KEYS if k in target_params}
     return head_loss(head, shared, cfg, hidden, target_logits, tokens, None, distill=distill,
-                     feature_weight=1.0, feature_noise=0.0)  # fmt: skip
+                     feature_weight=1.0, feature_noise=0.0, unroll=unroll,
+                     unroll_decay=unroll_decay)  # fmt: skip
+
+
+def expected_tokens(agreement) -> float:
+    """Tokens a greedy verification yields on average with the drafts of these per-step
+    agreements (step s's given every earlier draft kept): 1 + a1 + a1 a2 + ..."""
+    return float(1 + np.sum(np.cumprod(np.asarray(agreement, np.float64))))
+
+
+def generated_streams(tc: EagleTrainConfig, cfg: ModelConfig, tokenizer, eos: int, log=print):
+    """(train, held-out) int32 token streams of the target's own greedy replies (prompt, reply,
+    EOS each; see `EagleTrainConfig.data`), from <out_dir>/generated.npz when a run with the
+    same prompts made it."""
+    from jaxinfer.engine.llm import LLM
+    from jaxinfer.engine.request import SamplingParams
+    from jaxinfer.workload.code_prompts import KINDS, prompt_text, snippets
+
+    key = dict(target=tc.target, dtype=tc.target_dtype, prompts=tc.prompts,
+               heldout_prompts=tc.heldout_prompts, snippet_chars=tc.snippet_chars,
+               reply_tokens=tc.reply_tokens, exclude=sorted(tc.exclude_modules))  # fmt: skip
+    path = Path(tc.out_dir) / "generated.npz"
+    if path.is_file():
+        saved = np.load(path)
+        if json.loads(str(saved["key"])) == key:
+            log(f"{tc.name}: the target's replies from {path}")
+            return saved["train"], saved["heldout"]
+    llm = LLM(tc.target, dtype=tc.target_dtype, max_num_seqs=64, max_num_batched_tokens=1024,
+              max_model_len=1024, num_pages=2048, page_size=16)  # fmt: skip
+    has_template = llm.chat_template is not None
+    kinds = KINDS if has_template else tuple(k for k in KINDS if k != "chat")
+    sampling = SamplingParams(max_tokens=tc.reply_tokens, temperature=0.0)
+    streams = []
+    for split, n in (("train", tc.prompts), ("heldout", tc.heldout_prompts)):
+        pieces = snippets(split_texts(tc, split), n, tc.snippet_chars)
+        prompts = [prompt_text(kinds[i % len(kinds)], s, i // len(kinds), llm.render_chat)
+                   for i, s in enumerate(pieces)]  # fmt: skip
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sampling)
+        parts = []
+        for o in outs:
+            parts += [np.asarray(o.prompt_token_ids, np.int32), np.asarray(o.token_ids, np.int32),
+                      np.asarray([eos], np.int32)]  # fmt: skip
+        streams.append(np.concatenate(parts))
+        log(f"{tc.name}: {split}: {n} replies of the target, {sum(len(o.token_ids) for o in outs):,}"
+            f" tokens in {time.perf_counter() - t0:.0f} s")  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, train=streams[0], heldout=streams[1], key=json.dumps(key))
+    return streams[0], streams[1]
 
 
 def train_eagle(tc: EagleTrainConfig, *, log=print) -> dict:
@@ -169,11 +290,14 @@ def train_eagle(tc: EagleTrainConfig, *, log=print) -> dict:
     if tokenizer is None:
         raise ValueError(f"train config: target={tc.target!r} has no tokenizer to read text with")
     eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else cfg.bos_token_id
-    train = text_stream(tokenizer, tc, eos, "train")
-    heldout = eval_windows(text_stream(tokenizer, tc, eos, "heldout"), tc.seq_len,
-                           tc.eval_windows)  # fmt: skip
-    log(f"{tc.name}: target {tc.target}, {len(train):,} train tokens, {len(heldout)} held-out "
-        f"windows of {tc.seq_len}")  # fmt: skip
+    if tc.data == "generated":
+        train, heldout_stream = generated_streams(tc, cfg, tokenizer, eos, log)
+    else:
+        train = text_stream(tokenizer, tc, eos, "train")
+        heldout_stream = text_stream(tokenizer, tc, eos, "heldout")
+    heldout = eval_windows(heldout_stream, tc.seq_len, tc.eval_windows)
+    log(f"{tc.name}: target {tc.target}, {len(train):,} train tokens ({tc.data}), "
+        f"{len(heldout)} held-out windows of {tc.seq_len}")  # fmt: skip
     schedule = optax.warmup_cosine_decay_schedule(0.0, tc.lr, tc.warmup_steps, tc.steps,
                                                   tc.lr * tc.min_lr_ratio)  # fmt: skip
     tx = optax.chain(optax.clip_by_global_norm(tc.grad_clip),
@@ -181,19 +305,22 @@ def train_eagle(tc: EagleTrainConfig, *, log=print) -> dict:
     head = init_head(cfg, jax.random.key(tc.seed), tc.intermediate_size)
     opt_state = tx.init(head)
     static = dict(cfg=cfg, tx=tx, distill=tc.distill, feature_weight=tc.feature_weight,
-                  feature_noise=tc.feature_noise)  # fmt: skip
+                  feature_noise=tc.feature_noise, unroll=tc.unroll,
+                  unroll_decay=tc.unroll_decay)  # fmt: skip
     out = Path(tc.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "log.jsonl").write_text("")
 
-    def evaluate() -> tuple[float, float]:
+    def evaluate() -> tuple[float, list[float]]:
         n = len(heldout) // tc.batch_size * tc.batch_size or len(heldout)
         rows = [eval_step(head, params, jnp.asarray(heldout[i : i + tc.batch_size]), cfg=cfg,
-                          distill=tc.distill) for i in range(0, n, tc.batch_size)]  # fmt: skip
-        return tuple(float(np.mean([float(r[i]) for r in rows])) for i in (0, 1))
+                          distill=tc.distill, unroll=tc.unroll, unroll_decay=tc.unroll_decay)
+                for i in range(0, n, tc.batch_size)]  # fmt: skip
+        loss = float(np.mean([float(r[0]) for r in rows]))
+        return loss, [round(float(a), 4) for a in np.mean([np.asarray(r[1]) for r in rows], 0)]
 
     loss0, agree0 = evaluate()
-    log(f"step 0: held-out loss {loss0:.3f}, top-1 agreement {agree0:.3f}")
+    log(f"step 0: held-out loss {loss0:.3f}, agreement by draft step {agree0}")
     t0 = time.perf_counter()
     key = jax.random.key(tc.seed + 1)
     for step in range(tc.steps):
@@ -203,18 +330,23 @@ def train_eagle(tc: EagleTrainConfig, *, log=print) -> dict:
         done = step + 1
         if done % tc.eval_every == 0 or done == tc.steps:
             eval_loss, eval_agree = evaluate()
-            row = dict(step=done, loss=float(loss), train_agreement=float(agree),
-                       heldout_loss=eval_loss, heldout_agreement=eval_agree,
+            row = dict(step=done, loss=float(loss), train_agreement=float(agree[0]),
+                       heldout_loss=eval_loss, heldout_agreement=eval_agree[0],
+                       heldout_agreement_by_step=eval_agree,
                        elapsed_s=round(time.perf_counter() - t0, 1))  # fmt: skip
             with open(out / "log.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
-            log(f"step {done}: loss {float(loss):.3f}, held-out loss {eval_loss:.3f}, top-1 "
-                f"agreement {eval_agree:.3f} ({row['elapsed_s']} s)")  # fmt: skip
+            log(f"step {done}: loss {float(loss):.3f}, held-out loss {eval_loss:.3f}, agreement "
+                f"by draft step {eval_agree} ({row['elapsed_s']} s)")  # fmt: skip
     summary = {
-        "name": tc.name, "target": tc.target, "steps": tc.steps,
+        "name": tc.name, "target": tc.target, "steps": tc.steps, "data": tc.data,
+        "train_tokens": len(train),
         "train_tokens_seen": tc.steps * tc.batch_size * tc.seq_len,
         "head_params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(head))),
-        "heldout_agreement_before": round(agree0, 4), "heldout_agreement": round(eval_agree, 4),
+        "heldout_agreement_before": agree0[0], "heldout_agreement": eval_agree[0],
+        # step s's top-1 agreement given s - 1 kept drafts, fed its own features (unroll)
+        "heldout_agreement_by_step": eval_agree,
+        "expected_tokens_per_verification": round(expected_tokens(eval_agree), 3),
         "heldout_loss": round(eval_loss, 4), "train_s": round(time.perf_counter() - t0, 1),
         "total_s": round(time.perf_counter() - t_start, 1),
         "config": OmegaConf.to_container(OmegaConf.structured(tc)),
