@@ -262,3 +262,17 @@ def test_engines_of_one_head_configuration_share_compiled_steps(engines):
     assert trained is not rand and trained == rand and hash(trained) == hash(rand)
     longer = EagleProposer(trained.target, trained.head, GAMMA + 1, rejection=trained.rejection)
     assert longer != trained
+
+
+def test_generated_data_that_cannot_fit_fails_naming_the_keys(tmp_path):
+    """`data: generated` with replies past the generating engine's max_model_len: one error
+    naming snippet_chars and reply_tokens, not a stream missing the failed replies."""
+    from jaxinfer.train.eagle import load_eagle_config, train_eagle
+
+    tc = load_eagle_config(None, ["name=e", "target=tiny", f"out_dir={tmp_path}", "max_files=4",
+                                  "data=generated", "prompts=4", "heldout_prompts=2",
+                                  "reply_tokens=2000", "steps=2", "warmup_steps=1"])  # fmt: skip
+    with pytest.raises(ValueError, match=r"4 of the train prompts failed \(snippet_chars=400, "
+                                         r"reply_tokens=2000\).*exceeds max_model_len"):  # fmt: skip
+        train_eagle(tc, log=lambda *_: None)
+    assert not (tmp_path / "generated.npz").exists()

@@ -88,7 +88,8 @@ def safe_scale(amax: jax.Array, qmax: float) -> jax.Array:
     multiplication by the rounded reciprocal, and XLA:GPU's division (PTX div.full) may be 2 ulp
     off. So the quotient q is corrected once by its exact residual r = amax - q * qmax: q splits
     into a high half (low 12 mantissa bits cleared) and the rest, each with at most 12 significant
-    bits, so with a qmax of at most 12 significant bits (checked) both products and both subtractions are exact.
+    bits, so with a qmax of at most 12 significant bits (checked) both products and both
+    subtractions are exact.
     q + r / qmax then rounds to the true quotient: that lies at least ulp / (2 * 2^12) from a
     rounding midpoint (qmax's odd part cannot make amax a midpoint times qmax), far more than the
     correction's own error. (Not below quotients of about 2^-100, where the correction is a

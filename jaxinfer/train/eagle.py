@@ -241,7 +241,7 @@ def expected_tokens(agreement) -> float:
     return float(1 + np.sum(np.cumprod(np.asarray(agreement, np.float64))))
 
 
-def generated_streams(tc: EagleTrainConfig, cfg: ModelConfig, tokenizer, eos: int, log=print):
+def generated_streams(tc: EagleTrainConfig, eos: int, log=print):
     """(train, held-out) int32 token streams of the target's own greedy replies (prompt, reply,
     EOS each; see `EagleTrainConfig.data`), from <out_dir>/generated.npz when a run with the
     same prompts made it."""
@@ -259,9 +259,8 @@ def generated_streams(tc: EagleTrainConfig, cfg: ModelConfig, tokenizer, eos: in
             log(f"{tc.name}: the target's replies from {path}")
             return saved["train"], saved["heldout"]
     llm = LLM(tc.target, dtype=tc.target_dtype, max_num_seqs=64, max_num_batched_tokens=1024,
-              max_model_len=1024, num_pages=2048, page_size=16)  # fmt: skip
-    has_template = llm.chat_template is not None
-    kinds = KINDS if has_template else tuple(k for k in KINDS if k != "chat")
+              max_model_len=1024, num_pages=2048, page_size=16, warmup=False)  # fmt: skip
+    kinds = KINDS if llm.chat_template is not None else tuple(k for k in KINDS if k != "chat")
     sampling = SamplingParams(max_tokens=tc.reply_tokens, temperature=0.0)
     streams = []
     for split, n in (("train", tc.prompts), ("heldout", tc.heldout_prompts)):
@@ -270,6 +269,11 @@ def generated_streams(tc: EagleTrainConfig, cfg: ModelConfig, tokenizer, eos: in
                    for i, s in enumerate(pieces)]  # fmt: skip
         t0 = time.perf_counter()
         outs = llm.generate(prompts, sampling)
+        failed = [o.error for o in outs if o.error is not None]
+        if failed:  # (e.g. a prompt + reply past the engine's max_model_len)
+            raise ValueError(f"train config: {len(failed)} of the {split} prompts failed "
+                             f"(snippet_chars={tc.snippet_chars}, reply_tokens="
+                             f"{tc.reply_tokens}): {failed[0]}")  # fmt: skip
         parts = []
         for o in outs:
             parts += [np.asarray(o.prompt_token_ids, np.int32), np.asarray(o.token_ids, np.int32),
@@ -291,7 +295,7 @@ def train_eagle(tc: EagleTrainConfig, *, log=print) -> dict:
         raise ValueError(f"train config: target={tc.target!r} has no tokenizer to read text with")
     eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else cfg.bos_token_id
     if tc.data == "generated":
-        train, heldout_stream = generated_streams(tc, cfg, tokenizer, eos, log)
+        train, heldout_stream = generated_streams(tc, eos, log)
     else:
         train = text_stream(tokenizer, tc, eos, "train")
         heldout_stream = text_stream(tokenizer, tc, eos, "heldout")
