@@ -261,7 +261,12 @@ def _alone(engine: Engine, probes):
 
 
 def test_batch_sizes_and_preemption_leave_logprobs_bitwise(base, fresh_seed):
-    rng = np.random.default_rng(fresh_seed)
+    check_batches(base, fresh_seed)
+
+
+def check_batches(base, seed):
+    """Probes alone, then inside shuffled batches of 2, 5 and 8 (the 8 preempt): bit for bit."""
+    rng = np.random.default_rng(seed)
     probes = _probes(rng)
     alone = _alone(base, probes)
     preempted = 0
@@ -272,41 +277,50 @@ def test_batch_sizes_and_preemption_leave_logprobs_bitwise(base, fresh_seed):
         outs, seqs = _run(base, requests)
         preempted += sum(s.num_preemptions for s in seqs)
         for i, j in zip(chosen, at, strict=True):
-            assert outs[j] == alone[i], f"probe {i} in a batch of {size}, seed {fresh_seed}"
-    assert preempted > 0, f"no batch preempted a request, seed {fresh_seed}"
+            assert outs[j] == alone[i], f"probe {i} in a batch of {size}, seed {seed}"
+    assert preempted > 0, f"no batch preempted a request, seed {seed}"
 
 
-@pytest.mark.parametrize(
-    "variant",
-    [
-        dict(max_num_batched_tokens=16),  # prefill in chunks of at most 16 tokens
-        dict(prefix_caching=True),
-        # drafts verified in mixed steps (decode_steps 1: no scans; the base decodes in scans),
-        # in chunks of at most 32 tokens
-        dict(
-            speculative={"method": "ngram", "num_draft_tokens": 3},
-            decode_steps=1,
-            max_num_batched_tokens=32,
-        ),
-    ],
-    ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()),
-)
+VARIANTS = [
+    dict(max_num_batched_tokens=16),  # prefill in chunks of at most 16 tokens
+    dict(prefix_caching=True),
+    # drafts verified in mixed steps (decode_steps 1: no scans; the base decodes in scans), in
+    # chunks of at most 32 tokens
+    dict(
+        speculative={"method": "ngram", "num_draft_tokens": 3},
+        decode_steps=1,
+        max_num_batched_tokens=32,
+    ),
+]
+
+
+def _variant_id(v):
+    return ",".join(f"{k}={x}" for k, x in v.items())
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=_variant_id)
 def test_chunking_prefix_caching_and_speculation_leave_logprobs_bitwise(model, base, variant,
                                                                         fresh_seed):  # fmt: skip
-    rng = np.random.default_rng(fresh_seed)
+    check_variant(model, base, variant, fresh_seed)
+
+
+def check_variant(model, base, variant, seed):
+    """The probes alone on `base` and inside a shuffled batch of 8 on an engine with `variant`'s
+    settings: bit for bit."""
+    rng = np.random.default_rng(seed)
     probes = _probes(rng)
     alone = _alone(base, probes)
     engine = _engine(model, **variant)
     cached = bool(variant.get("prefix_caching"))
     if cached:  # the probes' pages cached, then hit inside the batch (admitted before any filler
         # can evict them)
-        assert _alone(engine, probes) == alone, f"seed {fresh_seed}"
+        assert _alone(engine, probes) == alone, f"seed {seed}"
     requests, at = _batch(probes, _fillers(rng, 5), rng, probes_first=cached)
     outs, seqs = _run(engine, requests)
     for i, j in enumerate(at):
-        assert outs[j] == alone[i], f"probe {i}, {variant}, seed {fresh_seed}"
+        assert outs[j] == alone[i], f"probe {i}, {variant}, seed {seed}"
     if cached:
-        assert sum(seqs[j].num_cached_tokens for j in at) > 0, f"no prefix hit, seed {fresh_seed}"
+        assert sum(seqs[j].num_cached_tokens for j in at) > 0, f"no prefix hit, seed {seed}"
     if "speculative" in variant:
         assert sum(r.draft_tokens for r in engine.step_records) > 0, "nothing was drafted"
 
@@ -317,6 +331,15 @@ def test_default_numerics_differ_on_the_same_comparison(model, base):
     and in a 64-token one rounds differently (the matmul kernel changes at 64 rows). And the
     invariant engine computes the same model: its tokens are the default's, its logprobs equal
     up to rounding."""
+    alone, inv_alone = check_control(model, base)
+    for (tokens, lps, _), (inv_tokens, inv_lps, _) in zip(alone, inv_alone, strict=True):
+        assert tokens == inv_tokens
+        np.testing.assert_allclose(inv_lps, lps, atol=1e-4)
+
+
+def check_control(model, base):
+    """Asserts that default numerics change the greedy probes' logprobs inside a batch of 8;
+    returns (the probes alone by default, alone batch-invariant)."""
     rng = np.random.default_rng(0)
     probes = _probes(rng)[:2]
     engine = _engine(model, batch_invariant=False)
@@ -324,9 +347,49 @@ def test_default_numerics_differ_on_the_same_comparison(model, base):
     requests, at = _batch(probes, _fillers(rng, 6), rng)
     outs, _ = _run(engine, requests)
     assert any(outs[j][1] != alone[i][1] for i, j in enumerate(at)), "no logprob differed"
-    for (tokens, lps, _), (inv_tokens, inv_lps, _) in zip(alone, _alone(base, probes), strict=True):
-        assert tokens == inv_tokens
-        np.testing.assert_allclose(inv_lps, lps, atol=1e-4)
+    return alone, _alone(base, probes)
+
+
+# ---- on the GPU: bfloat16, the invariant GEMM kernel -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpu_model():
+    """A bf16 model whose every matmul fits the invariant GEMM kernel (K multiples of 64, N of
+    64), so the engine runs it for all of them."""
+    cfg = preset("tiny", hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2,
+                 head_dim=64, dtype="bfloat16", param_dtype="bfloat16")  # fmt: skip
+    return cfg, _random_params(cfg, 0)
+
+
+@pytest.fixture(scope="module")
+def gpu_base(gpu_model):
+    return _engine(gpu_model)
+
+
+@pytest.mark.gpu
+def test_gpu_batch_sizes_and_preemption_leave_logprobs_bitwise(gpu_base, fresh_seed):
+    assert gpu_base.runner.numerics.gpu, "the engine did not resolve GPU numerics"
+    check_batches(gpu_base, fresh_seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS, ids=_variant_id)
+def test_gpu_chunking_prefix_caching_and_speculation_leave_logprobs_bitwise(
+    gpu_model, gpu_base, variant, fresh_seed
+):
+    check_variant(gpu_model, gpu_base, variant, fresh_seed)
+
+
+@pytest.mark.gpu
+def test_gpu_default_numerics_differ_on_the_same_comparison(gpu_model, gpu_base):
+    """The control on the GPU (default: the Pallas attention kernel, XLA's GEMMs); and the
+    invariant engine computes the same model: each probe's first token and its logprob agree
+    with the default's to bf16 rounding."""
+    alone, inv_alone = check_control(gpu_model, gpu_base)
+    for (tokens, lps, _), (inv_tokens, inv_lps, _) in zip(alone, inv_alone, strict=True):
+        assert tokens[0] == inv_tokens[0]
+        np.testing.assert_allclose(inv_lps[0], lps[0], atol=0.05)
 
 
 # ---- the switch --------------------------------------------------------------------------------

@@ -68,16 +68,15 @@ def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
 
 
 def resolve_numerics(config: EngineConfig, device: jax.Device | None = None) -> Numerics:
-    """The numerics of an engine's steps: batch-invariant with engine.batch_invariant, which
-    has its CPU forms only so far (docs/batch_invariance.md: the GPU half needs its own GEMM and
-    attention kernel); on another platform it raises, naming the key."""
+    """The numerics of an engine's steps: batch-invariant with engine.batch_invariant, on the CPU
+    (XLA forms) or a GPU (plus the invariant GEMM kernel: docs/batch_invariance.md); on another
+    platform it raises, naming the key."""
     if not config.batch_invariant:
         return DEFAULT_NUMERICS
     platform = (device or jax.devices()[0]).platform
-    if platform != "cpu":
-        raise ValueError(f"engine.batch_invariant is implemented for CPU only so far, not "
-                         f"{platform} (docs/batch_invariance.md says what the GPU needs)")  # fmt: skip
-    return Numerics(batch_invariant=True)
+    if platform not in ("cpu", "gpu"):
+        raise ValueError(f"engine.batch_invariant runs on a CPU or a GPU, not {platform}")
+    return Numerics(batch_invariant=True, gpu=platform == "gpu")
 
 
 def pick_bucket(buckets: tuple[int, ...], n: int) -> int:
@@ -325,12 +324,17 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, config: EngineConfig,
                  shardings: EngineShardings, proposer: Proposer | None = None):  # fmt: skip
         self.cfg, self.params, self.config, self.shardings = cfg, params, config, shardings
-        self.attention = AttentionConfig(config.attention_backend,
+        self.numerics = resolve_numerics(config, shardings.device)
+        # batch-invariant steps run attention and the experts in their invariant XLA forms
+        # (`auto` resolves to xla; the config refuses the kernels by name)
+        invariant = self.numerics.batch_invariant
+        attention_backend = "xla" if invariant else config.attention_backend
+        self.attention = AttentionConfig(attention_backend,
                                          tuple(config.attention_options.items()),
                                          shardings.device, attention_mesh(cfg, shardings.mesh))  # fmt: skip
         # the experts' grouped matmul: "xla" or "pallas" (raises naming engine.moe_backend)
-        self.moe_backend = resolve_moe_backend(config.moe_backend, cfg, shardings.device)
-        self.numerics = resolve_numerics(config, shardings.device)
+        self.moe_backend = resolve_moe_backend("xla" if invariant else config.moe_backend, cfg,
+                                               shardings.device)  # fmt: skip
         self.proposer = proposer
         self.num_rows = 1 + (proposer.num_draft_tokens if proposer is not None else 0)
         self.scan_proposer = proposer if proposer is not None and proposer.on_device else None

@@ -19,6 +19,8 @@ from jaxinfer.models.config import (
 from jaxinfer.models.numerics import DEFAULT_NUMERICS, Numerics, row_mean
 from jaxinfer.quant import QuantizedWeight
 from pallas_kernels.invariant import row_tiled
+from pallas_kernels.matmul.invariant_mgpu import invariant_matmul_mgpu
+from pallas_kernels.matmul.invariant_mgpu import unfit_reason as invariant_unfit
 
 
 def linear(x: jax.Array, w: jax.Array | QuantizedWeight, in_dims: int = 1,
@@ -30,10 +32,18 @@ def linear(x: jax.Array, w: jax.Array | QuantizedWeight, in_dims: int = 1,
 
     Batch-invariant `numerics`: the product runs over fixed tiles of rows (`row_tiled`), so each
     row's bits do not depend on how many rows the batch has; a format's product must then be
-    row-wise (per-token activation scales, as every shipped format's are)."""
+    row-wise (per-token activation scales, as every shipped format's are). With `numerics.gpu`,
+    a plain bf16/f16 weight runs the invariant GEMM kernel instead (`invariant_mgpu`: a fixed K
+    order in one launch, not a loop over tiles); other weights and shapes take the row tiles."""
     if numerics.batch_invariant:
         lead = x.shape[: x.ndim - in_dims]
         rows = x.reshape(-1, *x.shape[x.ndim - in_dims :])
+        k = math.prod(rows.shape[1:])
+        if (numerics.gpu and not isinstance(w, QuantizedWeight) and w.dtype == x.dtype
+                and invariant_unfit(x.dtype, k, w.size // k) is None):  # fmt: skip
+            out_dims = w.shape[in_dims:]
+            y = invariant_matmul_mgpu(rows.reshape(-1, k), w.reshape(k, -1), interpret=False)
+            return y.reshape(*lead, *out_dims)
         y = row_tiled(lambda tile: _product(tile, w, in_dims), rows)
         return y.reshape(*lead, *y.shape[1:])
     return _product(x, w, in_dims)

@@ -25,6 +25,9 @@ class Numerics:
     function of that row (module docstring)."""
 
     batch_invariant: bool = False
+    # Batch-invariant on a GPU: plain bf16/f16 matmuls run the invariant GEMM kernel
+    # (`pallas_kernels.matmul.invariant_mgpu`), whose bits do not depend on the row count.
+    gpu: bool = False
 
 
 DEFAULT_NUMERICS = Numerics()
