@@ -355,12 +355,13 @@ class EngineConfig:
         return self
 
     def _check_invariant(self) -> None:
-        """The settings batch-invariant numerics have forms for (one device, XLA kernels)."""
-        for key, value, bad in (("attention_backend", self.attention_backend, ("pallas", "cudnn")),
+        """The settings batch-invariant numerics have forms for (one device; the cuDNN attention
+        and the Pallas grouped matmul have none)."""
+        for key, value, bad in (("attention_backend", self.attention_backend, ("cudnn",)),
                                 ("moe_backend", self.moe_backend, ("pallas",))):  # fmt: skip
             if value in bad:
-                raise ValueError(f"engine.batch_invariant needs engine.{key} auto or xla (the "
-                                 f"{value} kernel has no invariant form yet), got {value!r}")  # fmt: skip
+                raise ValueError(f"engine.batch_invariant cannot run engine.{key}={value!r}: "
+                                 f"that kernel has no invariant form")  # fmt: skip
         if math.prod(self.mesh.values()) > 1:
             raise ValueError(f"engine.batch_invariant runs on one device; engine.mesh="
                              f"{self.mesh} splits the model (use engine.data_parallel for "

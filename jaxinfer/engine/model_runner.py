@@ -325,11 +325,10 @@ class ModelRunner:
                  shardings: EngineShardings, proposer: Proposer | None = None):  # fmt: skip
         self.cfg, self.params, self.config, self.shardings = cfg, params, config, shardings
         self.numerics = resolve_numerics(config, shardings.device)
-        # batch-invariant steps run attention and the experts in their invariant XLA forms
-        # (`auto` resolves to xla; the config refuses the kernels by name)
+        # batch-invariant steps run the experts in their invariant XLA form (`auto` resolves to
+        # xla; the config refuses the kernel by name); attention takes its backend's
         invariant = self.numerics.batch_invariant
-        attention_backend = "xla" if invariant else config.attention_backend
-        self.attention = AttentionConfig(attention_backend,
+        self.attention = AttentionConfig(config.attention_backend,
                                          tuple(config.attention_options.items()),
                                          shardings.device, attention_mesh(cfg, shardings.mesh))  # fmt: skip
         # the experts' grouped matmul: "xla" or "pallas" (raises naming engine.moe_backend)

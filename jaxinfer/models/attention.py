@@ -150,6 +150,7 @@ def _attend(q, k, v, kv, layer, batch, page, offset, sliding_window, attention, 
     fused = (
         q.shape[0] <= limit
         and not kv.is_quantized
+        and not numerics.batch_invariant
         and backend == "pallas"
         and fused_kv_write_reason(
             batch.max_q_len, kv.dtype, opts.get("warp_specialized"), q.shape[1] // k.shape[1]

@@ -62,9 +62,10 @@ def paged_attention(
     `new_kv` = (k, v) [T, Hkv, D]: the Pallas kernel writes this step's K/V into the pages itself
     and the call returns (out, k_pages, v_pages) (see `ragged_paged_attention_mgpu`; other
     backends need the K/V written before the call).
-    `batch_invariant` (static): each row's output is a fixed function of its own sequence
-    (`invariant.ragged_paged_attention_invariant`, the `xla` backend's form; the kernels have
-    none yet: docs/batch_invariance.md).
+    `batch_invariant` (static): each row's output is a fixed function of its own sequence: the
+    Pallas kernel's invariant form (`ragged_paged_attention_mgpu(batch_invariant=True)`), or
+    with a sliding window or on `xla` `invariant.ragged_paged_attention_invariant`
+    (docs/batch_invariance.md).
     """
     backend = resolve_backend(backend, x.q, x.k_pages, device)
     if new_kv is not None and backend != "pallas":
@@ -72,9 +73,13 @@ def paged_attention(
             f"new_kv: only the pallas backend writes K/V in the kernel, not {backend!r}"
         )
     if batch_invariant:
-        if backend != "xla":
-            raise ValueError(f"batch-invariant attention runs on the xla backend; {backend!r} "
-                             "has no invariant form yet")  # fmt: skip
+        if backend == "pallas" and x.sliding_window is None and new_kv is None:
+            from pallas_kernels.paged_attention.mosaic_gpu import ragged_paged_attention_mgpu
+
+            return ragged_paged_attention_mgpu(x, options, device=device, batch_invariant=True)
+        if backend == "cudnn" or new_kv is not None:
+            raise ValueError(f"batch-invariant attention runs on the pallas or xla backend "
+                             f"without new_kv, not {backend!r}")  # fmt: skip
         return ragged_paged_attention_invariant(x)
     if backend == "xla":
         return ragged_paged_attention(x)

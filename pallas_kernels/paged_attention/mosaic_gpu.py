@@ -208,8 +208,17 @@ def ragged_paged_attention_mgpu(
     new_kv: tuple[jax.Array, jax.Array] | None = None,
     interpret: bool | None = None,
     device: jax.Device | None = None,
+    batch_invariant: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array]:
     """Attention as `PagedAttentionInputs` describes it, tuned by `options` (None: defaults).
+
+    `batch_invariant`: every row, decode or prefill, goes through one launch of prefill-shaped
+    blocks with one context split, so a row's reduction order (key tiles from position 0, the
+    same tile width and per-tile sums) depends on its own sequence only, never on the batch
+    (the decode configuration and the split count are chosen by the batch). Tiles past a row's
+    last key are fully masked for it and leave its running max, sum and output unchanged (p is
+    exactly 0). Not with a sliding window (a row's first tiles could then be all masked while
+    its running max is still the mask value) nor with `new_kv`.
 
     `interpret` runs the kernel under the GPU interpreter (default: when `device` is not a GPU).
     `device` (static): the device the kernel runs on, for that default and for the SM count the
@@ -224,6 +233,9 @@ def ragged_paged_attention_mgpu(
     """
     x.check()
     options = DEFAULT_OPTIONS if options is None else options
+    if batch_invariant and (x.sliding_window is not None or new_kv is not None):
+        raise ValueError("batch_invariant: the kernel's invariant form takes no sliding window "
+                         "and no new_kv")  # fmt: skip
     q, k_pages, v_pages, page_table = x.q, x.k_pages, x.v_pages, x.page_table
     seq_lens, query_start_loc, max_q_len = x.seq_lens, x.query_start_loc, x.max_q_len
     num_tokens, num_q_heads, head_dim = q.shape
@@ -250,7 +262,10 @@ def ragged_paged_attention_mgpu(
                     pages_per_seq=pages_per_seq)  # fmt: skip
 
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    if max_q_len == 1:
+    if batch_invariant:
+        one_split = dataclasses.replace(options, num_splits=1)
+        parts = [(_plan(decode=False, **geometry, tuning=one_split), q_lens > 0)]
+    elif max_q_len == 1:
         parts = [(_plan(decode=True, **geometry, tuning=options, row_stride=stride), q_lens > 0)]
     elif options.split_decode_rows:
         parts = [(_plan(decode=True, **geometry), q_lens == 1),
