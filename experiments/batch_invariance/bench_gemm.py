@@ -43,13 +43,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     ap.add_argument("--min-loop-ms", type=float, default=20.0)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--num-stages", type=int, default=None, help="the kernel's pipeline depth")
     args = ap.parse_args(argv)
     if not args.smoke:
         require_gpu("bench_gemm.py", "--smoke")
     shapes = [(m, 128, 512) for m in (1, 8)] if args.smoke else [
         (m, n, k) for n, k in PROJECTIONS for m in args.rows]  # fmt: skip
+    stages = {} if args.num_stages is None else {"num_stages": args.num_stages}
     impls = {"xla_bf16": jnp.dot,
-             "invariant": lambda x, w: invariant_matmul_mgpu(x, w, interpret=args.smoke)}  # fmt: skip
+             "invariant": lambda x, w: invariant_matmul_mgpu(x, w, interpret=args.smoke, **stages)}  # fmt: skip
     result = {**provenance(), "timing": TIMING_METHOD, "rows": []}
     rng = np.random.default_rng(0)
     for m, n, k in shapes:
@@ -65,6 +67,7 @@ def main(argv=None) -> dict:
                    "tflop_s": round(2 * m * n * k / t / 1e12, 2)}  # fmt: skip
             if name == "invariant":
                 row["k_splits"] = k_splits_for(k, n)
+                row["num_stages"] = args.num_stages or "default"
                 row["x_xla"] = round(t / times["xla_bf16"], 3)
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
