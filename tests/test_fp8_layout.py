@@ -122,3 +122,22 @@ def test_the_gpus_decode_scan_copies_no_fp8_weight(fmt):
                 bad.append(line.strip())
     assert bad == [], f"{fmt}: {len(bad)} weight-sized fp8 moves, first: {bad[0][:300]}"
     assert "f8e4m3fn" in hlo, f"{fmt}: no fp8 array in the optimized decode scan"
+
+
+@pytest.mark.gpu
+def test_the_gpus_decode_scan_copies_no_fp8_kv_pool():
+    """FP8 KV pages: the optimized decode scan writes the pool in place, no pool-sized copy (the
+    requantizing write's gather, fused into its scatter, made XLA copy the pool twice a layer)."""
+    cfg = preset("tiny", hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2,
+                 head_dim=64, dtype="bfloat16", param_dtype="bfloat16")  # fmt: skip
+    config = EngineConfig(model="preset:tiny", max_num_seqs=8, max_model_len=256, page_size=16,
+                          num_pages=512, max_num_batched_tokens=64, decode_steps=4,
+                          kv_dtype="float8_e4m3fn")  # fmt: skip
+    engine = Engine(config, cfg, init_params(cfg, jax.random.key(0)), None)
+    _, fn, args, static = next(c for c in engine.runner._warmup_calls() if c[0][0] == "decode")
+    hlo = fn.lower(*args, **static).compile().as_text()
+    pool = engine.runner.kv.pages.size
+    copies = [line.strip()[:200] for line in hlo.splitlines()
+              if (m := re.search(r"= f8e4m3fn\[([\d,]*)\][^ ]* copy\(", line))
+              and math.prod(int(d) for d in m[1].split(",")) >= pool // 4]  # fmt: skip
+    assert copies == [], f"{len(copies)} pool-sized copies, first: {copies[0]}"
