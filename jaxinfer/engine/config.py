@@ -285,10 +285,11 @@ class EngineConfig:
     # Batch-invariant numerics: a request's logits (so its logprobs and greedy tokens) are the
     # same bits whatever else is scheduled with it, whatever the chunking, page size, prefix
     # hits, preemptions or speculation, so two runs that differ in such settings differ only by
-    # the method. Every reduction runs in a fixed order per row (matmuls over fixed 8-row tiles,
-    # sums as trees, attention over fixed key blocks: docs/batch_invariance.md); slower, for
-    # comparisons, not serving. CPU only so far (one device, the xla attention and MoE backends);
-    # a draft model or EAGLE head keeps default numerics (it only chooses what is verified).
+    # the method. Every reduction runs in a fixed order per row (on the GPU an invariant GEMM
+    # kernel and the attention kernel's invariant form; on the CPU fixed 8-row tiles and key
+    # blocks; sums as trees: docs/batch_invariance.md); slower, for comparisons, not serving.
+    # One device, not with FP8 KV pages, the cuDNN attention or the Pallas MoE kernel; a draft
+    # model or EAGLE head keeps default numerics (it only chooses what is verified).
     batch_invariant: Flag = False
 
     @field_validator("mesh")
@@ -362,6 +363,10 @@ class EngineConfig:
             if value in bad:
                 raise ValueError(f"engine.batch_invariant cannot run engine.{key}={value!r}: "
                                  f"that kernel has no invariant form")  # fmt: skip
+        if self.kv_dtype == "float8_e4m3fn":
+            raise ValueError(f"engine.batch_invariant cannot use engine.kv_dtype={self.kv_dtype}: "
+                             "an FP8 page's scale grows as tokens are written, so its stored "
+                             "values depend on how the tokens were grouped into steps")  # fmt: skip
         if math.prod(self.mesh.values()) > 1:
             raise ValueError(f"engine.batch_invariant runs on one device; engine.mesh="
                              f"{self.mesh} splits the model (use engine.data_parallel for "
