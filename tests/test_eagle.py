@@ -104,10 +104,12 @@ def test_training_raises_the_heads_agreement_with_the_target(fresh_seed, tmp_pat
     assert after >= before + 0.05, f"seed {fresh_seed}: agreement {before} -> {after}"
     second = summary["heldout_agreement_by_step"][1]
     assert second >= 0.05, f"seed {fresh_seed}: second draft's agreement {second}"
-    assert (tmp_path / "generated.npz").is_file()
-    head, info = load_head(
-        tc.head, LLM("tiny", warmup=False, num_pages=4, max_model_len=48).engine.runner.cfg
-    )
+    train = np.load(tmp_path / "generated.npz")["train"]  # (token, is-reply) rows
+    cfg = LLM("tiny", warmup=False, num_pages=4, max_model_len=48).engine.runner.cfg
+    ends = np.flatnonzero(np.diff(np.append(train[:, 1], 0)) == -1)  # each reply's last token
+    assert len(ends) == 24 and train[0, 1] == 0, "24 prompts, each followed by its reply"
+    assert set(train[ends, 0]) == {cfg.eos_token_ids[0]}, "a reply ends with EOS"
+    head, info = load_head(tc.head, cfg)
     assert info["train"]["steps"] == 40 and head["fc"].shape == (512, 256)
 
 
@@ -156,6 +158,32 @@ def test_unrolled_training_steps_see_what_drafting_sees(fresh_seed):
             np.asarray(target_logits), -1
         )
         assert float(agree[s]) == pytest.approx(hit[:, s:].mean(), abs=1e-6), (s, fresh_seed)
+    # loss weights: only the weighted positions count (none of window 1's, some of window 0's)
+    w = rng.integers(0, 2, (2, n)) * np.array([[1], [0]])
+    w[0, -1] = 1
+    _, agree = head_loss(head, shared, cfg, hidden, target_logits, tokens, None, distill="soft",
+                         feature_weight=1.0, feature_noise=0.0, unroll=steps,
+                         weights=jnp.asarray(w, jnp.float32))  # fmt: skip
+    for s, g in enumerate(gs):
+        hit = np.argmax(np.asarray(compute_logits(shared, cfg, g)), -1) == np.argmax(
+            np.asarray(target_logits), -1
+        )
+        want = (hit[:, s:] * w[:, s:]).sum() / w[:, s:].sum()
+        assert float(agree[s]) == pytest.approx(want, abs=1e-6), (s, fresh_seed)
+
+
+def test_generated_windows_weigh_the_positions_before_reply_tokens():
+    """A generated stream's windows (token, is-reply) weigh position i by token i + 1's flag;
+    a text stream's weigh every position."""
+    from jaxinfer.train.eagle import window_weights
+
+    flags = np.array([[0, 0, 1, 1, 1, 0, 0], [1, 1, 0, 0, 1, 1, 1]])
+    windows = np.stack([np.arange(14).reshape(2, 7), flags], axis=-1)
+    tokens, weights = window_weights(windows)
+    assert tokens.tolist() == np.arange(14).reshape(2, 7).tolist()
+    assert weights.tolist() == [[0, 1, 1, 1, 0, 0, 0], [1, 0, 0, 1, 1, 1, 0]]
+    tokens, weights = window_weights(np.arange(14).reshape(2, 7))
+    assert weights.tolist() == np.ones((2, 7)).tolist()
 
 
 def test_a_trained_head_is_accepted_more_than_a_random_one(fresh_seed, engines):

@@ -10,8 +10,10 @@ label: the drafts are judged against the target's samples, not the text. The fea
 g in f's space, since the head feeds its own g back when it drafts the second token onwards;
 the noise (uniform, +-`feature_noise`) makes it robust to its own errors there.
 
-Held-out metric: top-1 agreement, the share of held-out positions where the head's argmax is
-the target's (the acceptance of a first greedy draft, teacher-forced). The head is saved with
+With `data: generated` (the target's own replies to prompts) the loss and the metric count only
+the positions whose next token is a reply's, the positions drafting runs at; the prompts are
+context. Held-out metric: top-1 agreement, the share of counted held-out positions where the
+head's argmax is the target's (the acceptance of a first greedy draft, teacher-forced). The head is saved with
 `eagle.save_head` (safetensors, as the shipped models' weights) and loaded by
 `engine.speculative.eagle_head`.
 """
@@ -180,10 +182,11 @@ def head_forward_unrolled(head, shared, cfg: ModelConfig, hidden: jax.Array, tok
 
 def head_loss(head, shared, cfg: ModelConfig, hidden, target_logits, tokens, key, *,
               distill: str, feature_weight: float, feature_noise: float, unroll: int = 1,
-              unroll_decay: float = 1.0):  # fmt: skip
+              unroll_decay: float = 1.0, weights=None):  # fmt: skip
     """(loss, top-1 agreement per draft step [unroll]) of the head on windows: tokens [B, L],
     the frozen target's f [B, L, E] and logits [B, L, V]. Step s counts positions i >= s - 1
-    (a chain that starts at or after the window's first token)."""
+    (a chain that starts at or after the window's first token) whose `weights` [B, L] (None:
+    all 1) is 1: the positions whose next token the drafts are judged on."""
     noise = None
     if feature_noise:
         noise = jax.random.uniform(key, hidden.shape, hidden.dtype, -1, 1) * feature_noise
@@ -198,6 +201,8 @@ def head_loss(head, shared, cfg: ModelConfig, hidden, target_logits, tokens, key
         else:
             ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
         valid = jnp.broadcast_to(jnp.arange(tokens.shape[1]) >= s, ce.shape)
+        if weights is not None:
+            valid = valid * weights
         w = unroll_decay**s
         loss, total = loss + w * jnp.sum(ce * valid) / jnp.sum(valid), total + w
         agree.append(jnp.sum((jnp.argmax(logits, -1) == labels) * valid) / jnp.sum(valid))
@@ -214,12 +219,14 @@ LOSS_OPTIONS = ("distill", "feature_weight", "feature_noise", "unroll", "unroll_
 
 
 @partial(jax.jit, static_argnames=("cfg", "tx", *LOSS_OPTIONS), donate_argnums=(0, 1))
-def train_step(head, opt_state, target_params, tokens, key, *, cfg, tx, **loss_options):
+def train_step(head, opt_state, target_params, tokens, weights, key, *, cfg, tx,
+               **loss_options):  # fmt: skip
     hidden, target_logits = _target_pass(target_params, cfg, tokens)  # frozen: no gradient
     shared = {k: target_params[k] for k in SHARED_KEYS if k in target_params}
 
     def loss_fn(h):
-        return head_loss(h, shared, cfg, hidden, target_logits, tokens, key, **loss_options)
+        return head_loss(h, shared, cfg, hidden, target_logits, tokens, key, weights=weights,
+                         **loss_options)  # fmt: skip
 
     (loss, agree), grads = jax.value_and_grad(loss_fn, has_aux=True)(head)
     updates, opt_state = tx.update(grads, opt_state, head)
@@ -227,12 +234,23 @@ def train_step(head, opt_state, target_params, tokens, key, *, cfg, tx, **loss_o
 
 
 @partial(jax.jit, static_argnames=("cfg", "distill", "unroll", "unroll_decay"))
-def eval_step(head, target_params, tokens, *, cfg, distill, unroll, unroll_decay):
+def eval_step(head, target_params, tokens, weights, *, cfg, distill, unroll, unroll_decay):
     hidden, target_logits = _target_pass(target_params, cfg, tokens)
     shared = {k: target_params[k] for k in SHARED_KEYS if k in target_params}
     return head_loss(head, shared, cfg, hidden, target_logits, tokens, None, distill=distill,
                      feature_weight=1.0, feature_noise=0.0, unroll=unroll,
-                     unroll_decay=unroll_decay)  # fmt: skip
+                     unroll_decay=unroll_decay, weights=weights)  # fmt: skip
+
+
+def window_weights(windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens [B, L], loss weights [B, L] fp32) of windows of a stream: a text stream's
+    [B, L] (every position counts) or a generated one's [B, L, 2] of (token, is-reply), where
+    position i counts when token i + 1 is a reply's (the window's last position does not)."""
+    if windows.ndim == 2:
+        return windows, np.ones(windows.shape, np.float32)
+    weights = np.zeros(windows.shape[:2], np.float32)
+    weights[:, :-1] = windows[:, 1:, 1]
+    return windows[..., 0], weights
 
 
 def expected_tokens(agreement) -> float:
@@ -242,16 +260,18 @@ def expected_tokens(agreement) -> float:
 
 
 def generated_streams(tc: EagleTrainConfig, eos: int, log=print):
-    """(train, held-out) int32 token streams of the target's own greedy replies (prompt, reply,
-    EOS each; see `EagleTrainConfig.data`), from <out_dir>/generated.npz when a run with the
-    same prompts made it."""
+    """(train, held-out) streams of the target's own greedy replies (prompt, reply, EOS each;
+    see `EagleTrainConfig.data`), each int32 [N, 2]: the token and whether it is a reply's
+    (its reply tokens and EOS: 1, its prompt: 0), from <out_dir>/generated.npz when a run
+    with the same prompts made it."""
     from jaxinfer.engine.llm import LLM
     from jaxinfer.engine.request import SamplingParams
     from jaxinfer.workload.code_prompts import KINDS, prompt_text, snippets
 
     key = dict(target=tc.target, dtype=tc.target_dtype, prompts=tc.prompts,
                heldout_prompts=tc.heldout_prompts, snippet_chars=tc.snippet_chars,
-               reply_tokens=tc.reply_tokens, exclude=sorted(tc.exclude_modules))  # fmt: skip
+               reply_tokens=tc.reply_tokens, exclude=sorted(tc.exclude_modules),
+               layout="token,is_reply")  # fmt: skip
     path = Path(tc.out_dir) / "generated.npz"
     if path.is_file():
         saved = np.load(path)
@@ -276,8 +296,10 @@ def generated_streams(tc: EagleTrainConfig, eos: int, log=print):
                              f"{tc.reply_tokens}): {failed[0]}")  # fmt: skip
         parts = []
         for o in outs:
-            parts += [np.asarray(o.prompt_token_ids, np.int32), np.asarray(o.token_ids, np.int32),
-                      np.asarray([eos], np.int32)]  # fmt: skip
+            prompt = np.asarray(o.prompt_token_ids, np.int32)
+            reply = np.asarray([*o.token_ids, eos], np.int32)
+            parts += [np.stack([prompt, np.zeros_like(prompt)], 1),
+                      np.stack([reply, np.ones_like(reply)], 1)]  # fmt: skip
         streams.append(np.concatenate(parts))
         log(f"{tc.name}: {split}: {n} replies of the target, {sum(len(o.token_ids) for o in outs):,}"
             f" tokens in {time.perf_counter() - t0:.0f} s")  # fmt: skip
@@ -317,9 +339,11 @@ def train_eagle(tc: EagleTrainConfig, *, log=print) -> dict:
 
     def evaluate() -> tuple[float, list[float]]:
         n = len(heldout) // tc.batch_size * tc.batch_size or len(heldout)
-        rows = [eval_step(head, params, jnp.asarray(heldout[i : i + tc.batch_size]), cfg=cfg,
+        batches = (window_weights(heldout[i : i + tc.batch_size])
+                   for i in range(0, n, tc.batch_size))  # fmt: skip
+        rows = [eval_step(head, params, jnp.asarray(t), jnp.asarray(w), cfg=cfg,
                           distill=tc.distill, unroll=tc.unroll, unroll_decay=tc.unroll_decay)
-                for i in range(0, n, tc.batch_size)]  # fmt: skip
+                for t, w in batches]  # fmt: skip
         loss = float(np.mean([float(r[0]) for r in rows]))
         return loss, [round(float(a), 4) for a in np.mean([np.asarray(r[1]) for r in rows], 0)]
 
@@ -328,8 +352,10 @@ def train_eagle(tc: EagleTrainConfig, *, log=print) -> dict:
     t0 = time.perf_counter()
     key = jax.random.key(tc.seed + 1)
     for step in range(tc.steps):
-        tokens = jnp.asarray(train_batch(train, tc.seed, step, tc.batch_size, tc.seq_len))
-        head, opt_state, loss, agree = train_step(head, opt_state, params, tokens,
+        tokens, weights = window_weights(train_batch(train, tc.seed, step, tc.batch_size,
+                                                     tc.seq_len))  # fmt: skip
+        head, opt_state, loss, agree = train_step(head, opt_state, params, jnp.asarray(tokens),
+                                                  jnp.asarray(weights),
                                                   jax.random.fold_in(key, step), **static)  # fmt: skip
         done = step + 1
         if done % tc.eval_every == 0 or done == tc.steps:
