@@ -894,9 +894,7 @@ def quant_record(args, cfg: ModelConfig) -> dict:
 
 
 def resolved_backend(llm: LLM) -> str:
-    """The attention backend the engine runs on this device and cache (its setting, or xla under
-    batch-invariant numerics)."""
-    setting = llm.engine.runner.attention.backend
+    """The attention backend the engine's setting stands for on this device and cache."""
     cfg, pages = (
         llm.engine.model_config,
         llm.engine.runner.kv.pages,
@@ -904,9 +902,9 @@ def resolved_backend(llm: LLM) -> str:
     q = jax.ShapeDtypeStruct((1, cfg.num_heads, cfg.head_dim), pages.dtype)
     pool = jax.ShapeDtypeStruct((pages.shape[1], *pages.shape[3:]), pages.dtype)
     try:
-        return resolve_backend(setting, q, pool)
+        return resolve_backend(llm.config.attention_backend, q, pool)
     except TypeError:  # a dispatcher whose `auto` looks at the device only
-        return resolve_backend(setting)
+        return resolve_backend(llm.config.attention_backend)
 
 
 def build_engine(args, options: dict) -> tuple[LLM, dict]:

@@ -1,4 +1,5 @@
-"""Building blocks the Mosaic GPU kernels share: swizzled shared-memory buffers and a wgmma dot."""
+"""Building blocks the Mosaic GPU kernels share: swizzled shared-memory buffers, a wgmma dot, and
+the launch and output store of a split-K GEMM."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import _compat
 
 ROWS = 64  # wgmma M
 
@@ -44,3 +47,29 @@ def wgmma_dot(a, b_ref, *, interpret: bool, transpose_b: bool = False) -> jax.Ar
         return acc_ref[...]
 
     return pl.run_scoped(scope, plgpu.ACC((ROWS, cols), jnp.float32))
+
+
+def store_tile(acc, o_s, out, m0, n0, k_blk, *, split: bool, dtype) -> None:
+    """A program's [rows, cols] fp32 result `acc` through the staging buffer `o_s` into `out`
+    at (m0, n0): as `dtype`, or with `split` as fp32 partials into `out[k_blk]`."""
+    o_s[...] = acc if split else acc.astype(dtype)
+    plgpu.commit_smem()
+    tile = (pl.ds(m0, o_s.shape[0]), pl.ds(n0, o_s.shape[1]))
+    plgpu.copy_smem_to_gmem(o_s, out.at[(k_blk, *tile) if split else tile])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def split_k_kernel(body, *, m_pad: int, n: int, tile_m: int, tile_n: int, k_splits: int,
+                   out_dtype, scratch, interpret: bool):  # fmt: skip
+    """`plgpu.kernel` of a GEMM over grid (m_pad / tile_m, n / tile_n) named ("m", "n"): one
+    output [m_pad, n] of `out_dtype`, or with k_splits > 1 a third axis "k" and fp32 partials
+    [k_splits, m_pad, n] (one per split), under the GPU interpreter when `interpret`."""
+    out_shape, grid, names = (m_pad, n), (m_pad // tile_m, n // tile_n), ("m", "n")
+    if k_splits > 1:
+        out_shape, grid, names = (k_splits, *out_shape), (*grid, k_splits), (*names, "k")
+        out_dtype = jnp.float32
+    kwargs = dict(out_type=(jax.ShapeDtypeStruct(out_shape, out_dtype),), scratch_types=scratch,
+                  grid=grid, grid_names=names)  # fmt: skip
+    if interpret:
+        kwargs["interpret"] = _compat.gpu_interpret_params()
+    return plgpu.kernel(body, **kwargs)

@@ -56,7 +56,7 @@ def summarize(runs: dict) -> list[dict]:
     """Rows of (metric, off, on, on/off) from the runs' decode and throughput parts."""
     rows = []
 
-    def metric(run, key):
+    def metric(run):
         if run is None:
             return {}
         vals = {f"decode_step_ms_b{r['batch']}": r["step_ms"] for r in run.get("decode", [])}
@@ -64,7 +64,7 @@ def summarize(runs: dict) -> list[dict]:
             vals[f"{r.get('workload', 'fixed')}_out_tok_s"] = r.get("output_tok_s")
         return vals
 
-    off, on = metric(runs.get("off"), "off"), metric(runs.get("on"), "on")
+    off, on = metric(runs.get("off")), metric(runs.get("on"))
     for key in sorted(set(off) | set(on)):
         a, b = off.get(key), on.get(key)
         ratio = round(b / a, 3) if a and b else None

@@ -325,8 +325,8 @@ class ModelRunner:
                  shardings: EngineShardings, proposer: Proposer | None = None):  # fmt: skip
         self.cfg, self.params, self.config, self.shardings = cfg, params, config, shardings
         self.numerics = resolve_numerics(config, shardings.device)
-        # batch-invariant steps run the experts in their invariant XLA form (`auto` resolves to
-        # xla; the config refuses the kernel by name); attention takes its backend's
+        # batch-invariant experts run their invariant XLA form (`auto` resolves to xla; the
+        # config refuses the Pallas kernel by name); attention has an invariant form per backend
         invariant = self.numerics.batch_invariant
         self.attention = AttentionConfig(config.attention_backend,
                                          tuple(config.attention_options.items()),

@@ -13,8 +13,8 @@ the noise (uniform, +-`feature_noise`) makes it robust to its own errors there.
 With `data: generated` (the target's own replies to prompts) the loss and the metric count only
 the positions whose next token is a reply's, the positions drafting runs at; the prompts are
 context. Held-out metric: top-1 agreement, the share of counted held-out positions where the
-head's argmax is the target's (the acceptance of a first greedy draft, teacher-forced). The head is saved with
-`eagle.save_head` (safetensors, as the shipped models' weights) and loaded by
+head's argmax is the target's (the acceptance of a first greedy draft, teacher-forced). The
+head is saved with `eagle.save_head` (safetensors, as the shipped models' weights) and loaded by
 `engine.speculative.eagle_head`.
 """
 

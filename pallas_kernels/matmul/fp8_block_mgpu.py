@@ -53,7 +53,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _compat
-from pallas_kernels._mgpu import ROWS, swizzled_smem, wgmma_dot
+from pallas_kernels._mgpu import ROWS, split_k_kernel, store_tile, swizzled_smem, wgmma_dot
 
 BLOCK = 128  # inputs per scale block and per pipeline step; outputs per weight-scale block
 TILE_M = ROWS  # tokens per program: wgmma's M
@@ -236,14 +236,9 @@ def _build_kernel(*, m_pad: int, k: int, n: int, num_stages: int, k_splits: int,
         zeros = jnp.zeros((TILE_M, TILE_N), jnp.float32)
         acc0 = zeros if interpret else plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
         acc = lax.fori_loop(0, steps, step, acc0)
-        o_s[...] = acc if split else acc.astype(jnp.bfloat16)
-        plgpu.commit_smem()
-        tile = (pl.ds(m0, TILE_M), pl.ds(n0, TILE_N))
-        plgpu.copy_smem_to_gmem(o_s, out.at[(k_blk, *tile) if split else tile])
-        plgpu.wait_smem_to_gmem(0)
+        store_tile(acc, o_s, out, m0, n0, k_blk, split=split, dtype=jnp.bfloat16)
 
     out_dtype = jnp.float32 if split else jnp.bfloat16
-    out_shape = (m_pad, n)
     scratch = [
         swizzled_smem((num_stages, TILE_M, BLOCK), E4M3),  # x tiles
         swizzled_smem((num_stages, TILE_N, BLOCK), E4M3),  # weight tiles (outputs as rows)
@@ -252,15 +247,6 @@ def _build_kernel(*, m_pad: int, k: int, n: int, num_stages: int, k_splits: int,
         swizzled_smem((TILE_M, TILE_N), out_dtype),  # output stage
         plgpu.Barrier(num_arrivals=4, num_barriers=num_stages),
     ]
-    grid, names = (m_pad // TILE_M, n // TILE_N), ("m", "n")
-    if split:  # fp32 partials, one [M, N] per split
-        out_shape, grid, names = (k_splits, m_pad, n), (*grid, k_splits), (*names, "k")
-    kwargs = dict(
-        out_type=(jax.ShapeDtypeStruct(out_shape, out_dtype),),
-        scratch_types=scratch,
-        grid=grid,
-        grid_names=names,
-    )
-    if interpret:
-        kwargs["interpret"] = _compat.gpu_interpret_params()
-    return plgpu.kernel(body, **kwargs)
+    return split_k_kernel(body, m_pad=m_pad, n=n, tile_m=TILE_M, tile_n=TILE_N,
+                          k_splits=k_splits, out_dtype=out_dtype, scratch=scratch,
+                          interpret=interpret)  # fmt: skip

@@ -7,23 +7,24 @@ of 1 and a batch of 64. Here the reduction order is written into the kernel and 
 N only:
 
 - A program owns a [64, tile_n] output tile (wgmma's M is 64; tile_n 128, or 64 when N is not a
-  multiple of 128: `tile_n_for`) and walks its K range in steps of 64 inputs, every step's
-  wgmma accumulating into one fp32 accumulator (asynchronously: step i's wgmma is issued before
-  step i - 1's is waited for). A row's sum is so the same sequence of tensor-core accumulations
-  whatever tile, position or batch it sits in (wgmma's arithmetic for one output reads only its
-  own row of A).
+  multiple of 128: `tile_n_for`) and walks its K range in steps of 64 inputs. Each step's wgmma
+  goes into a fresh fp32 accumulator that is then added to the running sum, so a row's sum is
+  the same sequence of fp32 adds of the same per-step products whatever tile, position or batch
+  it sits in (wgmma's arithmetic for one output reads only its own row of A).
 - M is padded to a multiple of 64 (zero rows); the grid is (M / 64, N / tile_n, S).
 - Split-K S (`k_splits_for`) is a function of (K, N) alone, so the split is the same for every
   batch: program (i, j, s) sums K range s and writes fp32 partials [S, M, N], which are added in
   the fixed order 0, 1, ..., S - 1 (elementwise adds: no backend reorders them). S > 1 keeps the
   SMs busy at decode-sized M, where (M / 64)(N / tile_n) programs would leave most idle.
 
-The operands arrive by TMA, `num_stages` deep, one barrier per stage. Compared with cuBLAS this
-gives up larger tiles, a producer warpgroup and a persistent grid; the cost on the 8B model:
-`experiments/batch_invariance/`, docs/batch_invariance.md.
+The operands arrive by TMA, `num_stages` deep, one barrier per stage (the pipeline of
+`fp8_block_mgpu.py`). Compared with cuBLAS this gives up larger tiles, a producer warpgroup and
+a persistent grid; the cost on the 8B model: `experiments/batch_invariance/`,
+docs/batch_invariance.md. One wgmma accumulator over the K loop with one wgmma in flight, and
+2 or 3 stages, measured the same (`batch_invariance_gemm.json`): the single 64-row warpgroup
+per program is the limit.
 
-On CPU the kernel runs under jax's GPU interpreter (`interpret=True`), its wgmma a plain fp32 dot
-per step added to the running sum (other arithmetic than the GPU's, as invariant).
+On CPU the kernel runs under jax's GPU interpreter (`interpret=True`), its wgmma a plain fp32 dot.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _compat
-from pallas_kernels._mgpu import ROWS, swizzled_smem, wgmma_dot
+from pallas_kernels._mgpu import ROWS, split_k_kernel, store_tile, swizzled_smem, wgmma_dot
 
 TILE_M = ROWS  # rows per program: wgmma's M
 BLOCK_K = 64  # inputs per pipeline step (64 x 2 bytes: one 128-byte swizzle row)
@@ -103,8 +104,7 @@ def invariant_matmul_mgpu(
         raise ValueError(f"invariant_matmul_mgpu: {why}")
     splits = k_splits_for(k, n)
     m_pad = -(-m // TILE_M) * TILE_M
-    # (at least 2 stages when there are 2 steps: a slot is refilled one step after its use)
-    stages = min(max(2, int(num_stages)), k // BLOCK_K // splits)
+    stages = max(1, min(int(num_stages), k // BLOCK_K // splits))
     interpret = _compat.default_interpret(device) if interpret is None else bool(interpret)
     kernel = _build_kernel(m_pad=m_pad, k=k, n=n, dtype=jnp.dtype(x.dtype), num_stages=stages,
                            k_splits=splits, interpret=interpret)  # fmt: skip
@@ -140,67 +140,29 @@ def _build_kernel(*, m_pad: int, k: int, n: int, dtype, num_stages: int, k_split
         for st in range(num_stages):  # the pipeline's prologue
             issue(st, st)
 
-        if interpret:  # (the interpreter's wgmma is a plain dot: summed per step)
-
-            def step(i, acc):
-                slot = lax.rem(i, jnp.int32(num_stages))
-                plgpu.barrier_wait(bar.at[slot])
-                acc = acc + wgmma_dot(x_s.at[slot], w_s.at[slot], interpret=True)
-
-                @pl.when(i + num_stages < steps)
-                def _refill():
-                    issue(i + num_stages, slot)
-
-                return acc
-
-            acc = lax.fori_loop(0, steps, step, jnp.zeros((TILE_M, tile_n), jnp.float32))
-        else:
-            acc = pl.run_scoped(functools.partial(accumulate, issue, x_s, w_s, bar),
-                                plgpu.ACC((TILE_M, tile_n), jnp.float32))  # fmt: skip
-        o_s[...] = acc if split else acc.astype(dtype)
-        plgpu.commit_smem()
-        tile = (pl.ds(m0, TILE_M), pl.ds(n0, tile_n))
-        plgpu.copy_smem_to_gmem(o_s, out.at[(k_blk, *tile) if split else tile])
-        plgpu.wait_smem_to_gmem(0)
-
-    def accumulate(issue, x_s, w_s, bar, acc_ref):
-        """The K loop into one wgmma accumulator, one wgmma in flight: step i's wgmma is issued,
-        then step i - 1's is waited for and its slot refilled with step i - 1 + num_stages."""
-
-        def step(i, carry):
+        def step(i, acc):
             slot = lax.rem(i, jnp.int32(num_stages))
             plgpu.barrier_wait(bar.at[slot])
-            plgpu.wgmma(acc_ref, x_s.at[slot], w_s.at[slot])
-            plgpu.wgmma_wait(1)
-            prev = i - 1
+            acc = acc + wgmma_dot(x_s.at[slot], w_s.at[slot], interpret=interpret)
 
-            @pl.when((i > 0) & (prev + num_stages < steps))
-            def _refill():
-                issue(prev + num_stages, lax.rem(prev, jnp.int32(num_stages)))
+            @pl.when(i + num_stages < steps)
+            def _refill():  # (the slot's wgmma was waited for inside wgmma_dot)
+                issue(i + num_stages, slot)
 
-            return carry
+            return acc
 
-        lax.fori_loop(0, steps, step, jnp.int32(0))
-        plgpu.wgmma_wait(0)
-        return acc_ref[...]
+        zeros = jnp.zeros((TILE_M, tile_n), jnp.float32)
+        acc0 = zeros if interpret else plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
+        acc = lax.fori_loop(0, steps, step, acc0)
+        store_tile(acc, o_s, out, m0, n0, k_blk, split=split, dtype=dtype)
 
     out_dtype = jnp.float32 if split else dtype
-    out_shape = (m_pad, n)
     scratch = [
         swizzled_smem((num_stages, TILE_M, BLOCK_K), dtype),  # x tiles
         swizzled_smem((num_stages, BLOCK_K, tile_n), dtype),  # weight tiles [K, N]
         swizzled_smem((TILE_M, tile_n), out_dtype),  # output stage
         plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
     ]
-    grid, names = (m_pad // TILE_M, n // tile_n), ("m", "n")
-    if split:  # fp32 partials, one [M, N] per split
-        out_shape, grid, names = (k_splits, m_pad, n), (*grid, k_splits), (*names, "k")
-    kwargs = dict(
-        out_type=(jax.ShapeDtypeStruct(out_shape, out_dtype),),
-        scratch_types=scratch,
-        grid=grid,
-        grid_names=names,
-    )
-    if interpret:
-        kwargs["interpret"] = _compat.gpu_interpret_params()
-    return plgpu.kernel(body, **kwargs)
+    return split_k_kernel(body, m_pad=m_pad, n=n, tile_m=TILE_M, tile_n=tile_n,
+                          k_splits=k_splits, out_dtype=out_dtype, scratch=scratch,
+                          interpret=interpret)  # fmt: skip
