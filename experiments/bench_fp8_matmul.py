@@ -8,12 +8,15 @@ and `xla_fp8_channel` (those formats: one fp8 dot with per-token and per-output 
 cuBLASLt runs) and `xla_bf16` (a bf16 dot of the same weight). Every FP8 weight is stored as
 the formats store it, K-major [N, K]. Each row has TFLOP/s (2mnk over the time) and `rel_err` against x @ w in fp32.
 A kernel row also has `k_splits`, its split-K factor: the kernel's own choice
-(`choose_k_splits`, for this device's SMs) or, one row per value, those `--k-splits` forces.
+(`choose_k_splits`, for this device's SMs) or, one row per value, those `--k-splits` forces; and
+`tile_layout`, "m" ([128, 128] tiles) or "n" ([64, 256]): its own choice or those
+`--tile-layouts` forces.
 Results are written after every row; a failing impl is an error row.
 
     PYTHONPATH=. python3 experiments/bench_fp8_matmul.py --out $OUT/fp8_matmul.json
     PYTHONPATH=. python3 experiments/bench_fp8_matmul.py --out $OUT/fp8_splitk.json \
-        --shapes 64:4096:14336 --impls fp8_block_pallas xla_bf16 --k-splits auto 1 2 4 8
+        --shapes 64:4096:14336 --impls fp8_block_pallas xla_bf16 --k-splits auto 1 2 4 8 \
+        --tile-layouts auto m
     python experiments/bench_fp8_matmul.py --smoke --out /tmp/fm.json   # CPU, interpreter
 """
 
@@ -36,7 +39,7 @@ from jaxinfer.provenance import provenance, require_gpu
 from jaxinfer.quant import WEIGHT_FORMATS, QuantizedWeight
 from jaxinfer.quant.fp8 import Fp8Block
 from pallas_kernels import _compat
-from pallas_kernels.matmul.fp8_block_mgpu import choose_k_splits
+from pallas_kernels.matmul.fp8_block_mgpu import choose_k_splits, choose_tile_layout
 
 # (m, n, k): 8192^3, DeepSeek-V3's m x (n, k) (DeepGEMM's published table), and Llama-3-8B's
 # four linears (qkv, o, gate/up, down) at decode batch sizes
@@ -52,9 +55,10 @@ SMOKE_SHAPES = ((64, 128, 256),)
 IMPLS = ("fp8_block_pallas", "xla_fp8_block", "xla_fp8_tensor", "xla_fp8_channel", "xla_bf16")
 
 
-def impls(w: jax.Array, names, m: int, k_splits=("auto",)) -> list:
+def impls(w: jax.Array, names, m: int, k_splits=("auto",), layouts=("auto",)) -> list:
     """(name, op(x, arrays), arrays, fields for its row) per impl, the weight quantized by each
-    format; the kernel once per `k_splits` value ("auto": its own choice, recorded)."""
+    format; the kernel once per `k_splits` value and tile layout ("auto": its own choice,
+    recorded)."""
     out = []
     k, n = w.shape
     formats = {"xla_fp8_block": Fp8Block("fp8_block", backend="xla"),
@@ -66,11 +70,16 @@ def impls(w: jax.Array, names, m: int, k_splits=("auto",)) -> list:
             continue
         if name == "fp8_block_pallas":
             arrays = jax.jit(lambda w: Fp8Block("fp8_block").quantize(w, 1))(w)
-            for s in k_splits:
-                chosen = choose_k_splits(m, n, k, num_sms=_compat.num_sms()) if s == "auto" else s
-                wf = Fp8Block("fp8_block", backend="pallas", k_splits=None if s == "auto" else s)
-                op = lambda x, a, wf=wf: wf.matmul(x, QuantizedWeight(a, wf, 1))  # noqa: E731
-                out.append((name, op, arrays, {"k_splits": chosen, "k_splits_auto": s == "auto"}))
+            for lay in layouts:
+                layout = choose_tile_layout(m, n) if lay == "auto" else lay
+                for s in k_splits:
+                    chosen = (choose_k_splits(m, n, k, num_sms=_compat.num_sms(), layout=layout)
+                              if s == "auto" else s)  # fmt: skip
+                    wf = Fp8Block("fp8_block", backend="pallas", k_splits=chosen,
+                                  tile_layout=layout)  # fmt: skip
+                    op = lambda x, a, wf=wf: wf.matmul(x, QuantizedWeight(a, wf, 1))  # noqa: E731
+                    out.append((name, op, arrays, {"k_splits": chosen, "k_splits_auto": s == "auto",
+                                                   "tile_layout": layout}))  # fmt: skip
             continue
         wf = formats[name]
         arrays = jax.jit(lambda w, wf=wf: wf.quantize(w, 1))(w)
@@ -85,7 +94,7 @@ def bench_shape(m: int, n: int, k: int, args) -> list[dict]:
     w = jax.random.normal(kw, (k, n), jnp.float32) * (k**-0.5)
     ref = np.asarray(jnp.dot(x.astype(jnp.float32), w, precision="highest"))
     rows = []
-    for name, op, arrays, fields in impls(w, args.impls, m, args.k_splits):
+    for name, op, arrays, fields in impls(w, args.impls, m, args.k_splits, args.tile_layouts):
         row = dict(impl=name, m=m, n=n, k=k, **fields)
         try:
             got = np.asarray(jax.jit(op)(x, arrays), np.float32)
@@ -108,6 +117,9 @@ def parse_args(argv):
     p.add_argument("--k-splits", nargs="+", default=["auto"], metavar="S|auto",
                    help="the kernel's split-K factors, one fp8_block_pallas row each (S must "
                         "divide K/128; auto: the kernel's choose_k_splits; default: auto)")  # fmt: skip
+    p.add_argument("--tile-layouts", nargs="+", default=["auto"], choices=["auto", "m", "n"],
+                   help="the kernel's tile layouts, one fp8_block_pallas row (per --k-splits "
+                        "value) each (auto: the kernel's choose_tile_layout; default: auto)")  # fmt: skip
     p.add_argument("--min-loop-ms", type=float, default=50.0)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--smoke", action="store_true",

@@ -60,16 +60,19 @@ def store_tile(acc, o_s, out, m0, n0, k_blk, *, split: bool, dtype) -> None:
 
 
 def split_k_kernel(body, *, m_pad: int, n: int, tile_m: int, tile_n: int, k_splits: int,
-                   out_dtype, scratch, interpret: bool):  # fmt: skip
+                   out_dtype, scratch, interpret: bool, num_threads: int | None = None):  # fmt: skip
     """`plgpu.kernel` of a GEMM over grid (m_pad / tile_m, n / tile_n) named ("m", "n"): one
     output [m_pad, n] of `out_dtype`, or with k_splits > 1 a third axis "k" and fp32 partials
-    [k_splits, m_pad, n] (one per split), under the GPU interpreter when `interpret`."""
+    [k_splits, m_pad, n] (one per split), under the GPU interpreter when `interpret`;
+    `num_threads` warpgroups per program (axis "wg") when given."""
     out_shape, grid, names = (m_pad, n), (m_pad // tile_m, n // tile_n), ("m", "n")
     if k_splits > 1:
         out_shape, grid, names = (k_splits, *out_shape), (*grid, k_splits), (*names, "k")
         out_dtype = jnp.float32
     kwargs = dict(out_type=(jax.ShapeDtypeStruct(out_shape, out_dtype),), scratch_types=scratch,
                   grid=grid, grid_names=names)  # fmt: skip
+    if num_threads is not None:
+        kwargs.update(num_threads=num_threads, thread_name="wg")
     if interpret:
         kwargs["interpret"] = _compat.gpu_interpret_params()
     return plgpu.kernel(body, **kwargs)

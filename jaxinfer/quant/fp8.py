@@ -233,11 +233,14 @@ class Fp8Block(WeightFormat):
     dots measured faster; from 64 rows the kernel is (docs/decisions.md). GSPMD cannot partition
     a Mosaic GPU call, so a sharded model keeps XLA's product until its linears run under
     `shard_map`. `k_splits` is the kernel's split-K factor (None: the kernel's `choose_k_splits`
-    picks one per product, splitting K where few output tiles would leave most SMs idle)."""
+    picks one per product, splitting K where few output tiles would leave most SMs idle), and
+    `tile_layout` its output tiles, "m" [128, 128] or "n" [64, 256] (None: its own choice by
+    the token count)."""
 
     block: int = BLOCK
     backend: str = "auto"
     k_splits: int | None = None
+    tile_layout: str | None = None
 
     def part_specs(self, spec) -> dict:
         k = math.prod(spec.shape[: spec.in_dims])
@@ -275,7 +278,12 @@ class Fp8Block(WeightFormat):
             from pallas_kernels.matmul.fp8_block_mgpu import fp8_block_matmul_mgpu, pack_scales
 
             y = fp8_block_matmul_mgpu(
-                xq, sx, values, pack_scales(scales.reshape(-1, kb)), k_splits=self.k_splits
+                xq,
+                sx,
+                values,
+                pack_scales(scales.reshape(-1, kb)),
+                k_splits=self.k_splits,
+                tile_layout=self.tile_layout,
             )
             return y.reshape(*lead, *out).astype(x.dtype)
         xb = blocks_of(xq, 1, self.block)  # [T, KB, 128] (zero-padded: adds nothing)
