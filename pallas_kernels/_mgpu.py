@@ -49,26 +49,34 @@ def wgmma_dot(a, b_ref, *, interpret: bool, transpose_b: bool = False) -> jax.Ar
     return pl.run_scoped(scope, plgpu.ACC((ROWS, cols), jnp.float32))
 
 
-def store_tile(acc, o_s, out, m0, n0, k_blk, *, split: bool, dtype) -> None:
+def store_tile(acc, o_s, out, m0, n0, k_blk, *, split: bool, dtype, wait: bool = True) -> None:
     """A program's [rows, cols] fp32 result `acc` through the staging buffer `o_s` into `out`
-    at (m0, n0): as `dtype`, or with `split` as fp32 partials into `out[k_blk]`."""
+    at (m0, n0): as `dtype`, or with `split` as fp32 partials into `out[k_blk]`. The store is
+    waited for unless `wait` is False (a persistent program's next tile then waits only until
+    `o_s` was read, and the program ends with `plgpu.wait_smem_to_gmem(0)`)."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous store from o_s read it
     o_s[...] = acc if split else acc.astype(dtype)
     plgpu.commit_smem()
     tile = (pl.ds(m0, o_s.shape[0]), pl.ds(n0, o_s.shape[1]))
     plgpu.copy_smem_to_gmem(o_s, out.at[(k_blk, *tile) if split else tile])
-    plgpu.wait_smem_to_gmem(0)
+    if wait:
+        plgpu.wait_smem_to_gmem(0)
 
 
 def split_k_kernel(body, *, m_pad: int, n: int, tile_m: int, tile_n: int, k_splits: int,
-                   out_dtype, scratch, interpret: bool, num_threads: int | None = None):  # fmt: skip
+                   out_dtype, scratch, interpret: bool, num_threads: int | None = None,
+                   programs: int | None = None):  # fmt: skip
     """`plgpu.kernel` of a GEMM over grid (m_pad / tile_m, n / tile_n) named ("m", "n"): one
     output [m_pad, n] of `out_dtype`, or with k_splits > 1 a third axis "k" and fp32 partials
     [k_splits, m_pad, n] (one per split), under the GPU interpreter when `interpret`;
-    `num_threads` warpgroups per program (axis "wg") when given."""
+    `num_threads` warpgroups per program (axis "wg") when given. With `programs`, the grid is
+    instead that many persistent programs (axis "p") that share the tiles out themselves."""
     out_shape, grid, names = (m_pad, n), (m_pad // tile_m, n // tile_n), ("m", "n")
     if k_splits > 1:
         out_shape, grid, names = (k_splits, *out_shape), (*grid, k_splits), (*names, "k")
         out_dtype = jnp.float32
+    if programs is not None:
+        grid, names = (programs,), ("p",)
     kwargs = dict(out_type=(jax.ShapeDtypeStruct(out_shape, out_dtype),), scratch_types=scratch,
                   grid=grid, grid_names=names)  # fmt: skip
     if num_threads is not None:

@@ -80,6 +80,35 @@ def test_matches_reference_and_the_format_in_interpreter(fresh_seed, m, k, n, st
     assert err < TOL, f"m={m} k={k} n={n}: rel err {err:.2e} vs fp8_block (seed {fresh_seed})"
 
 
+# Persistent programs taking several tiles each: 3 x 3 [128, 128] tiles over 2 programs (the
+# stage ring's slots and phases run on across tiles, 3 steps through 2 stages), and [64, 256]
+# tiles with 2 K splits over 3 programs (6 tiles, split ranges at their own K offsets).
+@pytest.mark.parametrize("m,k,n,k_splits,layout,programs", [(260, 384, 384, 1, "m", 2),
+                                                            (64, 512, 768, 2, "n", 3)])  # fmt: skip
+def test_persistent_programs_in_interpreter(fresh_seed, m, k, n, k_splits, layout, programs):
+    xq, sx, wt, sw, _, _ = case(fresh_seed, m, k, n)
+    got = fp8_block_matmul_mgpu(xq, sx, wt, sw, num_stages=2, k_splits=k_splits,
+                                tile_layout=layout, num_programs=programs, interpret=True)  # fmt: skip
+    err = rel_err(got, fp8_block_matmul_ref(xq, sx, wt, sw))
+    what = f"m={m} k={k} n={n} k_splits={k_splits} {layout} x{programs} (seed {fresh_seed})"
+    assert err < TOL, f"{what}: rel err {err:.2e} vs reference"
+
+
+def test_tile_order_visits_every_tile_once_in_bands():
+    """`_tile_coords` is a permutation of (token tile, output tile, split) for any shape, and
+    consecutive tiles stay within a band of GROUP_M token tiles (the L2 reuse it is for)."""
+    from pallas_kernels.matmul.fp8_block_mgpu import GROUP_M, _tile_coords
+
+    for mt, nt, splits in [(64, 64, 1), (11, 5, 1), (1, 24, 4), (3, 7, 2)]:
+        t = jnp.arange(mt * nt * splits, dtype=jnp.int32)
+        m, n, kb = (np.asarray(v) for v in _tile_coords(t, mt=mt, nt=nt))
+        seen = set(zip(m.tolist(), n.tolist(), kb.tolist(), strict=True))
+        assert len(seen) == mt * nt * splits, (mt, nt, splits)
+        assert m.max() < mt and n.max() < nt and kb.max() < splits, (mt, nt, splits)
+        first = np.asarray(t[: min(len(t), GROUP_M * nt)])
+        assert m[first].max() < GROUP_M, (mt, nt, splits)
+
+
 def test_reference_fails_a_wrong_scale_layout(fresh_seed):
     """The check can fail: the weight scales' blocks swapped along N change the product."""
     xq, sx, wt, sw, _, _ = case(fresh_seed, 3, 256, 256)

@@ -33,17 +33,21 @@ How the work is cut
   (`pack_scales`, per call: 1/16384 of the weight's elements, x 64), each repeated once per row
   of a token tile so that it loads in the same row-vector layout as the token scales (TMA needs
   a contiguous inner box of at least 16 bytes; one scale is 4).
-- Grid (M / tile_m, N / tile_n, S), M padded to whole CTA tiles. With S = 1 (no split) each
-  program walks all of K and writes its bf16 tiles. Split-K (S > 1, `k_splits`) cuts K's K/128
-  blocks into S contiguous ranges (S must divide K/128): program (i, j, s) reduces range s only,
+- Tiles: (M / tile_m) x (N / tile_n) x S, M padded to whole CTA tiles. With S = 1 (no split)
+  each tile walks all of K and is written in bf16. Split-K (S > 1, `k_splits`) cuts K's K/128
+  blocks into S contiguous ranges (S must divide K/128): tile (i, j, s) reduces range s only,
   promoting per block as above, and writes its fp32 sums to partials [S, M, N]; XLA sums them
   over S in fp32 and casts to bf16 after the kernel (one fused reduction). This is for
   decode-sized M, where few output tiles leave most SMs idle and the weight is read far below
   bandwidth. The sum over blocks is reassociated (S partial sums, then their sum), so S > 1
   differs from S = 1 at fp32 rounding. `choose_k_splits` picks S when the caller does not.
+- Persistent: one program per SM (at most one per tile) takes tiles pid, pid + P, ... in an
+  L2-friendly order (`_tile_coords`). Its producer runs on into the next tile's steps while the
+  consumers finish and store the last (the stage ring and its barrier phases continue across
+  tiles), so a tile's pipeline fill and output store are hidden behind its neighbours'.
 
-Not yet done: a persistent grid with an L2-friendly tile order, the split-K reduction inside the
-kernel, and the activations' 1 x 128 quantization fused into it.
+Not yet done: the split-K reduction inside the kernel, and the activations' 1 x 128
+quantization fused into it.
 
 On CPU the kernel runs under jax's GPU interpreter (`interpret=True`), its wgmma a plain fp32 dot.
 """
@@ -66,6 +70,7 @@ E4M3 = jnp.float8_e4m3fn
 CONSUMERS = 2  # consumer warpgroups per program
 TILE_LAYOUTS = {"m": (CONSUMERS, 1), "n": (1, CONSUMERS)}  # (64-row tiles, 128-column tiles)
 SMEM_BYTES = 200 * 1024  # the stages are cut to fit this much shared memory (227 KiB on Hopper)
+GROUP_M = 8  # token tiles per band of the programs' tile order (see _tile_coords)
 
 # choose_k_splits: each split keeps at least this many 128-input steps (a pipeline of
 # `num_stages` = 4 to fill), and the fp32 partials stay under this fraction of the weight's bytes.
@@ -139,6 +144,7 @@ def fp8_block_matmul_mgpu(
     num_stages: int = 4,
     k_splits: int | None = None,
     tile_layout: str | None = None,
+    num_programs: int | None = None,
     interpret: bool | None = None,
     device: jax.Device | None = None,
 ) -> jax.Array:
@@ -146,7 +152,8 @@ def fp8_block_matmul_mgpu(
     sw fp32 [K/128, N/128, 64]: `pack_scales`) -> bf16 [M, N]. `num_stages`: pipeline depth (cut
     to the steps and to SMEM_BYTES). `k_splits`: split-K factor S, dividing K/128 (None:
     `choose_k_splits` for `device`'s SMs). `tile_layout`: "m" or "n" (None:
-    `choose_tile_layout`). `interpret` runs the GPU interpreter (default: when `device`, None for
+    `choose_tile_layout`). `num_programs`: the persistent programs (None: `device`'s SMs; never
+    more than the tiles). `interpret` runs the GPU interpreter (default: when `device`, None for
     `jax.devices()[0]`, is not a GPU)."""
     check_inputs(xq, sx, wt, sw)
     m, k = xq.shape
@@ -166,8 +173,10 @@ def fp8_block_matmul_mgpu(
     interpret = _compat.default_interpret(device) if interpret is None else bool(interpret)
     stages = pipeline_stages(num_stages, steps=k // BLOCK // k_splits, layout=layout,
                              split=k_splits > 1)  # fmt: skip
+    tiles = (m_pad // tm) * (n // tile_shape(layout)[1]) * k_splits
+    programs = min(tiles, num_programs or _compat.num_sms(device))
     kernel = _build_kernel(m_pad=m_pad, k=k, n=n, layout=layout, num_stages=stages,
-                           k_splits=k_splits, interpret=interpret)  # fmt: skip
+                           k_splits=k_splits, programs=programs, interpret=interpret)  # fmt: skip
     xp = jnp.pad(xq, ((0, m_pad - m), (0, 0)))
     sxt = jnp.pad(sx.astype(jnp.float32), ((0, m_pad - m), (0, 0))).T  # [K/128, M_pad]
     (out,) = kernel(xp, sxt.reshape(k // BLOCK, m_pad // ROWS, ROWS), wt, sw)
@@ -235,73 +244,105 @@ def _rows_vector(ref, interpret: bool) -> jax.Array:
     return lax.broadcast_in_dim(raw, (ROWS, BLOCK), [0])
 
 
+def _tile_coords(t, *, mt: int, nt: int):
+    """Tile `t`'s (token tile, output tile, K split) in the programs' order: splits slowest,
+    then bands of GROUP_M token tiles, each band walked token tile fastest across all of N (so
+    the tiles in flight at once share a few token tiles and a few weight tiles in L2)."""
+    per_split = mt * nt
+    k_blk, r = lax.div(t, per_split), lax.rem(t, per_split)
+    band, i = lax.div(r, GROUP_M * nt), lax.rem(r, GROUP_M * nt)
+    rows = jnp.minimum(jnp.int32(GROUP_M), mt - band * GROUP_M)  # token tiles in this band
+    return band * GROUP_M + lax.rem(i, rows), lax.div(i, rows), k_blk
+
+
 @functools.cache
 def _build_kernel(*, m_pad: int, k: int, n: int, layout: str, num_stages: int, k_splits: int,
-                  interpret: bool):  # fmt: skip
-    steps = k // BLOCK // k_splits  # 128-input steps per program
+                  programs: int, interpret: bool):  # fmt: skip
+    steps = k // BLOCK // k_splits  # 128-input steps per tile
     split = k_splits > 1
     cm, cn = TILE_LAYOUTS[layout]
     tm, tn = tile_shape(layout)
+    mt, nt = m_pad // tm, n // tn
+    tiles = mt * nt * k_splits
 
     def body(x, sxt, wt, sw, out, x_s, w_s, sx_s, sw_s, o_s, full, free):
-        m_blk, n_blk = lax.axis_index("m"), lax.axis_index("n")
-        m0 = pl.multiple_of(m_blk * tm, tm)
-        n0 = pl.multiple_of(n_blk * tn, tn)
-        # the program's first K block: its split's range is [b0, b0 + steps)
-        k_blk = lax.axis_index("k") if split else 0
-        b0 = k_blk * steps
+        pid = lax.axis_index("p")
+        my_tiles = lax.div(tiles - pid + programs - 1, jnp.int32(programs))
 
-        def issue(i, slot):
-            b = b0 + i if split else i  # the K block of step i
-            start = b * BLOCK  # (Mosaic GPU cannot lower multiple_of of the prologue's ints)
-            cols = pl.ds(start if isinstance(b, int) else pl.multiple_of(start, BLOCK), BLOCK)
-            plgpu.copy_gmem_to_smem(x.at[pl.ds(m0, tm), cols], x_s.at[slot], full.at[slot])
-            plgpu.copy_gmem_to_smem(wt.at[pl.ds(n0, tn), cols], w_s.at[slot], full.at[slot])
-            plgpu.copy_gmem_to_smem(sxt.at[b, pl.ds(m_blk * cm, cm)], sx_s.at[slot],
-                                    full.at[slot])  # fmt: skip
-            plgpu.copy_gmem_to_smem(sw.at[b, pl.ds(n_blk * cn, cn)], sw_s.at[slot],
-                                    full.at[slot])  # fmt: skip
+        def coords(j):
+            """(m0, n0, m_blk, n_blk, k_blk, b0) of this program's j-th tile: b0 is the first K
+            block of its split's range [b0, b0 + steps)."""
+            m_blk, n_blk, k_blk = _tile_coords(pid + j * programs, mt=mt, nt=nt)
+            m0, n0 = pl.multiple_of(m_blk * tm, tm), pl.multiple_of(n_blk * tn, tn)
+            return m0, n0, m_blk, n_blk, k_blk, k_blk * steps
 
         def producer():
             plgpu.set_max_registers(40, action="decrease")
-            for st in range(num_stages):  # the prologue (num_stages <= steps)
-                issue(st, st)
 
-            @pl.loop(0, steps - num_stages)
-            def _refill(i):  # step i's slot, once both consumers read it, takes step i + stages
-                slot = lax.rem(i, jnp.int32(num_stages))
-                plgpu.barrier_wait(free.at[slot])
-                issue(i + num_stages, slot)
+            def tile(j, carry):
+                m0, n0, m_blk, n_blk, _, b0 = coords(j)
 
-            @pl.loop(steps - num_stages, steps)
-            def _drain(i):  # observe the last releases too, so every barrier phase is consumed
-                plgpu.barrier_wait(free.at[lax.rem(i, jnp.int32(num_stages))])
+                def issue(i, _):
+                    g = j * steps + i  # the program's step count: the slot and its phase
+                    slot = lax.rem(g, jnp.int32(num_stages))
+
+                    @pl.when(g >= num_stages)
+                    def _():  # the slot's last use, once both consumers read it
+                        plgpu.barrier_wait(free.at[slot])
+
+                    b = b0 + i
+                    cols = pl.ds(pl.multiple_of(b * BLOCK, BLOCK), BLOCK)
+                    bar = full.at[slot]
+                    plgpu.copy_gmem_to_smem(x.at[pl.ds(m0, tm), cols], x_s.at[slot], bar)
+                    plgpu.copy_gmem_to_smem(wt.at[pl.ds(n0, tn), cols], w_s.at[slot], bar)
+                    plgpu.copy_gmem_to_smem(sxt.at[b, pl.ds(m_blk * cm, cm)], sx_s.at[slot], bar)
+                    plgpu.copy_gmem_to_smem(sw.at[b, pl.ds(n_blk * cn, cn)], sw_s.at[slot], bar)
+                    return 0
+
+                lax.fori_loop(0, steps, issue, 0)
+                return carry
+
+            lax.fori_loop(0, my_tiles, tile, 0)
+            total = my_tiles * steps
+
+            @pl.loop(jnp.maximum(total - num_stages, 0), total)
+            def _drain(g):  # observe the last releases too, so every barrier phase is consumed
+                plgpu.barrier_wait(free.at[lax.rem(g, jnp.int32(num_stages))])
 
         def consumer(w: int):
             plgpu.set_max_registers(232, action="increase")
             wm, wn = (w, 0) if cm > 1 else (0, w)
 
-            def step(i, acc):
-                slot = lax.rem(i, jnp.int32(num_stages))
-                plgpu.barrier_wait(full.at[slot])
-                scale = (_rows_vector(sx_s.at[slot, wm], interpret)
-                         * _rows_vector(sw_s.at[slot, wn], interpret))  # fmt: skip
-                x_t = x_s.at[slot].at[pl.ds(wm * ROWS, ROWS)]  # [64 tokens, 128 inputs]
-                w_t = w_s.at[slot].at[pl.ds(wn * BLOCK, BLOCK)]  # [128 outputs, 128 inputs]
-                if interpret:  # (the interpreter's dot takes no fp8 operands)
-                    part = lax.dot_general(x_t[...].astype(jnp.float32),
-                                           w_t[...].astype(jnp.float32), (((1,), (1,)), ((), ())),
-                                           preferred_element_type=jnp.float32)  # fmt: skip
-                else:  # x tile @ weight tile^T, fp32; synchronous: the stage is read after it
-                    part = wgmma_dot(x_t, w_t, interpret=False, transpose_b=True)
-                plgpu.barrier_arrive(free.at[slot])  # (its scales were read before the wgmma)
-                return acc + part * scale  # the promotion: once per 128 inputs
+            def tile(j, carry):
+                m0, n0, _, _, k_blk, _ = coords(j)
 
-            zeros = jnp.zeros((ROWS, BLOCK), jnp.float32)
-            acc0 = zeros if interpret else plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
-            acc = lax.fori_loop(0, steps, step, acc0)
-            store_tile(acc, o_s.at[w], out, m0 + wm * ROWS, n0 + wn * BLOCK, k_blk, split=split,
-                       dtype=jnp.bfloat16)  # fmt: skip
+                def step(i, acc):
+                    slot = lax.rem(j * steps + i, jnp.int32(num_stages))
+                    plgpu.barrier_wait(full.at[slot])
+                    scale = (_rows_vector(sx_s.at[slot, wm], interpret)
+                             * _rows_vector(sw_s.at[slot, wn], interpret))  # fmt: skip
+                    x_t = x_s.at[slot].at[pl.ds(wm * ROWS, ROWS)]  # [64 tokens, 128 inputs]
+                    w_t = w_s.at[slot].at[pl.ds(wn * BLOCK, BLOCK)]  # [128 outputs, 128 inputs]
+                    if interpret:  # (the interpreter's dot takes no fp8 operands)
+                        part = lax.dot_general(x_t[...].astype(jnp.float32),
+                                               w_t[...].astype(jnp.float32),
+                                               (((1,), (1,)), ((), ())),
+                                               preferred_element_type=jnp.float32)  # fmt: skip
+                    else:  # x tile @ weight tile^T, fp32; synchronous: the stage is read after
+                        part = wgmma_dot(x_t, w_t, interpret=False, transpose_b=True)
+                    plgpu.barrier_arrive(free.at[slot])  # (its scales were read before)
+                    return acc + part * scale  # the promotion: once per 128 inputs
+
+                zeros = jnp.zeros((ROWS, BLOCK), jnp.float32)
+                acc0 = zeros if interpret else plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
+                acc = lax.fori_loop(0, steps, step, acc0)
+                # the store overlaps the next tile's first steps (the producer runs ahead)
+                store_tile(acc, o_s.at[w], out, m0 + wm * ROWS, n0 + wn * BLOCK, k_blk,
+                           split=split, dtype=jnp.bfloat16, wait=False)  # fmt: skip
+                return carry
+
+            lax.fori_loop(0, my_tiles, tile, 0)
+            plgpu.wait_smem_to_gmem(0)
 
         wg = lax.axis_index("wg")
         for w in range(CONSUMERS):
@@ -320,4 +361,4 @@ def _build_kernel(*, m_pad: int, k: int, n: int, layout: str, num_stages: int, k
     ]
     return split_k_kernel(body, m_pad=m_pad, n=n, tile_m=tm, tile_n=tn, k_splits=k_splits,
                           out_dtype=out_dtype, scratch=scratch, interpret=interpret,
-                          num_threads=CONSUMERS + 1)  # fmt: skip
+                          num_threads=CONSUMERS + 1, programs=programs)  # fmt: skip
