@@ -46,7 +46,7 @@ from jaxinfer.quant.format import QuantizedWeight, WeightFormat, register_format
 E4M3 = jnp.float8_e4m3fn
 E4M3_MAX = 448.0
 BLOCK = 128
-KERNEL_MIN_ROWS = 64  # fp8_block's "auto" backend: the Pallas kernel from this many tokens
+KERNEL_MIN_ROWS = 8  # fp8_block's "auto" backend: the Pallas kernel from this many tokens
 
 
 def check_finite(w: jax.Array, fmt: str) -> None:
@@ -228,11 +228,10 @@ class Fp8Block(WeightFormat):
     stored values and scales as they are; "xla", one fp8 `dot_general` per 128-input block with
     the fp32 partials scaled and summed (runs anywhere; the oracle); "auto", the kernel for
     products of at least `KERNEL_MIN_ROWS` tokens wherever it applies (128-wide blocks, K and the
-    last output axis multiples of 128) on a process with one GPU, XLA elsewhere. Below 64 rows
-    the kernel pads to a 64-row tile and runs N/128 programs each walking all of K, and XLA's
-    dots measured faster; from 64 rows the kernel is (docs/decisions.md). GSPMD cannot partition
-    a Mosaic GPU call, so a sharded model keeps XLA's product until its linears run under
-    `shard_map`. `k_splits` is the kernel's split-K factor (None: the kernel's `choose_k_splits`
+    last output axis multiples of 128) on a process with one GPU, XLA elsewhere. At one token
+    XLA's dots measured faster end to end, at 8 tokens the kernel (docs/decisions.md). GSPMD
+    cannot partition a Mosaic GPU call, so a sharded model keeps XLA's product until its linears
+    run under `shard_map`. `k_splits` is the kernel's split-K factor (None: the kernel's `choose_k_splits`
     picks one per product, splitting K where few output tiles would leave most SMs idle), and
     `tile_layout` its output tiles, "m" [128, 128] or "n" [64, 256] (None: its own choice by
     the token count)."""
