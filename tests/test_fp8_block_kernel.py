@@ -95,13 +95,13 @@ def test_persistent_programs_in_interpreter(fresh_seed, m, k, n, k_splits, layou
 
 
 def test_tile_order_visits_every_tile_once_in_bands():
-    """`_tile_coords` is a permutation of (token tile, output tile, split) for any shape, and
+    """`tile_coords` (the persistent programs' order) is a permutation of (token tile, output tile, split) for any shape, and
     consecutive tiles stay within a band of GROUP_M token tiles (the L2 reuse it is for)."""
-    from pallas_kernels.matmul.fp8_block_mgpu import GROUP_M, _tile_coords
+    from pallas_kernels._mgpu import GROUP_M, tile_coords
 
     for mt, nt, splits in [(64, 64, 1), (11, 5, 1), (1, 24, 4), (3, 7, 2)]:
         t = jnp.arange(mt * nt * splits, dtype=jnp.int32)
-        m, n, kb = (np.asarray(v) for v in _tile_coords(t, mt=mt, nt=nt))
+        m, n, kb = (np.asarray(v) for v in tile_coords(t, mt=mt, nt=nt))
         seen = set(zip(m.tolist(), n.tolist(), kb.tolist(), strict=True))
         assert len(seen) == mt * nt * splits, (mt, nt, splits)
         assert m.max() < mt and n.max() < nt and kb.max() < splits, (mt, nt, splits)

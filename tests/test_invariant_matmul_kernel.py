@@ -49,8 +49,8 @@ def test_rows_are_invariant_in_the_interpreter(fresh_seed, k, n):
     rng = np.random.default_rng(fresh_seed)
     assert (tile_n_for(n), k_splits_for(k, n)) == ((64, 1) if n == 192 else (128, 2))
 
-    def fn(x, w):
-        return invariant_matmul_mgpu(x, w, interpret=True)
+    def fn(x, w):  # 2 persistent programs: one takes two of tile64's 3 output tiles
+        return invariant_matmul_mgpu(x, w, num_programs=2, interpret=True)
 
     _check_rows(fn, rng, k, n, (1, 5, 70), f"k={k} n={n} seed {fresh_seed}")
 

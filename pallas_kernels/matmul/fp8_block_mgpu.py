@@ -42,7 +42,8 @@ How the work is cut
   bandwidth. The sum over blocks is reassociated (S partial sums, then their sum), so S > 1
   differs from S = 1 at fp32 rounding. `choose_k_splits` picks S when the caller does not.
 - Persistent: one program per SM (at most one per tile) takes tiles pid, pid + P, ... in an
-  L2-friendly order (`_tile_coords`). Its producer runs on into the next tile's steps while the
+  L2-friendly order (`_mgpu.tile_coords`; the loop is `_mgpu.ws_gemm`, shared with the
+  batch-invariant GEMM). Its producer runs on into the next tile's steps while the
   consumers finish and store the last (the stage ring and its barrier phases continue across
   tiles), so a tile's pipeline fill and output store are hidden behind its neighbours'.
 
@@ -63,14 +64,21 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _compat
-from pallas_kernels._mgpu import ROWS, split_k_kernel, store_tile, swizzled_smem, wgmma_dot
+from pallas_kernels._mgpu import (
+    CONSUMERS,
+    ROWS,
+    WsPlan,
+    store_tile,
+    swizzled_smem,
+    wgmma_dot,
+    ws_gemm,
+    ws_launch,
+)
 
 BLOCK = 128  # inputs per scale block and per pipeline step; outputs per weight-scale block
 E4M3 = jnp.float8_e4m3fn
-CONSUMERS = 2  # consumer warpgroups per program
 TILE_LAYOUTS = {"m": (CONSUMERS, 1), "n": (1, CONSUMERS)}  # (64-row tiles, 128-column tiles)
 SMEM_BYTES = 200 * 1024  # the stages are cut to fit this much shared memory (227 KiB on Hopper)
-GROUP_M = 8  # token tiles per band of the programs' tile order (see _tile_coords)
 
 # choose_k_splits: each split keeps at least this many 128-input steps (a pipeline of
 # `num_stages` = 4 to fill), and the fp32 partials stay under this fraction of the weight's bytes.
@@ -244,110 +252,50 @@ def _rows_vector(ref, interpret: bool) -> jax.Array:
     return lax.broadcast_in_dim(raw, (ROWS, BLOCK), [0])
 
 
-def _tile_coords(t, *, mt: int, nt: int):
-    """Tile `t`'s (token tile, output tile, K split) in the programs' order: splits slowest,
-    then bands of GROUP_M token tiles, each band walked token tile fastest across all of N (so
-    the tiles in flight at once share a few token tiles and a few weight tiles in L2)."""
-    per_split = mt * nt
-    k_blk, r = lax.div(t, per_split), lax.rem(t, per_split)
-    band, i = lax.div(r, GROUP_M * nt), lax.rem(r, GROUP_M * nt)
-    rows = jnp.minimum(jnp.int32(GROUP_M), mt - band * GROUP_M)  # token tiles in this band
-    return band * GROUP_M + lax.rem(i, rows), lax.div(i, rows), k_blk
-
-
 @functools.cache
 def _build_kernel(*, m_pad: int, k: int, n: int, layout: str, num_stages: int, k_splits: int,
                   programs: int, interpret: bool):  # fmt: skip
-    steps = k // BLOCK // k_splits  # 128-input steps per tile
     split = k_splits > 1
     cm, cn = TILE_LAYOUTS[layout]
     tm, tn = tile_shape(layout)
-    mt, nt = m_pad // tm, n // tn
-    tiles = mt * nt * k_splits
+    plan = WsPlan(mt=m_pad // tm, nt=n // tn, k_splits=k_splits, steps=k // BLOCK // k_splits,
+                  num_stages=num_stages, programs=programs)  # fmt: skip
 
     def body(x, sxt, wt, sw, out, x_s, w_s, sx_s, sw_s, o_s, full, free):
-        pid = lax.axis_index("p")
-        my_tiles = lax.div(tiles - pid + programs - 1, jnp.int32(programs))
+        def issue(t, i, slot):  # step i of tile t: its 4 copies
+            b = t.b0 + i  # the K block
+            cols = pl.ds(pl.multiple_of(b * BLOCK, BLOCK), BLOCK)
+            m0, n0 = pl.multiple_of(t.m_blk * tm, tm), pl.multiple_of(t.n_blk * tn, tn)
+            bar = full.at[slot]
+            plgpu.copy_gmem_to_smem(x.at[pl.ds(m0, tm), cols], x_s.at[slot], bar)
+            plgpu.copy_gmem_to_smem(wt.at[pl.ds(n0, tn), cols], w_s.at[slot], bar)
+            plgpu.copy_gmem_to_smem(sxt.at[b, pl.ds(t.m_blk * cm, cm)], sx_s.at[slot], bar)
+            plgpu.copy_gmem_to_smem(sw.at[b, pl.ds(t.n_blk * cn, cn)], sw_s.at[slot], bar)
 
-        def coords(j):
-            """(m0, n0, m_blk, n_blk, k_blk, b0) of this program's j-th tile: b0 is the first K
-            block of its split's range [b0, b0 + steps)."""
-            m_blk, n_blk, k_blk = _tile_coords(pid + j * programs, mt=mt, nt=nt)
-            m0, n0 = pl.multiple_of(m_blk * tm, tm), pl.multiple_of(n_blk * tn, tn)
-            return m0, n0, m_blk, n_blk, k_blk, k_blk * steps
+        def where(w):  # consumer w's [64, 128] within the tile: (64-row tile, 128-column tile)
+            return (w, 0) if cm > 1 else (0, w)
 
-        def producer():
-            plgpu.set_max_registers(40, action="decrease")
+        def step(w, slot, acc):
+            wm, wn = where(w)
+            scale = (_rows_vector(sx_s.at[slot, wm], interpret)
+                     * _rows_vector(sw_s.at[slot, wn], interpret))  # fmt: skip
+            x_t = x_s.at[slot].at[pl.ds(wm * ROWS, ROWS)]  # [64 tokens, 128 inputs]
+            w_t = w_s.at[slot].at[pl.ds(wn * BLOCK, BLOCK)]  # [128 outputs, 128 inputs]
+            if interpret:  # (the interpreter's dot takes no fp8 operands)
+                part = lax.dot_general(x_t[...].astype(jnp.float32), w_t[...].astype(jnp.float32),
+                                       (((1,), (1,)), ((), ())),
+                                       preferred_element_type=jnp.float32)  # fmt: skip
+            else:  # x tile @ weight tile^T, fp32; synchronous: the stage is read after it
+                part = wgmma_dot(x_t, w_t, interpret=False, transpose_b=True)
+            return acc + part * scale  # the promotion: once per 128 inputs
 
-            def tile(j, carry):
-                m0, n0, m_blk, n_blk, _, b0 = coords(j)
+        def finish(w, t, acc):
+            wm, wn = where(w)
+            m0, n0 = t.m_blk * tm + wm * ROWS, t.n_blk * tn + wn * BLOCK
+            store_tile(acc, o_s.at[w], out, m0, n0, t.k_blk, split=split, dtype=jnp.bfloat16)
 
-                def issue(i, _):
-                    g = j * steps + i  # the program's step count: the slot and its phase
-                    slot = lax.rem(g, jnp.int32(num_stages))
-
-                    @pl.when(g >= num_stages)
-                    def _():  # the slot's last use, once both consumers read it
-                        plgpu.barrier_wait(free.at[slot])
-
-                    b = b0 + i
-                    cols = pl.ds(pl.multiple_of(b * BLOCK, BLOCK), BLOCK)
-                    bar = full.at[slot]
-                    plgpu.copy_gmem_to_smem(x.at[pl.ds(m0, tm), cols], x_s.at[slot], bar)
-                    plgpu.copy_gmem_to_smem(wt.at[pl.ds(n0, tn), cols], w_s.at[slot], bar)
-                    plgpu.copy_gmem_to_smem(sxt.at[b, pl.ds(m_blk * cm, cm)], sx_s.at[slot], bar)
-                    plgpu.copy_gmem_to_smem(sw.at[b, pl.ds(n_blk * cn, cn)], sw_s.at[slot], bar)
-                    return 0
-
-                lax.fori_loop(0, steps, issue, 0)
-                return carry
-
-            lax.fori_loop(0, my_tiles, tile, 0)
-            total = my_tiles * steps
-
-            @pl.loop(jnp.maximum(total - num_stages, 0), total)
-            def _drain(g):  # observe the last releases too, so every barrier phase is consumed
-                plgpu.barrier_wait(free.at[lax.rem(g, jnp.int32(num_stages))])
-
-        def consumer(w: int):
-            plgpu.set_max_registers(232, action="increase")
-            wm, wn = (w, 0) if cm > 1 else (0, w)
-
-            def tile(j, carry):
-                m0, n0, _, _, k_blk, _ = coords(j)
-
-                def step(i, acc):
-                    slot = lax.rem(j * steps + i, jnp.int32(num_stages))
-                    plgpu.barrier_wait(full.at[slot])
-                    scale = (_rows_vector(sx_s.at[slot, wm], interpret)
-                             * _rows_vector(sw_s.at[slot, wn], interpret))  # fmt: skip
-                    x_t = x_s.at[slot].at[pl.ds(wm * ROWS, ROWS)]  # [64 tokens, 128 inputs]
-                    w_t = w_s.at[slot].at[pl.ds(wn * BLOCK, BLOCK)]  # [128 outputs, 128 inputs]
-                    if interpret:  # (the interpreter's dot takes no fp8 operands)
-                        part = lax.dot_general(x_t[...].astype(jnp.float32),
-                                               w_t[...].astype(jnp.float32),
-                                               (((1,), (1,)), ((), ())),
-                                               preferred_element_type=jnp.float32)  # fmt: skip
-                    else:  # x tile @ weight tile^T, fp32; synchronous: the stage is read after
-                        part = wgmma_dot(x_t, w_t, interpret=False, transpose_b=True)
-                    plgpu.barrier_arrive(free.at[slot])  # (its scales were read before)
-                    return acc + part * scale  # the promotion: once per 128 inputs
-
-                zeros = jnp.zeros((ROWS, BLOCK), jnp.float32)
-                acc0 = zeros if interpret else plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
-                acc = lax.fori_loop(0, steps, step, acc0)
-                # the store overlaps the next tile's first steps (the producer runs ahead)
-                store_tile(acc, o_s.at[w], out, m0 + wm * ROWS, n0 + wn * BLOCK, k_blk,
-                           split=split, dtype=jnp.bfloat16, wait=False)  # fmt: skip
-                return carry
-
-            lax.fori_loop(0, my_tiles, tile, 0)
-            plgpu.wait_smem_to_gmem(0)
-
-        wg = lax.axis_index("wg")
-        for w in range(CONSUMERS):
-            pl.when(wg == w)(functools.partial(consumer, w))
-        pl.when(wg == CONSUMERS)(producer)
+        ws_gemm(plan, full=full, free=free, issue=issue, step=step, finish=finish,
+                acc_shape=(ROWS, BLOCK), interpret=interpret)  # fmt: skip
 
     out_dtype = jnp.float32 if split else jnp.bfloat16
     scratch = [
@@ -357,8 +305,7 @@ def _build_kernel(*, m_pad: int, k: int, n: int, layout: str, num_stages: int, k
         plgpu.SMEM((num_stages, cn, ROWS), jnp.float32),  # the blocks' weight scales, x 64
         swizzled_smem((CONSUMERS, ROWS, BLOCK), out_dtype),  # output stages, one per consumer
         plgpu.Barrier(num_arrivals=4, num_barriers=num_stages),  # full: the 4 copies landed
-        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=num_stages),  # free: both read it
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=num_stages),  # free: all read it
     ]
-    return split_k_kernel(body, m_pad=m_pad, n=n, tile_m=tm, tile_n=tn, k_splits=k_splits,
-                          out_dtype=out_dtype, scratch=scratch, interpret=interpret,
-                          num_threads=CONSUMERS + 1, programs=programs)  # fmt: skip
+    return ws_launch(body, plan, m_pad=m_pad, n=n, out_dtype=out_dtype, scratch=scratch,
+                     interpret=interpret)  # fmt: skip

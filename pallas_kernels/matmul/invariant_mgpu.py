@@ -6,23 +6,20 @@ whole operand's shape, and the autotuner per compile: the same row rounds differ
 of 1 and a batch of 64. Here the reduction order is written into the kernel and depends on K and
 N only:
 
-- A program owns a [64, tile_n] output tile (wgmma's M is 64; tile_n 128, or 64 when N is not a
-  multiple of 128: `tile_n_for`) and walks its K range in steps of 64 inputs. Each step's wgmma
-  goes into a fresh fp32 accumulator that is then added to the running sum, so a row's sum is
-  the same sequence of fp32 adds of the same per-step products whatever tile, position or batch
-  it sits in (wgmma's arithmetic for one output reads only its own row of A).
-- M is padded to a multiple of 64 (zero rows); the grid is (M / 64, N / tile_n, S).
+- Each output tile is [128, tile_n] (tile_n 128, or 64 when N is not a multiple of 128:
+  `tile_n_for`), the same for every M, and each of its two consumer warpgroups owns 64 rows
+  (wgmma's M). A consumer walks the tile's K range in steps of 64 inputs; each step's wgmma goes
+  into a fresh fp32 accumulator that is then added to the running sum, so a row's sum is the
+  same sequence of fp32 adds of the same per-step products whatever tile, position or batch it
+  sits in (wgmma's arithmetic for one output reads only its own row of A). M is padded to a
+  multiple of 128 (zero rows).
 - Split-K S (`k_splits_for`) is a function of (K, N) alone, so the split is the same for every
-  batch: program (i, j, s) sums K range s and writes fp32 partials [S, M, N], which are added in
-  the fixed order 0, 1, ..., S - 1 (elementwise adds: no backend reorders them). S > 1 keeps the
-  SMs busy at decode-sized M, where (M / 64)(N / tile_n) programs would leave most idle.
-
-The operands arrive by TMA, `num_stages` deep, one barrier per stage (the pipeline of
-`fp8_block_mgpu.py`). Compared with cuBLAS this gives up larger tiles, a producer warpgroup and
-a persistent grid; the cost on the 8B model: `experiments/batch_invariance/`,
-docs/batch_invariance.md. One wgmma accumulator over the K loop with one wgmma in flight, and
-2 or 3 stages, measured the same (`batch_invariance_gemm.json`): the single 64-row warpgroup
-per program is the limit.
+  batch: tile (i, j, s) sums K range s and writes fp32 partials [S, M, N], which are added in the
+  fixed order 0, 1, ..., S - 1 (elementwise adds: no backend reorders them). S > 1 keeps the SMs
+  busy at decode-sized M, where few output tiles would leave most idle.
+- The loop is `_mgpu.ws_gemm`, the block-scaled FP8 GEMM's: a producer warpgroup issuing the TMA
+  copies into a `num_stages`-deep ring, the two consumers, and persistent programs (one per SM)
+  taking the tiles in an L2-friendly order. None of it changes a row's arithmetic.
 
 On CPU the kernel runs under jax's GPU interpreter (`interpret=True`), its wgmma a plain fp32 dot.
 """
@@ -33,18 +30,26 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _compat
-from pallas_kernels._mgpu import ROWS, split_k_kernel, store_tile, swizzled_smem, wgmma_dot
+from pallas_kernels._mgpu import (
+    CONSUMERS,
+    ROWS,
+    WsPlan,
+    store_tile,
+    swizzled_smem,
+    wgmma_dot,
+    ws_gemm,
+    ws_launch,
+)
 
-TILE_M = ROWS  # rows per program: wgmma's M
+TILE_M = CONSUMERS * ROWS  # rows per output tile: one 64-row tile per consumer
 BLOCK_K = 64  # inputs per pipeline step (64 x 2 bytes: one 128-byte swizzle row)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MIN_STEPS_PER_SPLIT = 8  # a split shorter than this is mostly pipeline prologue
-TARGET_PROGRAMS = 128  # S is raised until one 64-row tile's programs reach this (~132 SMs)
+TARGET_PROGRAMS = 128  # S is raised until one row of output tiles reaches this many (~132 SMs)
 
 
 def tile_n_for(n: int) -> int:
@@ -54,8 +59,8 @@ def tile_n_for(n: int) -> int:
 
 def k_splits_for(k: int, n: int) -> int:
     """Split-K S for a [K, N] weight, from its shape alone (never from M): the smallest S that
-    divides K / 64, leaves every split at least MIN_STEPS_PER_SPLIT steps and gives one 64-row
-    tile TARGET_PROGRAMS programs; the largest such S that divides when none reaches it."""
+    divides K / 64, leaves every split at least MIN_STEPS_PER_SPLIT steps and gives one row of
+    output tiles TARGET_PROGRAMS tiles; the largest such S that divides when none reaches it."""
     steps = k // BLOCK_K
     tiles = n // tile_n_for(n)
     best = 1
@@ -86,11 +91,13 @@ def invariant_matmul_mgpu(
     w: jax.Array,
     *,
     num_stages: int = 4,
+    num_programs: int | None = None,
     interpret: bool | None = None,
     device: jax.Device | None = None,
 ) -> jax.Array:
     """x [M, K] @ w [K, N] -> [M, N] in x's dtype, each row's bits independent of M and of the
-    other rows (module docstring). `interpret` runs the GPU interpreter (default: when `device`,
+    other rows (module docstring). `num_programs`: the persistent programs (None: `device`'s SMs;
+    never more than the tiles). `interpret` runs the GPU interpreter (default: when `device`,
     None for `jax.devices()[0]`, is not a GPU)."""
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
         raise ValueError(f"x must be [M, K] and w [K, N], got x {list(x.shape)} and w "
@@ -106,8 +113,11 @@ def invariant_matmul_mgpu(
     m_pad = -(-m // TILE_M) * TILE_M
     stages = max(1, min(int(num_stages), k // BLOCK_K // splits))
     interpret = _compat.default_interpret(device) if interpret is None else bool(interpret)
-    kernel = _build_kernel(m_pad=m_pad, k=k, n=n, dtype=jnp.dtype(x.dtype), num_stages=stages,
-                           k_splits=splits, interpret=interpret)  # fmt: skip
+    tiles = m_pad // TILE_M * (n // tile_n_for(n)) * splits
+    plan = WsPlan(mt=m_pad // TILE_M, nt=n // tile_n_for(n), k_splits=splits,
+                  steps=k // BLOCK_K // splits, num_stages=stages,
+                  programs=min(tiles, num_programs or _compat.num_sms(device)))  # fmt: skip
+    kernel = _build_kernel(plan, m_pad=m_pad, n=n, dtype=jnp.dtype(x.dtype), interpret=interpret)
     (out,) = kernel(jnp.pad(x, ((0, m_pad - m), (0, 0))), w)
     if splits == 1:
         return out[:m]
@@ -118,51 +128,36 @@ def invariant_matmul_mgpu(
 
 
 @functools.cache
-def _build_kernel(*, m_pad: int, k: int, n: int, dtype, num_stages: int, k_splits: int,
-                  interpret: bool):  # fmt: skip
+def _build_kernel(plan: WsPlan, *, m_pad: int, n: int, dtype, interpret: bool):
     tile_n = tile_n_for(n)
-    steps = k // BLOCK_K // k_splits
-    split = k_splits > 1
+    split = plan.k_splits > 1
 
-    def body(x, w, out, x_s, w_s, o_s, bar):
-        m0 = pl.multiple_of(lax.axis_index("m") * TILE_M, TILE_M)
-        n0 = pl.multiple_of(lax.axis_index("n") * tile_n, tile_n)
-        k_blk = lax.axis_index("k") if split else 0
-        b0 = k_blk * steps
+    def body(x, w, out, x_s, w_s, o_s, full, free):
+        def issue(t, i, slot):  # step i of tile t: its token and weight tiles
+            ks = pl.ds(pl.multiple_of((t.b0 + i) * BLOCK_K, BLOCK_K), BLOCK_K)
+            m0 = pl.multiple_of(t.m_blk * TILE_M, TILE_M)
+            n0 = pl.multiple_of(t.n_blk * tile_n, tile_n)
+            plgpu.copy_gmem_to_smem(x.at[pl.ds(m0, TILE_M), ks], x_s.at[slot], full.at[slot])
+            plgpu.copy_gmem_to_smem(w.at[ks, pl.ds(n0, tile_n)], w_s.at[slot], full.at[slot])
 
-        def issue(i, slot):
-            b = b0 + i if split else i  # the K block of step i
-            start = b * BLOCK_K
-            ks = pl.ds(start if isinstance(b, int) else pl.multiple_of(start, BLOCK_K), BLOCK_K)
-            plgpu.copy_gmem_to_smem(x.at[pl.ds(m0, TILE_M), ks], x_s.at[slot], bar.at[slot])
-            plgpu.copy_gmem_to_smem(w.at[ks, pl.ds(n0, tile_n)], w_s.at[slot], bar.at[slot])
+        def step(c, slot, acc):  # consumer c: its 64 rows @ the weight tile, a fresh accumulator
+            rows = x_s.at[slot].at[pl.ds(c * ROWS, ROWS)]
+            return acc + wgmma_dot(rows, w_s.at[slot], interpret=interpret)
 
-        for st in range(num_stages):  # the pipeline's prologue
-            issue(st, st)
+        def finish(c, t, acc):
+            m0, n0 = t.m_blk * TILE_M + c * ROWS, t.n_blk * tile_n
+            store_tile(acc, o_s.at[c], out, m0, n0, t.k_blk, split=split, dtype=dtype)
 
-        def step(i, acc):
-            slot = lax.rem(i, jnp.int32(num_stages))
-            plgpu.barrier_wait(bar.at[slot])
-            acc = acc + wgmma_dot(x_s.at[slot], w_s.at[slot], interpret=interpret)
-
-            @pl.when(i + num_stages < steps)
-            def _refill():  # (the slot's wgmma was waited for inside wgmma_dot)
-                issue(i + num_stages, slot)
-
-            return acc
-
-        zeros = jnp.zeros((TILE_M, tile_n), jnp.float32)
-        acc0 = zeros if interpret else plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
-        acc = lax.fori_loop(0, steps, step, acc0)
-        store_tile(acc, o_s, out, m0, n0, k_blk, split=split, dtype=dtype)
+        ws_gemm(plan, full=full, free=free, issue=issue, step=step, finish=finish,
+                acc_shape=(ROWS, tile_n), interpret=interpret)  # fmt: skip
 
     out_dtype = jnp.float32 if split else dtype
     scratch = [
-        swizzled_smem((num_stages, TILE_M, BLOCK_K), dtype),  # x tiles
-        swizzled_smem((num_stages, BLOCK_K, tile_n), dtype),  # weight tiles [K, N]
-        swizzled_smem((TILE_M, tile_n), out_dtype),  # output stage
-        plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
+        swizzled_smem((plan.num_stages, TILE_M, BLOCK_K), dtype),  # token tiles
+        swizzled_smem((plan.num_stages, BLOCK_K, tile_n), dtype),  # weight tiles [K, N]
+        swizzled_smem((CONSUMERS, ROWS, tile_n), out_dtype),  # output stages, one per consumer
+        plgpu.Barrier(num_arrivals=2, num_barriers=plan.num_stages),  # full: both copies landed
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=plan.num_stages),  # free: all read it
     ]
-    return split_k_kernel(body, m_pad=m_pad, n=n, tile_m=TILE_M, tile_n=tile_n,
-                          k_splits=k_splits, out_dtype=out_dtype, scratch=scratch,
-                          interpret=interpret)  # fmt: skip
+    return ws_launch(body, plan, m_pad=m_pad, n=n, out_dtype=out_dtype, scratch=scratch,
+                     interpret=interpret)  # fmt: skip
