@@ -288,8 +288,9 @@ class EngineConfig:
     # the method. Every reduction runs in a fixed order per row (on the GPU an invariant GEMM
     # kernel and the attention kernel's invariant form; on the CPU fixed 8-row tiles and key
     # blocks; sums as trees: docs/batch_invariance.md); slower, for comparisons, not serving.
-    # One device, not with FP8 KV pages, the cuDNN attention or the Pallas MoE kernel; a draft
-    # model or EAGLE head keeps default numerics (it only chooses what is verified).
+    # No mesh axis but "model" (and that on CPUs only), not with FP8 KV pages, the cuDNN
+    # attention or the Pallas MoE kernel; a draft model or EAGLE head keeps default numerics
+    # (it only chooses what is verified).
     batch_invariant: Flag = False
 
     @field_validator("mesh")
@@ -356,8 +357,8 @@ class EngineConfig:
         return self
 
     def _check_invariant(self) -> None:
-        """The settings batch-invariant numerics have forms for (one device; the cuDNN attention
-        and the Pallas grouped matmul have none)."""
+        """The settings batch-invariant numerics have forms for (tensor parallelism but no other
+        mesh axis; the cuDNN attention and the Pallas grouped matmul have none)."""
         for key, value, bad in (("attention_backend", self.attention_backend, ("cudnn",)),
                                 ("moe_backend", self.moe_backend, ("pallas",))):  # fmt: skip
             if value in bad:
@@ -367,10 +368,11 @@ class EngineConfig:
             raise ValueError(f"engine.batch_invariant cannot use engine.kv_dtype={self.kv_dtype}: "
                              "an FP8 page's scale grows as tokens are written, so its stored "
                              "values depend on how the tokens were grouped into steps")  # fmt: skip
-        if math.prod(self.mesh.values()) > 1:
-            raise ValueError(f"engine.batch_invariant runs on one device; engine.mesh="
-                             f"{self.mesh} splits the model (use engine.data_parallel for "
-                             "replicas)")  # fmt: skip
+        split = {axis: n for axis, n in self.mesh.items() if axis != "model" and n > 1}
+        if split:
+            raise ValueError(f"engine.batch_invariant splits the model over its \"model\" axis "
+                             f"only; engine.mesh={self.mesh} also splits {sorted(split)} (use "
+                             "engine.data_parallel for replicas)")  # fmt: skip
 
     def check_pages(self, num_pages: int, what: str) -> None:
         """Refuse a pool (`what`: where its `num_pages` came from) that cannot hold one request

@@ -69,13 +69,20 @@ def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
 
 def resolve_numerics(config: EngineConfig, device: jax.Device | None = None) -> Numerics:
     """The numerics of an engine's steps: batch-invariant with engine.batch_invariant, on the CPU
-    (XLA forms) or a GPU (plus the invariant GEMM kernel: docs/batch_invariance.md); on another
-    platform it raises, naming the key."""
+    (XLA forms, tensor parallelism included) or one GPU (plus the invariant GEMM kernel:
+    docs/batch_invariance.md); on another platform, or several GPUs of a model axis, it raises,
+    naming the key."""
     if not config.batch_invariant:
         return DEFAULT_NUMERICS
     platform = (device or jax.devices()[0]).platform
     if platform not in ("cpu", "gpu"):
         raise ValueError(f"engine.batch_invariant runs on a CPU or a GPU, not {platform}")
+    if platform == "gpu" and config.mesh.get("model", 1) > 1:
+        # (the invariant GEMM and attention kernels are Mosaic calls, which XLA's partitioner
+        # cannot split, and NCCL's all-reduce order depends on the message size)
+        raise ValueError(f"engine.batch_invariant on GPUs runs on one device: engine.mesh="
+                         f"{config.mesh} splits the model, and the invariant kernels do not run "
+                         "under tensor parallelism yet")  # fmt: skip
     return Numerics(batch_invariant=True, gpu=platform == "gpu")
 
 
