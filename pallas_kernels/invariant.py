@@ -11,7 +11,7 @@ bits. Two levers write the order into the program instead:
   Each add is one IEEE operation on one element, so no backend can reorder it. Zero padding is
   exact: padding to a larger power of two only adds `x + 0` at the tree's first levels, so the
   sum of a row with trailing zeros (masked keys, padding) is the sum without them.
-- `row_tiled`: a row-wise function applied to fixed tiles of `ROW_TILE` rows (`lax.map` over
+- `row_tiled`: a row-wise function applied to fixed tiles of `ROW_TILE` rows (a loop over
   [M / tile, tile, ...], M padded up), so every product the backend computes has one shape,
   whatever M. Measured on XLA CPU: a matmul over 8-row tiles gives each row bit for bit the
   same result for M in 1..256 and at any position within its tile. The function must be
@@ -57,16 +57,30 @@ def fixed_order_cumsum(x: jax.Array, axis: int = -1) -> jax.Array:
 
 
 def row_tiled(fn: Callable[..., jax.Array], *xs: jax.Array, tile: int = ROW_TILE) -> jax.Array:
-    """fn applied to tiles of `tile` rows of xs (arrays with one leading row axis M), as
-    `lax.map` over [ceil(M / tile), tile, ...] (the last tile zero-padded): every call of fn
-    sees one shape, so a row-wise fn gives each row the same bits whatever M. Returns fn's
-    output [M, ...]."""
+    """fn applied to tiles of `tile` rows of xs (arrays with one leading row axis M), one tile
+    per iteration of a loop over [ceil(M / tile), tile, ...] (the last tile zero-padded): every
+    call of fn sees one shape, so a row-wise fn gives each row the same bits whatever M. Returns
+    fn's output [M, ...].
+
+    The loop body must compile the same for every M, and XLA simplifies around a loop whose
+    shapes show it runs once: measured on XLA CPU, `fp8_block`'s product over a multi-axis
+    weight gave a row other bits for M <= 8 (one tile) than for M > 8. So the stacked tiles carry
+    one zero tile more than the loop reads (the tiles' axis is never of size 1), and the trip
+    count is hidden from XLA (an optimization barrier: the loop stays a loop)."""
     m = xs[0].shape[0]
     tiles = -(-m // tile)
 
-    def split(x):
-        x = jnp.pad(x, [(0, tiles * tile - m)] + [(0, 0)] * (x.ndim - 1))
-        return x.reshape(tiles, tile, *x.shape[1:])
+    def split(x):  # (one more zero tile than the loop reads: see the docstring)
+        x = jnp.pad(x, [(0, (tiles + 1) * tile - m)] + [(0, 0)] * (x.ndim - 1))
+        return x.reshape(tiles + 1, tile, *x.shape[1:])
 
-    out = lax.map(lambda args: fn(*args), tuple(split(x) for x in xs))
+    parts = tuple(split(x) for x in xs)
+    one = jax.eval_shape(fn, *(p[0] for p in parts))
+
+    def body(i, out):
+        y = fn(*(lax.dynamic_index_in_dim(p, i, keepdims=False) for p in parts))
+        return lax.dynamic_update_index_in_dim(out, y, i, 0)
+
+    out = jnp.zeros((tiles, *one.shape), one.dtype)
+    out = lax.fori_loop(0, lax.optimization_barrier(jnp.int32(tiles)), body, out)
     return out.reshape(tiles * tile, *out.shape[2:])[:m]

@@ -26,6 +26,7 @@ from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.request import SamplingParams
 from jaxinfer.kv.cache import init_kv_cache
 from jaxinfer.models.batch import build_ragged_batch
+from jaxinfer.models.config import MoeConfig
 from jaxinfer.models.dense import compute_logits, forward_paged
 from jaxinfer.models.layers import linear
 from jaxinfer.models.numerics import BATCH_INVARIANT, DEFAULT_NUMERICS, log_softmax, row_mean
@@ -78,11 +79,14 @@ def _rows_alone_and_within(fn, x, ms, rng, what):
 # ---- the parts ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", [None, "int8"])
-def test_invariant_matmul_gives_a_row_the_same_bits_in_any_batch(fresh_seed, fmt):
+# (fp8_block over a fused [K, 2, N] weight, like w_gate_up, once kept its bits only while the
+# batch had one 8-row tile: `row_tiled`'s docstring)
+@pytest.mark.parametrize("fmt,shape", [(None, (96, 40)), ("int8", (96, 40)),
+                                       ("fp8_block", (256, 2, 512))])  # fmt: skip
+def test_invariant_matmul_gives_a_row_the_same_bits_in_any_batch(fresh_seed, fmt, shape):
     rng = np.random.default_rng(fresh_seed)
-    k, n = 96, 40
-    w = jnp.asarray(rng.standard_normal((k, n)).astype(np.float32))
+    k = shape[0]
+    w = jnp.asarray(rng.standard_normal(shape).astype(np.float32))
     if fmt is not None:
         w = QuantizedWeight(WEIGHT_FORMATS[fmt].quantize(w, 1), WEIGHT_FORMATS[fmt])
     x = rng.standard_normal((1, k)).astype(np.float32)
@@ -438,6 +442,50 @@ def test_gpu_default_numerics_differ_on_the_same_comparison(gpu_model, gpu_base)
         top = dict(inv_top[0])
         assert tokens[0] in top, (tokens[0], top)
         np.testing.assert_allclose(top[tokens[0]], lps[0], atol=0.05)
+
+
+def check_large_batches(engine: Engine, seed: int, sizes=(16, 64)):
+    """Probes alone, then inside shuffled batches of `sizes` requests (random fillers): bit for
+    bit. `engine` must hold max(sizes) sequences."""
+    rng = np.random.default_rng(seed)
+    probes = _probes(rng)
+    alone = _alone(engine, probes)
+    for size in sizes:
+        requests, at = _batch(probes, _fillers(rng, size - len(probes)), rng)
+        outs, _ = _run(engine, requests)
+        for i, j in enumerate(at):
+            assert outs[j] == alone[i], f"probe {i} at {j} of a batch of {size}, seed {seed}"
+
+
+# 64 sequences of up to ~60 + 16 tokens (5 pages of 16 each) with room to spare
+GPU_WIDE = dict(page_size=16, num_pages=400, max_num_seqs=64, max_num_batched_tokens=256)
+
+
+@pytest.mark.gpu
+def test_gpu_batches_of_16_and_64_leave_logprobs_bitwise(gpu_model, fresh_seed):
+    check_large_batches(_engine(gpu_model, **GPU_WIDE), fresh_seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int8", "fp8_block", "nvfp4"])
+def test_gpu_weight_formats_leave_logprobs_bitwise(gpu_model, fmt, fresh_seed):
+    """Weight formats under the switch on the GPU: each product over fixed 8-row tiles (int8
+    dequantized by XLA, fp8_block on our block-scaled kernel, nvfp4 on the 4-bit kernel)."""
+    engine = _engine(gpu_model, quant={"weights": fmt}, **GPU_PAGES)
+    assert engine.model_config.has_formats, fmt
+    check_batches(engine, fresh_seed)
+
+
+@pytest.mark.gpu
+def test_gpu_moe_model_leaves_logprobs_bitwise(fresh_seed):
+    """A bf16 MoE model on the GPU (its experts in the tiled XLA form, the router's product and
+    softmax invariant): batches of 2, 5 and 8 with preemption, bit for bit."""
+    cfg = preset("tiny-moe", hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
+                 moe=MoeConfig(num_experts=8, experts_per_token=2, expert_size=128),
+                 dtype="bfloat16", param_dtype="bfloat16")  # fmt: skip
+    engine = _engine((cfg, _random_params(cfg, 0)), **GPU_PAGES)
+    assert engine.runner.numerics.gpu, "the engine did not resolve GPU numerics"
+    check_batches(engine, fresh_seed)
 
 
 # ---- the switch --------------------------------------------------------------------------------
