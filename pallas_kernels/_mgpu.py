@@ -1,6 +1,6 @@
-"""Building blocks the Mosaic GPU kernels share: swizzled shared-memory buffers, a wgmma dot, the
-launch and output store of a split-K GEMM, and the warp-specialised persistent GEMM loop
-(`ws_gemm`) that the block-scaled FP8 and the batch-invariant GEMMs run."""
+"""Building blocks the Mosaic GPU kernels share: swizzled shared-memory buffers, a wgmma dot, and
+the warp-specialised persistent GEMM (`ws_gemm`, its launch `ws_launch` and tile store
+`store_tile`) that the block-scaled FP8 and the batch-invariant GEMMs run."""
 
 from __future__ import annotations
 
