@@ -5,7 +5,8 @@ correctness run (`experiments/results/h200/gpu_tests_<name>.json`).
 
 Everything after `--` goes to pytest (`-m gpu -q` and a JUnit report are added). The file holds
 each test's outcome and seconds, pytest's summary line and exit code; it is written even when
-tests fail (the exit code is pytest's).
+tests fail (the exit code is pytest's) or `--timeout-s` interrupts them (then with the tests
+finished by then). pytest's output streams through as it runs.
 
 The whole GPU suite runs longer than one device call may (10 minutes), so it runs in shards,
 each shard in its own device call:
@@ -29,9 +30,11 @@ import argparse
 import json
 import math
 import re
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -49,6 +52,8 @@ def parse_junit(path: Path) -> list[dict]:
         for tag in ("failure", "error", "skipped"):
             if case.find(tag) is not None:
                 outcome = {"failure": "failed"}.get(tag, tag)
+        if not case.get("name"):  # the test an interrupt (--timeout-s) cut short
+            continue
         name = f"{case.get('classname', '')}::{case.get('name', '')}"
         rows.append({"test": name, "outcome": outcome, "seconds": float(case.get("time", 0))})
     return rows
@@ -100,6 +105,37 @@ def split(node_ids: list[str], n: int) -> list[list[str]]:
     return [sorted(s) for s in shards]
 
 
+def run_streaming(cmd: list[str], timeout_s: float | None) -> tuple[int, str, bool]:
+    """Runs `cmd`, echoing its output (stdout and stderr merged) as it comes, so a device call
+    cut short still shows how far it got. Past `timeout_s` pytest gets SIGINT: it stops, writes
+    its JUnit report of the tests finished and its summary; a minute later it is killed.
+    Returns (exit code, the output, whether it timed out)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, bufsize=1)  # fmt: skip
+    out: list[str] = []
+
+    def pump():
+        for line in proc.stdout:
+            out.append(line)
+            print(line, end="", flush=True)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    timed_out = False
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    reader.join(timeout=10)
+    return proc.returncode, "".join(out), timed_out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ours, pytest_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv \
@@ -108,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--shard", type=parse_shard, metavar="I/N",
                     help="run shard I (1-based) of N of the collected GPU tests")  # fmt: skip
+    ap.add_argument("--timeout-s", type=float, default=None,
+                    help="interrupt pytest (SIGINT) after this many seconds: the tests finished "
+                         "by then are still recorded, with timed_out true")  # fmt: skip
     args = ap.parse_args(ours)
     sharding = {}
     with tempfile.TemporaryDirectory() as tmp_dir:
@@ -128,25 +167,25 @@ def main(argv: list[str] | None = None) -> int:
             sharding = {"shard": f"{i}/{n}", "shard_tests": shard, "collected": collected}
         cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", f"--junitxml={junit}",
                *pytest_args]  # fmt: skip
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        returncode, stdout, timed_out = run_streaming(cmd, args.timeout_s)
         tests = parse_junit(junit) if junit.exists() else []
         # the command less its temporary files: the JUnit report, a shard's list (`shard_tests`)
         shown = [{f"--only-tests={tmp / 'shard_tests.txt'}": "--only-tests=<shard_tests>"}.get(a, a)
                  for a in cmd if a != f"--junitxml={junit}"]  # fmt: skip
-    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    lines = [line for line in stdout.splitlines() if line.strip()]
     result = {
         **provenance([sys.executable, *sys.argv] if argv is sys.argv[1:] else argv),
         "pytest_command": shown,
-        "pytest_rc": proc.returncode,
+        "pytest_rc": returncode,
+        "timed_out": timed_out,
         "summary": lines[-1] if lines else "",
         **sharding,
         "tests": tests,
-        "failures": (proc.stdout + proc.stderr)[-6000:] if proc.returncode else "",
+        "failures": stdout[-6000:] if returncode else "",
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(result["summary"])
-    return proc.returncode
+    return returncode
 
 
 if __name__ == "__main__":

@@ -56,16 +56,26 @@ def fixed_order_cumsum(x: jax.Array, axis: int = -1) -> jax.Array:
     return lax.associative_scan(jnp.add, x, axis=axis % x.ndim)
 
 
+def opaque_count(n: int) -> jax.Array:
+    """The loop bound `n` as a value XLA cannot see through (an optimization barrier): a loop to
+    it stays a loop of one compiled body. With a known trip count XLA:GPU inlines a loop of one
+    iteration (then simplifies the slicing of the padded rows, so the product's shape follows
+    M) and may unroll a short one (then merges its products over one weight into one dot of all
+    the rows): either way a row's bits followed the batch (measured on the H200)."""
+    return lax.optimization_barrier(jnp.int32(n))
+
+
 def row_tiled(fn: Callable[..., jax.Array], *xs: jax.Array, tile: int = ROW_TILE) -> jax.Array:
     """fn applied to tiles of `tile` rows of xs (arrays with one leading row axis M), one tile
     per iteration of a loop over [ceil(M / tile), tile, ...] (the last tile zero-padded): every
     call of fn sees one shape, so a row-wise fn gives each row the same bits whatever M. Returns
     fn's output [M, ...].
 
-    The loop body must compile the same for every M, and XLA simplifies the slicing of a tiles'
-    axis of size 1: measured on XLA CPU, `fp8_block`'s product over a multi-axis weight gave a
-    row other bits for M <= 8 (one tile) than for M > 8. So the stacked tiles carry one zero
-    tile more than the loop reads: that axis is never of size 1."""
+    The loop body must compile the same for every M: its trip count is opaque to XLA
+    (`opaque_count`), and the stacked tiles carry one zero tile more than the loop reads, so
+    their tiles' axis is never of size 1 (XLA simplifies the slicing of such an axis: on XLA
+    CPU, `fp8_block`'s product over a multi-axis weight gave a row other bits for M <= 8 than
+    for M > 8)."""
     m = xs[0].shape[0]
     tiles = -(-m // tile)
 
@@ -81,5 +91,5 @@ def row_tiled(fn: Callable[..., jax.Array], *xs: jax.Array, tile: int = ROW_TILE
         return lax.dynamic_update_index_in_dim(out, y, i, 0)
 
     out = jnp.zeros((tiles, *one.shape), one.dtype)
-    out = lax.fori_loop(0, tiles, body, out)
+    out = lax.fori_loop(0, opaque_count(tiles), body, out)
     return out.reshape(tiles * tile, *out.shape[2:])[:m]

@@ -5,6 +5,7 @@ its shards are disjoint, cover the collection, and do not depend on the order it
 from __future__ import annotations
 
 import json
+import sys
 
 import experiment_scripts
 import numpy as np
@@ -79,3 +80,13 @@ def test_a_shard_runs_when_no_test_path_is_given(rgt, tmp_path, monkeypatch):
     assert rc == 0, result["failures"]
     ran = [t["test"].replace(".", "/", 1).replace("::", ".py::", 1) for t in result["tests"]]
     assert ran == result["shard_tests"] == rgt.split(ids, 2)[0]
+
+
+def test_a_run_past_its_timeout_is_interrupted_and_reported(rgt):
+    """A child that never ends on its own (a sleeping test, here a sleeping Python) is
+    interrupted at the timeout: timed out, a failing exit code, whatever it printed kept."""
+    cmd = [sys.executable, "-c", "print('started', flush=True); import time; time.sleep(600)"]
+    returncode, out, timed_out = rgt.run_streaming(cmd, timeout_s=1.0)
+    assert timed_out and returncode != 0, (returncode, out)
+    returncode, out, timed_out = rgt.run_streaming([sys.executable, "-c", "print('done')"], 600)
+    assert (returncode, out, timed_out) == (0, "done\n", False)

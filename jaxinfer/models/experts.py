@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.invariant import ROW_TILE
+from pallas_kernels.invariant import ROW_TILE, opaque_count
 from pallas_kernels.moe.grouped_mgpu import grouped_matmul_mgpu
 from pallas_kernels.moe.reference import grouped_matmul_ref
 
@@ -109,7 +109,12 @@ def invariant_routed_experts(h: jax.Array, weights: jax.Array, experts: jax.Arra
         down = w_down[i].astype(rows.dtype)
         return jnp.dot(act, down, preferred_element_type=jnp.float32).astype(rows.dtype)
 
-    ys = lax.map(swiglu, (xs.reshape(num_tiles, tile, e), tile_expert)).reshape(-1, e)
+    def body(i, ys):  # a loop of one compiled body whatever the tiles (see `opaque_count`)
+        rows = lax.dynamic_index_in_dim(xs_tiles, i, keepdims=False)
+        return lax.dynamic_update_index_in_dim(ys, swiglu((rows, tile_expert[i])), i, 0)
+
+    xs_tiles = xs.reshape(num_tiles, tile, e)
+    ys = lax.fori_loop(0, opaque_count(num_tiles), body, jnp.zeros_like(xs_tiles)).reshape(-1, e)
     y = unsort(ys[jnp.minimum(slot, num_tiles * tile - 1)], order).reshape(t, k, e)
     out = weights[:, 0, None] * y[:, 0].astype(jnp.float32)
     for j in range(1, k):  # a fixed order, elementwise
