@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 
 import jax
@@ -17,6 +19,7 @@ from jaxinfer.kv.cache import KVCache, init_kv_cache, kv_page_bytes, write_kv
 from jaxinfer.models.presets import preset
 from pallas_kernels.paged_attention.fp8 import (
     E4M3_MAX,
+    INVARIANT_SCALE,
     dequantize_pages,
     quantize_pages,
     quantize_pages_write,
@@ -281,3 +284,36 @@ def test_engine_with_fp8_cache_generates_nearly_the_same_greedy_tokens():
         [np.equal(a.token_ids, b.token_ids).mean() for a, b in zip(base, got, strict=True)]
     )
     assert same > 0.6, same
+
+
+def test_a_fixed_scale_stores_the_same_bits_however_the_writes_are_grouped(fresh_seed):
+    """Batch-invariant numerics write FP8 pages at one fixed scale: a page filled by one write
+    and by writes of 1, 2, 3, ... tokens holds the same bits (each value rounded once, alone),
+    each the value rounded to e4m3 at that scale. The control: the growing per-page scale gives
+    other bits for the same grouping (its later, larger tokens requantize the earlier ones)."""
+    rng = np.random.default_rng(fresh_seed)
+    ps, hkv, d = 16, 2, 32
+    new = (
+        rng.standard_normal((ps, hkv, d)).astype(np.float32)
+        * np.geomspace(0.1, 50, ps)[:, None, None]
+    )  # amax grows along the page
+    page, offset = np.full(ps, 3, np.int32), np.arange(ps, dtype=np.int32)
+    cuts = np.cumsum(np.arange(1, ps))  # writes of 1, 2, 3, ... tokens
+    cuts = [0, *cuts[cuts < ps].tolist(), ps]
+
+    def fill(groups, **kw):
+        pages, scales = empty_pool(5, ps, hkv, d)
+        write = jax.jit(functools.partial(quantize_pages_write, **kw))
+        for a, b in itertools.pairwise(groups):
+            pages, scales = write(pages, scales, jnp.asarray(new[a:b]), page[a:b], offset[a:b])
+        return np.asarray(pages.view(jnp.uint8)), np.asarray(scales)
+
+    once, s_once = fill([0, ps], fixed_scale=INVARIANT_SCALE)
+    split, s_split = fill(cuts, fixed_scale=INVARIANT_SCALE)
+    assert np.array_equal(once, split) and np.array_equal(s_once, s_split), f"seed {fresh_seed}"
+    want = np.asarray(jnp.clip(new, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn).view(jnp.uint8))
+    assert np.array_equal(once[3], want), f"seed {fresh_seed}"
+    assert (s_once[3] == INVARIANT_SCALE).all() and (s_once[[0, 1, 2, 4]] == 0).all()
+    grown, _ = fill([0, ps])
+    grown_split, _ = fill(cuts)
+    assert not np.array_equal(grown, grown_split), f"the control kept its bits, seed {fresh_seed}"

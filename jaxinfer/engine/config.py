@@ -358,16 +358,13 @@ class EngineConfig:
 
     def _check_invariant(self) -> None:
         """The settings batch-invariant numerics have forms for (tensor parallelism but no other
-        mesh axis; the cuDNN attention and the Pallas grouped matmul have none)."""
+        mesh axis; the cuDNN attention and the Pallas grouped matmul have none). FP8 pages are
+        written at one fixed scale under it (`paged_attention.fp8.INVARIANT_SCALE`)."""
         for key, value, bad in (("attention_backend", self.attention_backend, ("cudnn",)),
                                 ("moe_backend", self.moe_backend, ("pallas",))):  # fmt: skip
             if value in bad:
                 raise ValueError(f"engine.batch_invariant cannot run engine.{key}={value!r}: "
                                  f"that kernel has no invariant form")  # fmt: skip
-        if self.kv_dtype == "float8_e4m3fn":
-            raise ValueError(f"engine.batch_invariant cannot use engine.kv_dtype={self.kv_dtype}: "
-                             "an FP8 page's scale grows as tokens are written, so its stored "
-                             "values depend on how the tokens were grouped into steps")  # fmt: skip
         split = {axis: n for axis, n in self.mesh.items() if axis != "model" and n > 1}
         if split:
             raise ValueError(f"engine.batch_invariant splits the model over its \"model\" axis "

@@ -9,6 +9,7 @@ Invariants a caller must keep (the host block manager does):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -187,19 +188,23 @@ def write_kv(
     v: jax.Array,
     page: jax.Array,
     offset: jax.Array,
+    *,
+    fixed_scale: float | None = None,
 ) -> KVCache:
     """Scatter new K/V [T, Hkv, D] of layer `layer` into their slots (in place when donated): one
     scatter of [T, 2, Hkv, D].
 
-    FP8 pages are quantized on write (and touched pages requantized when their scale grows); that
-    path writes K and V as separate half-pages (two scatters).
+    FP8 pages are quantized on write (and touched pages requantized when their scale grows, or
+    with `fixed_scale` every value at that one scale: batch-invariant numerics); that path
+    writes K and V as separate half-pages (two scatters).
     """
     if kv.is_quantized:
         num_layers, num_pages, _, page_size, hkv, d = kv.pages.shape
         halves = kv.pages.reshape(num_layers, num_pages * 2, page_size, hkv, d)
         scales = kv.scales.reshape(num_layers, num_pages * 2, hkv)
-        halves, scales = quantize_pages_write(halves, scales, k, 2 * page, offset, layer=layer)
-        halves, scales = quantize_pages_write(halves, scales, v, 2 * page + 1, offset, layer=layer)
+        write = functools.partial(quantize_pages_write, layer=layer, fixed_scale=fixed_scale)
+        halves, scales = write(halves, scales, k, 2 * page, offset)
+        halves, scales = write(halves, scales, v, 2 * page + 1, offset)
         return KVCache(halves.reshape(kv.pages.shape), scales.reshape(kv.scales.shape))
     new = jnp.stack([k, v], axis=1).astype(kv.pages.dtype)  # [T, 2, Hkv, D]
     return KVCache(kv.pages.at[layer, page, :, offset].set(new), None)

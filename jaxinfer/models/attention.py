@@ -24,6 +24,7 @@ from pallas_kernels.paged_attention import (
     paged_attention,
     resolve_backend,
 )
+from pallas_kernels.paged_attention.fp8 import INVARIANT_SCALE
 from pallas_kernels.paged_attention.mosaic_gpu import KernelOptions, fused_kv_write_reason
 
 ATTENTION_BACKENDS = BACKENDS
@@ -158,7 +159,8 @@ def _attend(q, k, v, kv, layer, batch, page, offset, sliding_window, attention, 
         is None
     )
     if not fused:
-        kv = write_kv(kv, layer, k, v, page, offset)
+        fixed = INVARIANT_SCALE if numerics.batch_invariant else None  # (FP8 pages: fp8.py)
+        kv = write_kv(kv, layer, k, v, page, offset, fixed_scale=fixed)
     pool, pool_scales = kv.pool()
     inputs = PagedAttentionInputs(
         q,

@@ -12,6 +12,12 @@ rounding each time the scale grows; it grows at most page_size times per page).
 A write at offset 0 starts the page afresh: the page's previous content (a freed page's former
 owner, or positions past this sequence's new length) is dead, so its old scale is dropped. This
 relies on the cache invariant that a step's new tokens are the last positions of their sequence.
+
+A growing scale makes a page's stored values depend on how its tokens were grouped into writes
+(a chunk's amax sets the scale its tokens round to). Batch-invariant numerics instead write with
+one fixed scale (`fixed_scale`, `INVARIANT_SCALE`): each value is rounded alone, once, whatever
+the grouping. 1.0 is vLLM's scale for FP8 KV caches without calibration (docs.vllm.ai,
+"Quantized KV Cache"): values beyond +-448 clip, and below 2^-6 lose precision.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from jax import lax
 FP8_DTYPE = jnp.float8_e4m3fn
 E4M3_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448: largest finite e4m3fn value
 _MIN_SCALE = float(jnp.finfo(jnp.float32).tiny)  # keeps nonzero scales normal (no x/denormal)
+INVARIANT_SCALE = 1.0  # every page's scale under batch-invariant numerics (module docstring)
 
 
 def _to_e4m3(x: jax.Array) -> jax.Array:
@@ -59,8 +66,11 @@ def quantize_pages_write(
     offset: jax.Array,
     *,
     layer: int | jax.Array | None = None,
+    fixed_scale: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Write new tokens [T, Hkv, D] at (page[t], offset[t]); returns the updated (pages, scales).
+    With `fixed_scale` every value is written at that scale (and every touched page's scale is
+    it): no page is requantized, so the stored bits do not depend on the grouping of writes.
 
     Without `layer`, `pages` is one pool [P, ps, Hkv, D] with `scales` [P, Hkv]; with it (may be
     traced), stacked pools [L, P, ps, Hkv, D] with scales [L, P, Hkv] and only layer `layer` is
@@ -69,6 +79,10 @@ def quantize_pages_write(
     once per page and gathered per token, so duplicate scatters write identical values.
     """
     lead = () if layer is None else (layer,)
+    if fixed_scale is not None:
+        s = jnp.float32(fixed_scale)
+        pages = pages.at[(*lead, page, offset)].set(_to_e4m3(new.astype(jnp.float32) / s))
+        return pages, scales.at[(*lead, page)].set(s)
     num_pages = pages.shape[len(lead)]
     old_scales = scales[lead] if lead else scales  # [P, Hkv]: small, sliced freely
     new = new.astype(jnp.float32)
