@@ -184,7 +184,8 @@ def ws_gemm(plan: WsPlan, *, full, free, issue: Callable, step: Callable, finish
     pl.when(wg == CONSUMERS)(producer)
 
 
-def ws_launch(body, plan: WsPlan, *, m_pad: int, n: int, out_dtype, scratch, interpret: bool):
+def ws_launch(body, plan: WsPlan, *, m_pad: int, n: int, out_dtype, scratch, interpret: bool,
+              compiler_params=None):  # fmt: skip
     """`plgpu.kernel` of a `ws_gemm` body over `plan.programs` programs (axis "p") of CONSUMERS + 1
     warpgroups (axis "wg"): one output [m_pad, n] of `out_dtype`, or with split-K fp32 partials
     [k_splits, m_pad, n] (one per split); under the GPU interpreter when `interpret`."""
@@ -193,6 +194,8 @@ def ws_launch(body, plan: WsPlan, *, m_pad: int, n: int, out_dtype, scratch, int
     kwargs = dict(out_type=(jax.ShapeDtypeStruct(out_shape, out_dtype),), scratch_types=scratch,
                   grid=(plan.programs,), grid_names=("p",), num_threads=CONSUMERS + 1,
                   thread_name="wg")  # fmt: skip
+    if compiler_params is not None:
+        kwargs["compiler_params"] = compiler_params
     if interpret:
         kwargs["interpret"] = _compat.gpu_interpret_params()
     return plgpu.kernel(body, **kwargs)

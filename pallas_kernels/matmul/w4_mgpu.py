@@ -9,33 +9,31 @@ How the work is cut
 -------------------
 - wgmma takes a register operand only as A (its M side, 64 rows), and the decoded weights must be
   that operand (they are made in registers; a shared-memory round trip is what the fp8 paged
-  attention showed to be slow). So the kernel computes y^T [N, M] = W^T [N, K] @ x^T [K, M]: a
-  program owns 64 outputs (wgmma's M) and every token of the batch (wgmma's N: M padded to a
-  multiple of 8, at most 256).
+  attention showed to be slow). So the kernel computes y^T [N, M] = W^T [N, K] @ x^T [K, M]: an
+  output tile is 128 outputs (each of two consumer warpgroups owns 64, wgmma's M) and every
+  token of the batch (wgmma's N: M padded to a multiple of 8, at most `MAX_M`).
 - Byte i of a column holds inputs 2i and 2i+1. Rather than interleave the two nibbles in
   registers, the K contraction is split into even and odd inputs: y^T = W_even^T x_even^T +
   W_odd^T x_odd^T, the low nibbles forming W_even and the high nibbles W_odd. The dispatcher
   splits x into x_even and x_odd ([M_pad, K/2] each; x is small), so both products are plain
   wgmmas over K/2 with x as the shared-memory B operand (loaded [M_pad, 64], K-major, and used
-  transposed).
-- A step covers 128 inputs: a [64 packed rows, 64 outputs] uint8 tile of the weights, each
-  grouped part's [128 / group, 64] tile, and the x_even / x_odd tiles [M_pad, 64], all copied by
-  TMA onto one barrier per stage, `num_stages` stages deep (one warpgroup issues and consumes:
-  the copies of step i + num_stages start once step i is done: its wgmmas, collective over the
-  warpgroup, were waited for, and every warp read the slot's weight tile before them). The uint8 tile is loaded from its
-  transposed view (outputs as rows) in `WGMMA_TRANSPOSED` layout, widened to int32, relaid to the
-  WGMMA layout, decoded with the per-group rows broadcast along the row (a select per group
-  boundary in the tile: 7 for nvfp4's 16-input groups), cast to bf16 and fed to wgmma with fp32
-  accumulation. A scale whose group is the whole step (int4_g128's) multiplies the step's
-  [64, M_pad] product instead, row by row: M_pad / 2 multiplies a thread, not 32 per code.
-- Grid (N / 64, splits): the K loop is cut into `splits` parts (split-K) so that narrow weights
-  still fill the SMs; each part writes fp32 [64, M_pad] partial sums and a small XLA epilogue adds
-  the parts, transposes to [M, N], applies an output scale (nvfp4) and casts to x's dtype.
+  transposed), shared by the two consumers.
+- The loop is `_mgpu.ws_gemm`, the FP8 GEMM's: a producer warpgroup issues each step's TMA copies
+  (128 inputs: x_even / x_odd [M_pad, 64], and per consumer its [64 packed rows, 64 outputs]
+  uint8 tile and each grouped part's [128 / group, 64] tile) into a `num_stages`-deep ring; the
+  consumers decode and multiply while it fills the next stages, and persistent programs (one per
+  SM) take the tiles in turn. A consumer loads its uint8 tile from the transposed view (outputs
+  as rows) in `WGMMA_TRANSPOSED` layout, widens it to int32, relays it to the WGMMA layout,
+  decodes it with the per-group rows broadcast along the row (a select per group boundary in the
+  tile: 7 for nvfp4's 16-input groups), casts to bf16 and feeds wgmma with fp32 accumulation. A
+  scale whose group is the whole step (int4_g128's) multiplies the step's [64, M_pad] product
+  instead, row by row: M_pad / 2 multiplies a thread, not 32 per code.
+- Split-K S (`default_num_splits`): the K loop is cut into S ranges so that narrow weights still
+  fill the SMs; each range writes fp32 [64, M_pad] partials and a small XLA epilogue adds them,
+  transposes to [M, N], applies an output scale (nvfp4) and casts to x's dtype.
 
-Not yet done (next steps, measured on the H200 first): warp specialisation (a producer warpgroup),
-two consumer warpgroups (128 outputs a program), TMA multicast of x across a cluster, a persistent
-grid, per-group sub-tiles instead of selects for nvfp4, and checking the single-warpgroup refill
-ordering on the device (the interpreter runs the pipeline sequentially).
+Not yet done: the x split and the epilogue inside the kernel, TMA multicast of x across a
+cluster, per-group sub-tiles instead of selects for nvfp4.
 
 On CPU the kernel runs under jax's GPU interpreter (`interpret=True`); its wgmma is a plain dot
 and register layouts are not modelled there (`_mgpu.wgmma_dot`).
@@ -52,15 +50,26 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _compat
-from pallas_kernels._mgpu import ROWS, swizzled_smem, wgmma_dot
+from pallas_kernels._mgpu import (
+    CONSUMERS,
+    ROWS,
+    WsPlan,
+    store_tile,
+    swizzled_smem,
+    wgmma_dot,
+    ws_gemm,
+    ws_launch,
+)
 from pallas_kernels.matmul.reference import FORMATS, PARTS
 from pallas_kernels.matmul.w4_decode import DECODERS, W4Decode
 
-TILE_N = ROWS  # outputs per program: wgmma's M
+TILE_N = CONSUMERS * ROWS  # outputs per tile: 64 (wgmma's M) per consumer
 TILE_K = 128  # inputs per pipeline step; every format's group size divides it
 PACKED_K = TILE_K // 2  # packed rows (bytes of a column) per step
-MAX_M = 256  # wgmma's largest N
-SMEM_BUDGET = 160 * 1024  # bytes of pipeline buffers a program may take
+MAX_M = 128  # tokens: with two consumers' fp32 output stages, 256 would leave one stage
+SMEM_BYTES = 200 * 1024  # the stages are cut to fit this much shared memory (227 KiB on Hopper)
+MAX_STAGES = 4
+FILL_STEPS = 2  # what a tile costs beyond its steps (the ring's fill, the store), in steps
 
 
 def padded_m(m: int) -> int:
@@ -69,19 +78,21 @@ def padded_m(m: int) -> int:
 
 
 def default_num_stages(m_pad: int, decoder: W4Decode, steps: int) -> int:
-    """As many stages (2..4) as fit `SMEM_BUDGET`, never more than the steps."""
-    per_stage = 2 * m_pad * PACKED_K * 2 + PACKED_K * TILE_N
+    """As many stages (up to `MAX_STAGES`, never more than the steps) as fit `SMEM_BYTES` next
+    to the consumers' fp32 output stages."""
+    per_stage = 2 * m_pad * PACKED_K * 2 + PACKED_K * TILE_N  # x_even, x_odd; packed weights
     per_stage += sum(TILE_K // decoder.group * TILE_N * jnp.dtype(dt).itemsize
                      for _, dt in decoder.grouped)  # fmt: skip
-    return max(1, min(steps, max(2, min(4, SMEM_BUDGET // per_stage))))
+    out = CONSUMERS * ROWS * m_pad * 4
+    return max(1, min(steps, MAX_STAGES, (SMEM_BYTES - out) // per_stage))
 
 
 def default_num_splits(n_tiles: int, steps: int, sms: int) -> int:
-    """The fewest split-K parts (a divisor of the steps) that give about two programs per SM."""
-    for s in range(1, steps + 1):
-        if steps % s == 0 and n_tiles * s >= 2 * sms:
-            return s
-    return steps
+    """The split-K factor S (a divisor of the steps) with the shortest critical path in steps:
+    ceil(n_tiles * S / sms) rounds of persistent programs, each tile steps / S + `FILL_STEPS`
+    long (the fewest S on a tie: fewer fp32 partials to write and add)."""
+    divisors = [s for s in range(1, steps + 1) if steps % s == 0]
+    return min(divisors, key=lambda s: (-(-n_tiles * s // sms) * (steps // s + FILL_STEPS), s))
 
 
 def w4_matmul_mgpu(
@@ -91,14 +102,16 @@ def w4_matmul_mgpu(
     fmt: str,
     num_stages: int | None = None,
     num_splits: int | None = None,
+    num_programs: int | None = None,
     interpret: bool | None = None,
     device: jax.Device | None = None,
     **parts: jax.Array,
 ) -> jax.Array:
     """x [M, K] bf16 @ the 4-bit weight (`values` uint8 [K/2, N] and the format's `parts`, named
     as in `reference.PARTS`) -> [M, N] in x's dtype. Static tuning: `num_stages` (pipeline depth),
-    `num_splits` (split-K parts, a divisor of K / 128); defaults from `default_num_stages` /
-    `default_num_splits`. `interpret` runs the GPU interpreter (default: when `device`, None for
+    `num_splits` (split-K parts, a divisor of K / 128), `num_programs` (persistent programs,
+    never more than the tiles); defaults from `default_num_stages` / `default_num_splits` /
+    `device`'s SMs. `interpret` runs the GPU interpreter (default: when `device`, None for
     `jax.devices()[0]`, is not a GPU)."""
     check_inputs(x, values, fmt, parts)
     dec = DECODERS[fmt]
@@ -107,20 +120,24 @@ def w4_matmul_mgpu(
     steps = k // TILE_K
     m_pad = padded_m(m)
     stages = default_num_stages(m_pad, dec, steps) if num_stages is None else int(num_stages)
+    sms = _compat.num_sms(device)
     if num_splits is None:
-        num_splits = default_num_splits(n // TILE_N, steps, _compat.num_sms(device))
+        num_splits = default_num_splits(n // TILE_N, steps, sms)
     num_splits = int(num_splits)
     if num_splits < 1 or steps % num_splits:
         raise ValueError(f"num_splits must divide K / {TILE_K} = {steps}, got {num_splits}")
     if stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {stages}")
     interpret = _compat.default_interpret(device) if interpret is None else bool(interpret)
-    kernel = _build_kernel(m_pad=m_pad, k=k, n=n, fmt=fmt, num_stages=stages,
-                           num_splits=num_splits, interpret=interpret)  # fmt: skip
+    tiles = n // TILE_N * num_splits
+    plan = WsPlan(mt=n // TILE_N, nt=1, k_splits=num_splits, steps=steps // num_splits,
+                  num_stages=min(stages, steps // num_splits),
+                  programs=min(tiles, int(num_programs or sms)))  # fmt: skip
+    kernel = _build_kernel(plan, m_pad=m_pad, n=n, fmt=fmt, interpret=interpret)
     xp = jnp.pad(x.astype(jnp.bfloat16), ((0, m_pad - m), (0, 0)))
     grouped = [parts[name] for name, _ in dec.grouped]
-    (out,) = kernel(xp[:, 0::2], xp[:, 1::2], values, *grouped)  # [splits, N, M_pad] fp32
-    y = jnp.sum(out, axis=0)[:, :m].T
+    (out,) = kernel(xp[:, 0::2], xp[:, 1::2], values, *grouped)  # fp32 [N, M_pad] or [S, N, M_pad]
+    y = (out if num_splits == 1 else jnp.sum(out, axis=0))[:, :m].T
     if dec.output_scale is not None:
         y = y * jnp.asarray(parts[dec.output_scale], jnp.float32)
     return y.astype(x.dtype)
@@ -182,10 +199,11 @@ def _row(dec: W4Decode, name: str, src, shape, interpret: bool) -> jax.Array:
     return lax.broadcast_in_dim(dec.to_f32(name, raw), shape, [0])
 
 
-def _group_rows(dec: W4Decode, p_refs, slot, interpret: bool) -> dict:
-    """Each grouped part of the step (but the step scale) as fp32 [64 outputs, 64 packed rows]:
-    packed column j (inputs 2j and 2j + 1 of the step) takes its group's entry, (2j) // group."""
-    shape = (TILE_N, PACKED_K)
+def _group_rows(dec: W4Decode, p_refs, interpret: bool) -> dict:
+    """Each grouped part of the step (but the step scale) as fp32 [64 outputs, 64 packed rows],
+    from its [groups, 64] tile: packed column j (inputs 2j and 2j + 1 of the step) takes its
+    group's entry, (2j) // group."""
+    shape = (ROWS, PACKED_K)
     cols = dec.group // 2  # packed columns per group
     col = None
     if cols < PACKED_K:
@@ -196,87 +214,70 @@ def _group_rows(dec: W4Decode, p_refs, slot, interpret: bool) -> dict:
             continue
         full = None
         for g in range(PACKED_K // cols):
-            b = _row(dec, name, ref.at[slot, g], shape, interpret)
+            b = _row(dec, name, ref.at[g], shape, interpret)
             full = b if full is None else jnp.where(col >= g * cols, b, full)
         rows[name] = full
     return rows
 
 
 @functools.cache
-def _build_kernel(*, m_pad: int, k: int, n: int, fmt: str, num_stages: int, num_splits: int,
-                  interpret: bool):  # fmt: skip
+def _build_kernel(plan: WsPlan, *, m_pad: int, n: int, fmt: str, interpret: bool):
     dec = DECODERS[fmt]
     n_parts = len(dec.grouped)
-    per = k // TILE_K // num_splits  # steps of one program
     groups = TILE_K // dec.group  # group entries per step
+    split = plan.k_splits > 1
+    names = [name for name, _ in dec.grouped]
 
     def body(xe, xo, vals, *refs):
-        p_gmem, (out,) = refs[:n_parts], refs[n_parts : n_parts + 1]
+        p_gmem, out = refs[:n_parts], refs[n_parts]
         xe_s, xo_s, v_s, *rest = refs[n_parts + 1 :]
-        p_s, (o_s, bar) = rest[:n_parts], rest[n_parts:]
-        n0 = pl.multiple_of(lax.axis_index("n") * TILE_N, TILE_N)
-        split = lax.axis_index("split")
-        step0 = split * per
+        p_s, (o_s, full, free) = rest[:n_parts], rest[n_parts:]
 
-        def issue(i, slot):
-            kk = step0 + i
+        def issue(t, i, slot):  # step i of tile t: x_even, x_odd, each consumer's weight tiles
+            kk = t.b0 + i
             cols = pl.ds(pl.multiple_of(kk * PACKED_K, PACKED_K), PACKED_K)
-            plgpu.copy_gmem_to_smem(xe.at[:, cols], xe_s.at[slot], bar.at[slot])
-            plgpu.copy_gmem_to_smem(xo.at[:, cols], xo_s.at[slot], bar.at[slot])
-            plgpu.copy_gmem_to_smem(vals.at[cols, pl.ds(n0, TILE_N)], v_s.at[slot],
-                                    bar.at[slot])  # fmt: skip
-            for src, dst in zip(p_gmem, p_s, strict=True):
-                plgpu.copy_gmem_to_smem(src.at[pl.ds(kk * groups, groups), pl.ds(n0, TILE_N)],
-                                        dst.at[slot], bar.at[slot])  # fmt: skip
+            bar = full.at[slot]
+            plgpu.copy_gmem_to_smem(xe.at[:, cols], xe_s.at[slot], bar)
+            plgpu.copy_gmem_to_smem(xo.at[:, cols], xo_s.at[slot], bar)
+            for c in range(CONSUMERS):
+                outs = pl.ds(pl.multiple_of(t.m_blk * TILE_N + c * ROWS, ROWS), ROWS)
+                plgpu.copy_gmem_to_smem(vals.at[cols, outs], v_s.at[slot, c], bar)
+                for src, dst in zip(p_gmem, p_s, strict=True):
+                    plgpu.copy_gmem_to_smem(src.at[pl.ds(kk * groups, groups), outs],
+                                            dst.at[slot, c], bar)  # fmt: skip
 
-        for st in range(min(num_stages, per)):  # the pipeline's prologue
-            issue(st, st)
-
-        def step(i, acc):
-            slot = lax.rem(i, jnp.int32(num_stages))
-            plgpu.barrier_wait(bar.at[slot])
-            codes = _load_codes(v_s.at[slot], interpret)
-            rows = _group_rows(dec, p_s, slot, interpret)
+        def step(c, slot, acc):  # consumer c's 64 outputs x every token, one K step
+            codes = _load_codes(v_s.at[slot, c], interpret)
+            p_refs = [ref.at[slot, c] for ref in p_s]
+            rows = _group_rows(dec, p_refs, interpret)
             lo = dec.value(codes & 0xF, rows).astype(jnp.bfloat16)  # W_even^T
             hi = dec.value(codes >> 4, rows).astype(jnp.bfloat16)  # W_odd^T
-            # (wgmma_dot reads its accumulator: both products are done with the slot after it)
+            # (wgmma_dot reads its accumulator: both products are done with the stage after it)
             prod = wgmma_dot(lo, xe_s.at[slot], interpret=interpret, transpose_b=True)
             prod = prod + wgmma_dot(hi, xo_s.at[slot], interpret=interpret, transpose_b=True)
             if dec.step_scale is not None:  # one scale per output for the whole step
-                ref = p_s[[n for n, _ in dec.grouped].index(dec.step_scale)]
-                prod = prod * _row(dec, dec.step_scale, ref.at[slot, 0], (TILE_N, m_pad),
-                                   interpret)  # fmt: skip
-            acc = acc + prod
+                ref = p_refs[names.index(dec.step_scale)]
+                prod = prod * _row(dec, dec.step_scale, ref.at[0], (ROWS, m_pad), interpret)
+            return acc + prod
 
-            @pl.when(i + num_stages < per)
-            def _refill():
-                issue(i + num_stages, slot)
+        def finish(c, t, acc):
+            store_tile(acc, o_s.at[c], out, t.m_blk * TILE_N + c * ROWS, 0, t.k_blk,
+                       split=split, dtype=jnp.float32)  # fmt: skip
 
-            return acc
+        ws_gemm(plan, full=full, free=free, issue=issue, step=step, finish=finish,
+                acc_shape=(ROWS, m_pad), interpret=interpret)  # fmt: skip
 
-        acc0 = _cast(interpret, jnp.zeros((TILE_N, m_pad), jnp.float32), plgpu.Layout.WGMMA)
-        acc = lax.fori_loop(0, per, step, acc0)
-        o_s[...] = acc
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_s, out.at[split, pl.ds(n0, TILE_N)])
-        plgpu.wait_smem_to_gmem(0)
-
-    n_copies = 3 + n_parts
+    stages = plan.num_stages
     scratch = [
-        swizzled_smem((num_stages, m_pad, PACKED_K), jnp.bfloat16),  # x_even tiles
-        swizzled_smem((num_stages, m_pad, PACKED_K), jnp.bfloat16),  # x_odd tiles
-        swizzled_smem((num_stages, PACKED_K, TILE_N), jnp.uint8),  # packed weight tiles
-        *[plgpu.SMEM((num_stages, groups, TILE_N), dt) for _, dt in dec.grouped],
-        plgpu.SMEM((TILE_N, m_pad), jnp.float32),  # output stage
-        plgpu.Barrier(num_arrivals=n_copies, num_barriers=num_stages),
+        swizzled_smem((stages, m_pad, PACKED_K), jnp.bfloat16),  # x_even tiles
+        swizzled_smem((stages, m_pad, PACKED_K), jnp.bfloat16),  # x_odd tiles
+        swizzled_smem((stages, CONSUMERS, PACKED_K, ROWS), jnp.uint8),  # packed weight tiles
+        *[plgpu.SMEM((stages, CONSUMERS, groups, ROWS), dt) for _, dt in dec.grouped],
+        plgpu.SMEM((CONSUMERS, ROWS, m_pad), jnp.float32),  # output stages, one per consumer
+        # full: the step's copies landed (x_even, x_odd, and per consumer its weight and parts)
+        plgpu.Barrier(num_arrivals=2 + CONSUMERS * (1 + n_parts), num_barriers=stages),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # free: both read it
     ]
-    kwargs = dict(
-        out_type=(jax.ShapeDtypeStruct((num_splits, n, m_pad), jnp.float32),),
-        scratch_types=scratch,
-        grid=(n // TILE_N, num_splits),
-        grid_names=("n", "split"),
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-    )
-    if interpret:
-        kwargs["interpret"] = _compat.gpu_interpret_params()
-    return plgpu.kernel(body, **kwargs)
+    return ws_launch(body, plan, m_pad=n, n=m_pad, out_dtype=jnp.float32, scratch=scratch,
+                     interpret=interpret,
+                     compiler_params=plgpu.CompilerParams(approx_math=True))  # fmt: skip
