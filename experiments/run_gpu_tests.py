@@ -27,6 +27,7 @@ time (recorded durations would make the split change as results files are rewrit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import re
@@ -110,8 +111,19 @@ def run_streaming(cmd: list[str], timeout_s: float | None) -> tuple[int, str, bo
     cut short still shows how far it got. Past `timeout_s` pytest gets SIGINT: it stops, writes
     its JUnit report of the tests finished and its summary; a minute later it is killed.
     Returns (exit code, the output, whether it timed out)."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, bufsize=1)  # fmt: skip
+    # A child inherits SIGINT ignored (as a background job or a pytest-xdist worker runs this),
+    # and Python then never turns it into KeyboardInterrupt; a handled SIGINT is reset to the
+    # default at exec. So SIGINT is handled here while the child starts.
+    ignored = None
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        with contextlib.suppress(ValueError):  # (not the main thread: left as it is)
+            ignored = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, bufsize=1)  # fmt: skip
+    finally:
+        if ignored is not None:
+            signal.signal(signal.SIGINT, ignored)
     out: list[str] = []
 
     def pump():
