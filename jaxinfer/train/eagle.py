@@ -45,6 +45,7 @@ from jaxinfer.engine.eagle import (
 from jaxinfer.engine.loading import load_model
 from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.dense import compute_logits, forward_hidden
+from jaxinfer.provenance import provenance
 from jaxinfer.train.config import warmup_in_range
 from jaxinfer.train.corpus import stdlib_corpus
 from jaxinfer.train.data import eval_windows, train_batch
@@ -369,6 +370,7 @@ def train_eagle(tc: EagleTrainConfig, *, log=print) -> dict:
             log(f"step {done}: loss {float(loss):.3f}, held-out loss {eval_loss:.3f}, agreement "
                 f"by draft step {eval_agree} ({row['elapsed_s']} s)")  # fmt: skip
     summary = {
+        **provenance(),
         "name": tc.name, "target": tc.target, "steps": tc.steps, "data": tc.data,
         "train_tokens": len(train),
         "train_tokens_seen": tc.steps * tc.batch_size * tc.seq_len,
