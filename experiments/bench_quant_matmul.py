@@ -1,11 +1,12 @@
-"""4-bit weight-only matmul on the GPU: our Mosaic GPU kernel against XLA's bf16 dot and XLA's
-in-graph dequantization (the format's own `matmul` from jaxinfer.quant), at decode batch sizes.
+"""Weight-only (4-bit and 8-bit) matmul on the GPU: our Mosaic GPU kernel against XLA's bf16 dot
+and XLA's in-graph dequantization (the format's own XLA `matmul` from jaxinfer.quant), at decode
+batch sizes.
 
-Rows per (format, m, n, k): `w4_pallas` (pallas_kernels.matmul.w4_matmul), `xla_dequant`
-(jaxinfer's format `matmul`: dequantize in the graph, then a bf16 dot) and, once per shape,
-`xla_bf16` (a plain bf16 dot of the dequantized weight). Bandwidth is `weight_TBps`: the bytes
-of the weight as each impl reads it (packed values plus per-group parts for the 4-bit rows, the
-bf16 matrix for `xla_bf16`) over the time. Every row carries `rel_err` against the fp32
+Rows per (format, m, n, k): `w4_pallas` (pallas_kernels.matmul.w4_matmul, every format),
+`xla_dequant` (jaxinfer's format `matmul` with its XLA backend: dequantize in the graph, then a
+bf16 dot) and, once per shape, `xla_bf16` (a plain bf16 dot of the dequantized weight).
+Bandwidth is `weight_TBps`: the bytes of the weight as each impl reads it (values plus
+per-group parts for the quantized rows, the bf16 matrix for `xla_bf16`) over the time. Every row carries `rel_err` against the fp32
 reference on the same inputs. Results are written after every row.
 
     PYTHONPATH=. python3 experiments/bench_quant_matmul.py --out $OUT/quant_matmul.json
@@ -19,6 +20,7 @@ reference on the same inputs. Results are written after every row.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -125,7 +127,7 @@ def bench_case(fmt, m, n, k, args, *, with_bf16: bool, interpret: bool) -> list[
     x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
     arrays = quantized_weight(fmt, k, n, kw)
     ref = np.asarray(w4_matmul_ref(x, **arrays, fmt=fmt))
-    wf = WEIGHT_FORMATS[fmt]
+    wf = dataclasses.replace(WEIGHT_FORMATS[fmt], backend="xla")  # "auto" picks the kernel
     kernel_opts = {"interpret": True} if interpret else {}
     impls = []  # (impl, config, op, weight arrays)
     if "w4_pallas" in args.impls:

@@ -1,7 +1,8 @@
-"""The Mosaic GPU 4-bit weight-only matmul against the fp32 reference.
+"""The Mosaic GPU weight-only matmul (4-bit and 8-bit formats) against the fp32 reference.
 
 On CPU the kernel runs under jax's GPU interpreter (its semantics: TMA copies, the stage ring,
-split-K, the even/odd split of x, each format's arithmetic decode) on tiny shapes with fresh
+split-K, the even/odd split of x for 4 bits, the two int8 tiles a step for 8, each format's
+arithmetic decode) on tiny shapes with fresh
 random codes and scales; lowering for CUDA checks its register layouts and shared-memory plan
 (`lower(lowering_platforms=("cuda",))`, no GPU needed); the `-m gpu` tests run it compiled at
 Llama-3-8B shapes. The interpreter runs the pipeline sequentially, so only the GPU run checks the
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.matmul import PARTS, dequantize, w4_matmul, w4_matmul_ref
+from pallas_kernels.matmul.reference import BITS
 from pallas_kernels.matmul.w4_decode import DECODERS
 from pallas_kernels.matmul.w4_mgpu import w4_matmul_mgpu
 
@@ -27,9 +29,16 @@ TOL = 1e-2  # relative Frobenius error: the kernel rounds each decoded weight to
 def make_weight(rng: np.random.Generator, fmt: str, k: int, n: int) -> dict:
     """Random codes and per-group parts of a [k, n] weight in `fmt` (values included)."""
     dec = DECODERS[fmt]
-    g = (k // dec.group, n)
-    arrays = {"values": jnp.asarray(rng.integers(0, 256, (k // 2, n)), jnp.uint8)}
-    if fmt == "int4_g128_sym":
+    g = (k // (dec.group or k), n)
+    if dec.bits == 8:
+        arrays = {"values": jnp.asarray(rng.integers(-128, 128, (k, n)), jnp.int8)}
+    else:
+        arrays = {"values": jnp.asarray(rng.integers(0, 256, (k // 2, n)), jnp.uint8)}
+    if fmt == "int8":
+        arrays["scales"] = jnp.asarray(rng.uniform(1e-4, 1e-3, n), jnp.float32)  # per output
+    elif fmt == "q8_0":
+        arrays["d"] = jnp.asarray(rng.uniform(1e-4, 1e-3, g), jnp.float16)
+    elif fmt == "int4_g128_sym":
         arrays["scales"] = jnp.asarray(rng.uniform(0.005, 0.05, g), jnp.float32)
     elif fmt == "nvfp4":
         arrays["block_scales"] = jnp.asarray(rng.uniform(0.05, 400, g), jnp.float8_e4m3fn)
@@ -45,14 +54,15 @@ def make_weight(rng: np.random.Generator, fmt: str, k: int, n: int) -> dict:
 @pytest.mark.parametrize("fmt", list(PARTS))
 def test_decoders_give_every_code_the_reference_value(fresh_seed, fmt):
     """The kernel's decode (the format's `W4Decode`: value, group rows, step and output scales)
-    of every code 0..15 under random group parts is exactly the reference's dequantized weight."""
+    of every code (0..15, or -128..127) under random group parts is exactly the reference's
+    dequantized weight."""
     rng = np.random.default_rng(fresh_seed)
     dec = DECODERS[fmt]
-    k, n = 128, 64  # one K step: every code appears in both nibbles of some column
+    k, n = (128, 64) if dec.bits == 4 else (128, 256)  # every code appears (in both nibbles)
     w = make_weight(rng, fmt, k, n)
     ref = np.asarray(dequantize(**w, fmt=fmt))
     v = w["values"].astype(jnp.int32)
-    codes = jnp.stack([v & 0xF, v >> 4], axis=1).reshape(k, n)
+    codes = v if dec.bits == 8 else jnp.stack([v & 0xF, v >> 4], axis=1).reshape(k, n)
     rows = {name: jnp.repeat(dec.to_f32(name, w[name]), dec.group, axis=0)
             for name, _ in dec.grouped}  # fmt: skip
     got = dec.value(codes, {n_: r for n_, r in rows.items() if n_ != dec.step_scale})
@@ -60,7 +70,8 @@ def test_decoders_give_every_code_the_reference_value(fresh_seed, fmt):
         got = got * rows[dec.step_scale]
     if dec.output_scale is not None:
         got = got * w[dec.output_scale]
-    assert set(np.unique(np.asarray(codes))) == set(range(16))
+    assert set(np.unique(np.asarray(codes))) == (set(range(16)) if dec.bits == 4
+                                                 else set(range(-128, 128)))  # fmt: skip
     np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-6, atol=0,
                                err_msg=f"{fmt}: seed {fresh_seed}")  # fmt: skip
 
@@ -94,9 +105,17 @@ def test_int4_g128_matches_reference_in_interpreter(fresh_seed, m, k, n, kw):
     check_case(fresh_seed, "int4_g128_sym", m, k, n, interpret=True, **kw)
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "q4_1"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "q4_1", "int8", "q8_0"])
 def test_other_formats_share_the_kernel_and_match_reference(fresh_seed, fmt):
     check_case(fresh_seed, fmt, 5, 256, 128, interpret=True, num_splits=1)
+
+
+# 8 bits: two int8 tiles a step, q8_0's group rows per half; split-K and a ring carried across
+# tiles (as for int4 above).
+@pytest.mark.parametrize("fmt", ["int8", "q8_0"])
+def test_8bit_formats_split_and_carry_the_ring_in_interpreter(fresh_seed, fmt):
+    check_case(fresh_seed, fmt, 9, 512, 256, interpret=True, num_splits=2, num_stages=3,
+               num_programs=3)  # fmt: skip
 
 
 @pytest.mark.parametrize("fmt", list(PARTS))
@@ -122,8 +141,8 @@ def test_arguments_are_validated_by_name():
         (dict(x=jnp.zeros((4, 256), jnp.float32)), "x must be bf16"),
         (dict(x=jnp.zeros((200, 256), jnp.bfloat16)), "M (tokens) must be in 1..128"),
         (dict(x=jnp.zeros((4, 192), jnp.bfloat16)), "K must be a multiple of 128"),
-        (dict(values=w["values"].astype(jnp.int8)), "values must be uint8"),
-        (dict(values=w["values"][:64]), "values: 64 packed rows"),
+        (dict(values=w["values"].astype(jnp.int8)), "values must be uint8 [K/2, N]"),
+        (dict(values=w["values"][:64]), "values: 64 rows hold 128 inputs"),
         (dict(scales=w["scales"][:, :32]), "scales must be float32 [2, 128]"),
         (dict(scales=w["scales"].astype(jnp.bfloat16)), "scales must be float32"),
         (dict(fmt="int3"), "fmt must be one of"),
@@ -136,6 +155,12 @@ def test_arguments_are_validated_by_name():
     nv = make_weight(rng, "nvfp4", 256, 128) | {"tensor_scale": jnp.ones(32, jnp.float32)}
     with pytest.raises(ValueError, match=re.escape("tensor_scale must be float32 [] or [128]")):
         w4_matmul(x, **nv, fmt="nvfp4", backend="pallas", interpret=True)
+    i8 = make_weight(rng, "int8", 256, 128)
+    with pytest.raises(ValueError, match=re.escape("values must be int8 [K, N] for fmt 'int8'")):
+        w4_matmul(x, **(i8 | {"values": w["values"]}), fmt="int8", backend="pallas", interpret=True)
+    with pytest.raises(ValueError, match=re.escape("scales must be float32 [] or [128]")):
+        w4_matmul(x, **(i8 | {"scales": w["scales"]}), fmt="int8", backend="pallas",
+                  interpret=True)  # fmt: skip
     with pytest.raises(ValueError, match="num_splits must divide"):
         w4_matmul(x, **w, fmt="int4_g128_sym", backend="pallas", interpret=True, num_splits=3)
     with pytest.raises(ValueError, match="pallas backend only"):
@@ -154,18 +179,19 @@ def test_dispatcher_picks_xla_on_cpu_and_matches_reference(fresh_seed):
 def lower_for_cuda(fmt: str, m: int, k: int = 1024, n: int = 256, **kw) -> str:
     sds = jax.ShapeDtypeStruct
     dec = DECODERS[fmt]
-    parts = {name: sds(() if name == dec.output_scale else (k // dec.group, n), dt)
+    parts = {name: sds((n,) if name == dec.output_scale else (k // dec.group, n), dt)
              for name, dt in PARTS[fmt].items()}  # fmt: skip
 
     def call(x, values, parts):
         return w4_matmul_mgpu(x, values, fmt=fmt, interpret=False, **kw, **parts)
 
-    args = (sds((m, k), jnp.bfloat16), sds((k // 2, n), jnp.uint8), parts)
+    values = sds((k // 2, n), jnp.uint8) if BITS[fmt] == 4 else sds((k, n), jnp.int8)
+    args = (sds((m, k), jnp.bfloat16), values, parts)
     return jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.parametrize("fmt,m", [("int4_g128_sym", 128), ("nvfp4", 1), ("mxfp4", 16),
-                                   ("q4_1", 64)])  # fmt: skip
+                                   ("q4_1", 64), ("int8", 8), ("q8_0", 32)])  # fmt: skip
 def test_kernel_lowers_for_cuda(fmt, m):
     """Mosaic's register layouts (the transposed uint8 load, its relayout to WGMMA, the per-group
     rows) and shared-memory plan are accepted for every format and batch size class."""

@@ -49,7 +49,7 @@ class GgufBlocks(WeightFormat):
     """A GGML block type (`type_name` in `ggml.GGML_TYPES`: Q8_0 or Q4_1) as a weight format."""
 
     type_name: str = "Q8_0"
-    backend: str = "auto"  # q4_1's product: `intq.w4_kernel_product`, else XLA's
+    backend: str = "auto"  # the product: `intq.w4_kernel_product`, else XLA's
 
     @property
     def _min(self) -> bool:
@@ -102,7 +102,7 @@ class GgufBlocks(WeightFormat):
         return jnp.transpose(x, (1, 2, 0)).reshape(shape)
 
     def matmul(self, x: jax.Array, qw: QuantizedWeight) -> jax.Array:
-        y = w4_kernel_product(self, x, qw, self.backend) if self._min else None
+        y = w4_kernel_product(self, x, qw, self.backend)
         if y is not None:
             return y
         return jnp.tensordot(x, self.dequantize(qw).astype(x.dtype), axes=qw.in_dims)

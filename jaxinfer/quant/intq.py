@@ -11,9 +11,9 @@ A weight [*in, *out] with K = prod(in) (the flattened input, row-major like HF's
 G = ceil(K/128) groups of 128 consecutive inputs (the last one may be partial); the groups lie
 along the input, so fused outputs (q/k/v, gate/up) never share a scale. Rounding is to nearest,
 ties to even. Nibble order (`pack_nibbles`): byte i of the packed axis holds input 2i in its low
-nibble and input 2i+1 in its high nibble. The product of int4_g128_sym (and of nvfp4,
-mxfp4 and q4_1) runs on the 4-bit Mosaic GPU kernel at decode sizes on one GPU
-(`w4_kernel_product`); elsewhere it dequantizes in the graph to the activation's dtype and runs a
+nibble and input 2i+1 in its high nibble. The products of int8 and int4_g128_sym (and of nvfp4,
+mxfp4, q4_1 and q8_0) run on the weight-only Mosaic GPU kernel at decode sizes on one GPU
+(`w4_kernel_product`); elsewhere they dequantize in the graph to the activation's dtype and run a
 plain dot.
 """
 
@@ -64,26 +64,27 @@ def group_spec(spec, group: int, dtype, init="ones", scale=1.0):
                                scale=scale, in_dims=0)  # fmt: skip
 
 
-# The 4-bit formats' "auto" backend: the Mosaic GPU kernel up to this many tokens (its measured
-# range; XLA's product dequantizes the whole weight each call, docs/decisions.md).
+# The weight-only formats' "auto" backend: the Mosaic GPU kernel up to this many tokens (its
+# measured range for 4 bits; XLA's product dequantizes the whole weight each call,
+# docs/decisions.md).
 W4_KERNEL_MAX_ROWS = 64
 BACKENDS = ("auto", "pallas", "xla")
 
 
 def w4_kernel_product(fmt: WeightFormat, x: jax.Array, qw: QuantizedWeight,
                       backend: str) -> jax.Array | None:  # fmt: skip
-    """x @ qw on the 4-bit kernel (`pallas_kernels.matmul.w4_matmul`, under its interpreter on a
-    CPU) when `backend` picks it, else None (the format's XLA product). "pallas": always, an error
+    """x @ qw on the weight-only kernel (`pallas_kernels.matmul.w4_matmul`, under its interpreter
+    on a CPU) when `backend` picks it, else None (the format's XLA product). "pallas": always, an error
     where the kernel cannot run it; "auto": bf16 x of at most `W4_KERNEL_MAX_ROWS` tokens on
     `one_gpu()`, shapes the kernel takes."""
     if backend not in BACKENDS:
         raise ValueError(f"{fmt.name}: backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "xla":
         return None
-    from pallas_kernels.matmul.reference import PARTS
+    from pallas_kernels.matmul.reference import BITS, PARTS
     from pallas_kernels.matmul.w4_mgpu import MAX_M, TILE_K, TILE_N
 
-    values = qw.arrays["values"]  # [*in[:-1], in[-1]/2, *out]
+    values = qw.arrays["values"]  # 4 bits: [*in[:-1], in[-1]/2, *out]; 8 bits: [*in, *out]
     lead, out = x.shape[: x.ndim - qw.in_dims], values.shape[qw.in_dims :]
     k, n = math.prod(x.shape[x.ndim - qw.in_dims :]), math.prod(out)
     rows = math.prod(lead)
@@ -99,12 +100,15 @@ def w4_kernel_product(fmt: WeightFormat, x: jax.Array, qw: QuantizedWeight,
         return None
     from pallas_kernels.matmul import w4_matmul
 
-    parts = {name: qw.arrays[name].reshape(-1, n) for name in names if name != "tensor_scale"}
-    if "tensor_scale" in names:  # nvfp4: one per logical output [*out[:-1]], applied per column
-        ts = qw.arrays["tensor_scale"]
-        parts["tensor_scale"] = jnp.broadcast_to(ts[..., None], out).reshape(n)
-    y = w4_matmul(x.reshape(rows, k), values.reshape(k // 2, n), fmt=fmt.name, backend="pallas",
-                  **parts)  # fmt: skip
+    parts = {}
+    for name in names:
+        a = qw.arrays[name]
+        if name == "tensor_scale":  # nvfp4: one per logical output [*out[:-1]], applied per column
+            a = jnp.broadcast_to(a[..., None], out)
+        # int8's scales [*out] and nvfp4's tensor scale -> [N]; group parts [G, *out] -> [G, N]
+        parts[name] = a.reshape(n) if a.shape == out else a.reshape(-1, n)
+    y = w4_matmul(x.reshape(rows, k), values.reshape(k * BITS[fmt.name] // 8, n), fmt=fmt.name,
+                  backend="pallas", **parts)  # fmt: skip
     return y.reshape(*lead, *out).astype(x.dtype)
 
 
@@ -116,6 +120,8 @@ def k_major(w: jax.Array, in_dims: int) -> jax.Array:
 @dataclass(frozen=True)
 class Int8(WeightFormat):
     """int8 values, one fp32 scale per output channel (symmetric, amax/127)."""
+
+    backend: str = "auto"  # the product: `w4_kernel_product`, else XLA's
 
     def part_specs(self, spec) -> dict:
         out, axes = spec.shape[spec.in_dims :], spec.axes[spec.in_dims :]
@@ -133,6 +139,9 @@ class Int8(WeightFormat):
         return qw.arrays["values"].astype(jnp.float32) * qw.arrays["scales"]
 
     def matmul(self, x: jax.Array, qw: QuantizedWeight) -> jax.Array:
+        y = w4_kernel_product(self, x, qw, self.backend)
+        if y is not None:
+            return y
         return jnp.tensordot(x, self.dequantize(qw).astype(x.dtype), axes=qw.in_dims)
 
 

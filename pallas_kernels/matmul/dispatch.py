@@ -1,4 +1,4 @@
-"""One entry point for the 4-bit weight-only matmul, whatever the backend.
+"""One entry point for the weight-only matmul (4-bit and 8-bit formats), whatever the backend.
 
 - `pallas`: the Mosaic GPU kernel (`w4_mgpu.py`); on CPU it runs under the GPU interpreter.
 - `xla`: the pure-JAX reference (`reference.py`: dequantize to fp32, one fp32 dot); runs
@@ -28,10 +28,11 @@ def w4_matmul(
     device: jax.Device | None = None,
     **parts_and_options,
 ) -> jax.Array:
-    """x [M, K] bf16 @ a 4-bit weight [K, N] -> [M, N] in x's dtype.
+    """x [M, K] bf16 @ a weight-only quantized weight [K, N] -> [M, N] in x's dtype.
 
-    `values` uint8 [K/2, N] and the format's parts by name (`reference.PARTS`: `scales` for
-    int4_g128_sym and mxfp4, `block_scales` and `tensor_scale` for nvfp4, `d` and `m` for q4_1),
+    `values` (uint8 [K/2, N] for 4 bits, int8 [K, N] for 8) and the format's parts by name
+    (`reference.PARTS`: `scales` for int4_g128_sym, mxfp4 and int8, `block_scales` and
+    `tensor_scale` for nvfp4, `d` and `m` for q4_1, `d` for q8_0),
     so a jaxinfer weight passes as `w4_matmul(x, **qw.arrays, fmt=qw.format.name)`. Kernel
     options (`KERNEL_OPTIONS`: num_stages, num_splits, interpret) go to the Pallas kernel.
     `device` (static) decides `auto` and the kernel's defaults (None: `jax.devices()[0]`).

@@ -1,9 +1,9 @@
-"""Weight-only 4-bit GEMM for decode-sized batches on Hopper, in Mosaic GPU (Pallas).
+"""Weight-only 4-bit and 8-bit GEMM for decode-sized batches on Hopper, in Mosaic GPU (Pallas).
 
-y [M, N] = x [M, K] (bf16) @ dequant(W) [K, N] for M in 1..256, W in one of the 4-bit layouts of
-`reference.py` (`int4_g128_sym`, `nvfp4`, `mxfp4`, `q4_1`). One kernel serves every format: what
-differs (nibble -> value, which per-group arrays, their dtypes and group size) is a `W4Decode`
-(`w4_decode.py`).
+y [M, N] = x [M, K] (bf16) @ dequant(W) [K, N] for M in 1..128, W in one of the layouts of
+`reference.py` (4-bit: `int4_g128_sym`, `nvfp4`, `mxfp4`, `q4_1`; 8-bit: `int8`, `q8_0`). One
+kernel serves every format: what differs (code -> value, which per-group arrays, their dtypes and
+group size, bits per code) is a `W4Decode` (`w4_decode.py`).
 
 How the work is cut
 -------------------
@@ -12,17 +12,19 @@ How the work is cut
   attention showed to be slow). So the kernel computes y^T [N, M] = W^T [N, K] @ x^T [K, M]: an
   output tile is 128 outputs (each of two consumer warpgroups owns 64, wgmma's M) and every
   token of the batch (wgmma's N: M padded to a multiple of 8, at most `MAX_M`).
-- Byte i of a column holds inputs 2i and 2i+1. Rather than interleave the two nibbles in
-  registers, the K contraction is split into even and odd inputs: y^T = W_even^T x_even^T +
-  W_odd^T x_odd^T, the low nibbles forming W_even and the high nibbles W_odd. The dispatcher
-  splits x into x_even and x_odd ([M_pad, K/2] each; x is small), so both products are plain
-  wgmmas over K/2 with x as the shared-memory B operand (loaded [M_pad, 64], K-major, and used
-  transposed), shared by the two consumers.
+- Each K step (128 inputs) is two wgmmas over 64 inputs, "halves", each with its x tile as the
+  shared-memory B operand (loaded [M_pad, 64], K-major, and used transposed; shared by the two
+  consumers). 4-bit: byte i of a column holds inputs 2i and 2i+1; rather than interleave the two
+  nibbles in registers, the contraction is split into even and odd inputs, y^T = W_even^T
+  x_even^T + W_odd^T x_odd^T, the low nibbles of one [64 packed rows, 64 outputs] tile forming
+  W_even and the high nibbles W_odd; the dispatcher splits x into x_even and x_odd ([M_pad, K/2]
+  each; x is small). 8-bit: the halves are the step's first and second 64 inputs, each its own
+  [64, 64] int8 tile, and x is read as it is.
 - The loop is `_mgpu.ws_gemm`, the FP8 GEMM's: a producer warpgroup issues each step's TMA copies
-  (128 inputs: x_even / x_odd [M_pad, 64], and per consumer its [64 packed rows, 64 outputs]
-  uint8 tile and each grouped part's [128 / group, 64] tile) into a `num_stages`-deep ring; the
+  (128 inputs: the two x halves [M_pad, 64], and per consumer its weight tiles of [64 rows, 64
+  outputs] bytes and each grouped part's [128 / group, 64] tile) into a `num_stages`-deep ring; the
   consumers decode and multiply while it fills the next stages, and persistent programs (one per
-  SM) take the tiles in turn. A consumer loads its uint8 tile from the transposed view (outputs
+  SM) take the tiles in turn. A consumer loads a byte tile from the transposed view (outputs
   as rows) in `WGMMA_TRANSPOSED` layout, widens it to int32, relays it to the WGMMA layout,
   decodes it with the per-group rows broadcast along the row (a select per group boundary in the
   tile: 7 for nvfp4's 16-input groups), casts to bf16 and feeds wgmma with fp32 accumulation. A
@@ -30,9 +32,9 @@ How the work is cut
   instead, row by row: M_pad / 2 multiplies a thread, not 32 per code.
 - Split-K S (`default_num_splits`): the K loop is cut into S ranges so that narrow weights still
   fill the SMs; each range writes fp32 [64, M_pad] partials and a small XLA epilogue adds them,
-  transposes to [M, N], applies an output scale (nvfp4) and casts to x's dtype.
+  transposes to [M, N], applies an output scale (nvfp4's, int8's) and casts to x's dtype.
 
-Not yet done: the x split and the epilogue inside the kernel, TMA multicast of x across a
+Not yet done: the 4-bit x split and the epilogue inside the kernel, TMA multicast of x across a
 cluster, per-group sub-tiles instead of selects for nvfp4.
 
 On CPU the kernel runs under jax's GPU interpreter (`interpret=True`); its wgmma is a plain dot
@@ -65,7 +67,7 @@ from pallas_kernels.matmul.w4_decode import DECODERS, W4Decode
 
 TILE_N = CONSUMERS * ROWS  # outputs per tile: 64 (wgmma's M) per consumer
 TILE_K = 128  # inputs per pipeline step; every format's group size divides it
-PACKED_K = TILE_K // 2  # packed rows (bytes of a column) per step
+HALF_K = TILE_K // 2  # inputs per wgmma (a "half" of the step); x tiles are [M_pad, HALF_K]
 MAX_M = 128  # tokens: with two consumers' fp32 output stages, 256 would leave one stage
 SMEM_BYTES = 200 * 1024  # the stages are cut to fit this much shared memory (227 KiB on Hopper)
 MAX_STAGES = 4
@@ -77,10 +79,16 @@ def padded_m(m: int) -> int:
     return max(8, -(-m // 8) * 8)
 
 
+def weight_tiles(decoder: W4Decode) -> int:
+    """[64 rows, 64 outputs] byte tiles of the weight per consumer and step: 1 for 4 bits (both
+    halves in one tile's nibbles), 2 for 8."""
+    return decoder.bits * TILE_K // 8 // HALF_K
+
+
 def default_num_stages(m_pad: int, decoder: W4Decode, steps: int) -> int:
     """As many stages (up to `MAX_STAGES`, never more than the steps) as fit `SMEM_BYTES` next
     to the consumers' fp32 output stages."""
-    per_stage = 2 * m_pad * PACKED_K * 2 + PACKED_K * TILE_N  # x_even, x_odd; packed weights
+    per_stage = 2 * m_pad * HALF_K * 2 + weight_tiles(decoder) * HALF_K * TILE_N  # x; weights
     per_stage += sum(TILE_K // decoder.group * TILE_N * jnp.dtype(dt).itemsize
                      for _, dt in decoder.grouped)  # fmt: skip
     out = CONSUMERS * ROWS * m_pad * 4
@@ -107,8 +115,8 @@ def w4_matmul_mgpu(
     device: jax.Device | None = None,
     **parts: jax.Array,
 ) -> jax.Array:
-    """x [M, K] bf16 @ the 4-bit weight (`values` uint8 [K/2, N] and the format's `parts`, named
-    as in `reference.PARTS`) -> [M, N] in x's dtype. Static tuning: `num_stages` (pipeline depth),
+    """x [M, K] bf16 @ the weight (`values`: uint8 [K/2, N] for 4 bits, int8 [K, N] for 8, and
+    the format's `parts`, named as in `reference.PARTS`) -> [M, N] in x's dtype. Static tuning: `num_stages` (pipeline depth),
     `num_splits` (split-K parts, a divisor of K / 128), `num_programs` (persistent programs,
     never more than the tiles); defaults from `default_num_stages` / `default_num_splits` /
     `device`'s SMs. `interpret` runs the GPU interpreter (default: when `device`, None for
@@ -136,7 +144,8 @@ def w4_matmul_mgpu(
     kernel = _build_kernel(plan, m_pad=m_pad, n=n, fmt=fmt, interpret=interpret)
     xp = jnp.pad(x.astype(jnp.bfloat16), ((0, m_pad - m), (0, 0)))
     grouped = [parts[name] for name, _ in dec.grouped]
-    (out,) = kernel(xp[:, 0::2], xp[:, 1::2], values, *grouped)  # fp32 [N, M_pad] or [S, N, M_pad]
+    xs = (xp[:, 0::2], xp[:, 1::2]) if dec.bits == 4 else (xp,)
+    (out,) = kernel(*xs, values, *grouped)  # fp32 [N, M_pad] or [S, N, M_pad]
     y = (out if num_splits == 1 else jnp.sum(out, axis=0))[:, :m].T
     if dec.output_scale is not None:
         y = y * jnp.asarray(parts[dec.output_scale], jnp.float32)
@@ -154,11 +163,13 @@ def check_inputs(x, values, fmt: str, parts: dict) -> None:
         raise ValueError(f"x: M (tokens) must be in 1..{MAX_M}, got {m}")
     if k % TILE_K:
         raise ValueError(f"x: K must be a multiple of {TILE_K}, got {k}")
-    if values.ndim != 2 or values.dtype != jnp.uint8:
-        raise ValueError(f"values must be uint8 [K/2, N], got {values.dtype} "
-                         f"{tuple(values.shape)}")  # fmt: skip
-    if values.shape[0] * 2 != k:
-        raise ValueError(f"values: {values.shape[0]} packed rows hold {2 * values.shape[0]} "
+    per_byte = 8 // DECODERS[fmt].bits  # codes a byte
+    want_dtype, rows = (jnp.uint8, "K/2") if per_byte == 2 else (jnp.int8, "K")
+    if values.ndim != 2 or values.dtype != want_dtype:
+        raise ValueError(f"values must be {jnp.dtype(want_dtype)} [{rows}, N] for fmt {fmt!r}, "
+                         f"got {values.dtype} {tuple(values.shape)}")  # fmt: skip
+    if values.shape[0] * per_byte != k:
+        raise ValueError(f"values: {values.shape[0]} rows hold {per_byte * values.shape[0]} "
                          f"inputs, but x has K = {k}")  # fmt: skip
     n = values.shape[1]
     if n % TILE_N:
@@ -184,8 +195,8 @@ def _cast(interpret: bool, x, layout):  # register layouts mean nothing to the G
 
 
 def _load_codes(v_ref, interpret: bool) -> jax.Array:
-    """The step's packed tile [64 packed rows, 64 outputs] as int32 [64 outputs, 64 packed rows]
-    (W^T's layout) in the WGMMA layout: loaded from the transposed view, then relaid."""
+    """A byte tile [64 rows, 64 outputs] as int32 [64 outputs, 64 rows] (W^T's layout) in the
+    WGMMA layout, loaded from the transposed view, then relaid (int8 sign-extends)."""
     if interpret:
         return v_ref[...].astype(jnp.int32).T
     raw = plgpu.load(plgpu.transpose_ref(v_ref, (1, 0)), (),
@@ -199,22 +210,23 @@ def _row(dec: W4Decode, name: str, src, shape, interpret: bool) -> jax.Array:
     return lax.broadcast_in_dim(dec.to_f32(name, raw), shape, [0])
 
 
-def _group_rows(dec: W4Decode, p_refs, interpret: bool) -> dict:
-    """Each grouped part of the step (but the step scale) as fp32 [64 outputs, 64 packed rows],
-    from its [groups, 64] tile: packed column j (inputs 2j and 2j + 1 of the step) takes its
-    group's entry, (2j) // group."""
-    shape = (ROWS, PACKED_K)
-    cols = dec.group // 2  # packed columns per group
-    col = None
-    if cols < PACKED_K:
-        col = _cast(interpret, lax.broadcasted_iota(jnp.int32, shape, 1), plgpu.Layout.WGMMA)
+def _group_rows(dec: W4Decode, p_refs, half: int, interpret: bool) -> dict:
+    """Each grouped part of the step (but the step scale) as fp32 [64 outputs, 64 columns] for
+    the codes of `half`, from its [groups, 64] tile. 4 bits: column j holds inputs 2j and 2j + 1
+    of the step (either half), group (2j) // group; 8 bits: input 64 * half + j."""
     rows = {}
     for (name, _), ref in zip(dec.grouped, p_refs, strict=True):
         if name == dec.step_scale:
             continue
+        shape = (ROWS, HALF_K)
+        cols = dec.group // 2 if dec.bits == 4 else dec.group  # columns per group
+        first = 0 if dec.bits == 4 else half * HALF_K // dec.group  # the half's first group
+        col = None
+        if cols < HALF_K:
+            col = _cast(interpret, lax.broadcasted_iota(jnp.int32, shape, 1), plgpu.Layout.WGMMA)
         full = None
-        for g in range(PACKED_K // cols):
-            b = _row(dec, name, ref.at[g], shape, interpret)
+        for g in range(HALF_K // cols):
+            b = _row(dec, name, ref.at[first + g], shape, interpret)
             full = b if full is None else jnp.where(col >= g * cols, b, full)
         rows[name] = full
     return rows
@@ -224,37 +236,50 @@ def _group_rows(dec: W4Decode, p_refs, interpret: bool) -> dict:
 def _build_kernel(plan: WsPlan, *, m_pad: int, n: int, fmt: str, interpret: bool):
     dec = DECODERS[fmt]
     n_parts = len(dec.grouped)
-    groups = TILE_K // dec.group  # group entries per step
+    n_x = 2 if dec.bits == 4 else 1  # x_even and x_odd, or x
+    n_w = weight_tiles(dec)
+    groups = TILE_K // dec.group if n_parts else 0  # group entries per step
     split = plan.k_splits > 1
     names = [name for name, _ in dec.grouped]
 
-    def body(xe, xo, vals, *refs):
-        p_gmem, out = refs[:n_parts], refs[n_parts]
-        xe_s, xo_s, v_s, *rest = refs[n_parts + 1 :]
+    def body(*refs):
+        xs, vals = refs[:n_x], refs[n_x]
+        p_gmem, out = refs[n_x + 1 : n_x + 1 + n_parts], refs[n_x + 1 + n_parts]
+        x_s, v_s, *rest = refs[n_x + 2 + n_parts :]
         p_s, (o_s, full, free) = rest[:n_parts], rest[n_parts:]
 
-        def issue(t, i, slot):  # step i of tile t: x_even, x_odd, each consumer's weight tiles
+        def issue(t, i, slot):  # step i of tile t: the x halves, each consumer's weight tiles
             kk = t.b0 + i
-            cols = pl.ds(pl.multiple_of(kk * PACKED_K, PACKED_K), PACKED_K)
             bar = full.at[slot]
-            plgpu.copy_gmem_to_smem(xe.at[:, cols], xe_s.at[slot], bar)
-            plgpu.copy_gmem_to_smem(xo.at[:, cols], xo_s.at[slot], bar)
+            for h in range(2):  # x half h: x_even / x_odd's step columns, or x's h-th 64 inputs
+                src = xs[h] if n_x == 2 else xs[0]
+                c0 = kk * HALF_K if n_x == 2 else kk * TILE_K + h * HALF_K
+                cols = pl.ds(pl.multiple_of(c0, HALF_K), HALF_K)
+                plgpu.copy_gmem_to_smem(src.at[:, cols], x_s.at[h, slot], bar)
             for c in range(CONSUMERS):
                 outs = pl.ds(pl.multiple_of(t.m_blk * TILE_N + c * ROWS, ROWS), ROWS)
-                plgpu.copy_gmem_to_smem(vals.at[cols, outs], v_s.at[slot, c], bar)
+                for j in range(n_w):  # the step's weight rows, 64 bytes of a column each
+                    rows = pl.ds(pl.multiple_of((kk * n_w + j) * HALF_K, HALF_K), HALF_K)
+                    plgpu.copy_gmem_to_smem(vals.at[rows, outs], v_s.at[slot, c, j], bar)
                 for src, dst in zip(p_gmem, p_s, strict=True):
                     plgpu.copy_gmem_to_smem(src.at[pl.ds(kk * groups, groups), outs],
                                             dst.at[slot, c], bar)  # fmt: skip
 
         def step(c, slot, acc):  # consumer c's 64 outputs x every token, one K step
-            codes = _load_codes(v_s.at[slot, c], interpret)
             p_refs = [ref.at[slot, c] for ref in p_s]
-            rows = _group_rows(dec, p_refs, interpret)
-            lo = dec.value(codes & 0xF, rows).astype(jnp.bfloat16)  # W_even^T
-            hi = dec.value(codes >> 4, rows).astype(jnp.bfloat16)  # W_odd^T
-            # (wgmma_dot reads its accumulator: both products are done with the stage after it)
-            prod = wgmma_dot(lo, xe_s.at[slot], interpret=interpret, transpose_b=True)
-            prod = prod + wgmma_dot(hi, xo_s.at[slot], interpret=interpret, transpose_b=True)
+            prod, rows, codes = None, None, None
+            for h in range(2):
+                if dec.bits == 4:  # W_even^T from the low nibbles, W_odd^T from the high ones
+                    codes = _load_codes(v_s.at[slot, c, 0], interpret) if h == 0 else codes
+                    q = codes & 0xF if h == 0 else codes >> 4
+                    rows = _group_rows(dec, p_refs, 0, interpret) if h == 0 else rows
+                else:  # the step's h-th 64 inputs
+                    q = _load_codes(v_s.at[slot, c, h], interpret)
+                    rows = _group_rows(dec, p_refs, h, interpret)
+                w = dec.value(q, rows).astype(jnp.bfloat16)
+                # (wgmma_dot reads its accumulator: both products are done with the stage after)
+                p = wgmma_dot(w, x_s.at[h, slot], interpret=interpret, transpose_b=True)
+                prod = p if prod is None else prod + p
             if dec.step_scale is not None:  # one scale per output for the whole step
                 ref = p_refs[names.index(dec.step_scale)]
                 prod = prod * _row(dec, dec.step_scale, ref.at[0], (ROWS, m_pad), interpret)
@@ -268,14 +293,14 @@ def _build_kernel(plan: WsPlan, *, m_pad: int, n: int, fmt: str, interpret: bool
                 acc_shape=(ROWS, m_pad), interpret=interpret)  # fmt: skip
 
     stages = plan.num_stages
+    v_dtype = jnp.uint8 if dec.bits == 4 else jnp.int8
     scratch = [
-        swizzled_smem((stages, m_pad, PACKED_K), jnp.bfloat16),  # x_even tiles
-        swizzled_smem((stages, m_pad, PACKED_K), jnp.bfloat16),  # x_odd tiles
-        swizzled_smem((stages, CONSUMERS, PACKED_K, ROWS), jnp.uint8),  # packed weight tiles
+        swizzled_smem((2, stages, m_pad, HALF_K), jnp.bfloat16),  # the two x halves' tiles
+        swizzled_smem((stages, CONSUMERS, n_w, HALF_K, ROWS), v_dtype),  # weight tiles
         *[plgpu.SMEM((stages, CONSUMERS, groups, ROWS), dt) for _, dt in dec.grouped],
         plgpu.SMEM((CONSUMERS, ROWS, m_pad), jnp.float32),  # output stages, one per consumer
-        # full: the step's copies landed (x_even, x_odd, and per consumer its weight and parts)
-        plgpu.Barrier(num_arrivals=2 + CONSUMERS * (1 + n_parts), num_barriers=stages),
+        # full: the step's copies landed (two x halves, and per consumer its weights and parts)
+        plgpu.Barrier(num_arrivals=2 + CONSUMERS * (n_w + n_parts), num_barriers=stages),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # free: both read it
     ]
     return ws_launch(body, plan, m_pad=n, n=m_pad, out_dtype=jnp.float32, scratch=scratch,
