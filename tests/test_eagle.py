@@ -304,3 +304,58 @@ def test_generated_data_that_cannot_fit_fails_naming_the_keys(tmp_path):
                                          r"reply_tokens=2000\).*exceeds max_model_len"):  # fmt: skip
         train_eagle(tc, log=lambda *_: None)
     assert not (tmp_path / "generated.npz").exists()
+
+
+def test_repeat_cut_and_lookup_share_on_hand_made_replies():
+    """`cut_at_repeat` stops before the first n-gram seen earlier in the reply; `lookup_share`
+    counts the tokens whose n predecessors occurred earlier followed by that same token."""
+    from jaxinfer.train.eagle import cut_at_repeat, lookup_share
+
+    loop = np.array([5, 1, 2, 3, 1, 2, 3, 1, 2, 9])
+    kept, cut = cut_at_repeat(loop, 3)
+    assert kept.tolist() == [5, 1, 2, 3] and cut  # (1, 2, 3) again at index 4
+    assert cut_at_repeat(loop, 5)[0].tolist() == [5, 1, 2, 3]  # (1, 2, 3, 1, 2) at 1 and 4
+    kept, cut = cut_at_repeat(loop, 6)  # (1, 2, 3, 1, 2, 3) at 1, then (1, 2, 3, 1, 2, 9) at 4
+    assert kept.tolist() == loop.tolist() and not cut
+    assert cut_at_repeat(np.arange(8), 2)[1] is False
+    # predecessors (1,2,3)->1 at 4 new; (2,3,1)->2 new; (3,1,2)->3 new; (1,2,3)->1 at 7 seen
+    assert lookup_share(loop, 3) == (2, 10)  # index 7 (1 after 1,2,3) and 8 (2 after 2,3,1)
+    assert lookup_share(np.arange(8), 3) == (0, 8)
+
+
+def test_generated_replies_sampled_seeded_and_cut_where_they_repeat(tmp_path):
+    """`data: generated` with `cut_repeats`: no kept reply repeats an n-gram of itself, only
+    uncut replies end with EOS, and the stats count what was kept; `reply_temperature` samples
+    the replies with per-prompt seeds: the same config gives the same stream, and it is not the
+    greedy one. (tiny, fixed prompts and seeds: deterministic.)"""
+    from jaxinfer.train.eagle import generated_streams, load_eagle_config
+
+    eos = LLM("tiny", warmup=False, num_pages=4, max_model_len=48).engine.runner.cfg
+    eos = eos.eos_token_ids[0]
+
+    def streams(out, *extra):
+        tc = load_eagle_config(None, ["name=e", "target=tiny", f"out_dir={tmp_path / out}",
+                                      "max_files=8", "data=generated", "prompts=6",
+                                      "heldout_prompts=2", "reply_tokens=40", *extra])  # fmt: skip
+        return generated_streams(tc, eos, log=lambda *_: None)
+
+    def replies(stream):
+        flag = np.append(np.insert(stream[:, 1], 0, 0), 0)
+        starts, ends = np.flatnonzero(np.diff(flag) == 1), np.flatnonzero(np.diff(flag) == -1)
+        return [stream[a:b, 0] for a, b in zip(starts, ends, strict=True)]
+
+    greedy, _, _ = streams("greedy")
+    train, _, stats = streams("cut", "cut_repeats=3")
+    got = replies(train)
+    assert len(got) == 6 and len(replies(greedy)) == 6
+    cut = [r for r in got if r[-1] != eos]
+    assert len(cut) == stats["train"]["cut"] > 0, "greedy replies of tiny loop: some are cut"
+    for r in got:
+        body = r if r[-1] != eos else r[:-1]
+        grams = [tuple(body[i : i + 3]) for i in range(len(body) - 2)]
+        assert len(grams) == len(set(grams)), f"a kept reply repeats a 3-gram: {body}"
+    assert stats["train"]["reply_tokens"] == sum(len(r) - (r[-1] == eos) for r in got)
+    sampled = streams("t1", "reply_temperature=0.8", "seed=3")[0]
+    again = streams("t2", "reply_temperature=0.8", "seed=3")[0]
+    np.testing.assert_array_equal(sampled, again)
+    assert not np.array_equal(sampled, greedy)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import time
+import zlib
 from dataclasses import field
 from functools import partial
 from pathlib import Path
@@ -83,8 +84,8 @@ class EagleTrainConfig:
     eval_every: Count = 100
     eval_windows: Count = 16
     seed: int = 0
-    # The text: "text", the split's files as they are; "generated", the target's own greedy
-    # replies to `prompts` prompts (`workload.code_prompts`, every kind in turn, on pieces of
+    # The text: "text", the split's files as they are; "generated", the target's own replies to
+    # `prompts` prompts (`workload.code_prompts`, every kind in turn, on pieces of
     # `snippet_chars` characters of the split's files; `heldout_prompts` for the held-out
     # windows), `reply_tokens` each, kept in <out_dir>/generated.npz for the next run.
     data: Annotated[str, one_of("text", "generated")] = "text"
@@ -92,6 +93,12 @@ class EagleTrainConfig:
     heldout_prompts: Count = 16
     snippet_chars: Count = 400
     reply_tokens: Count = 192
+    # The replies are sampled at this temperature (0: greedy; a small model's greedy replies
+    # loop, and the head then learns the loops, experiments/results/cpu/eagle_smollm2_train.json)
+    reply_temperature: Annotated[float, Field(ge=0)] = 0.0
+    # Each reply is cut where it starts to repeat itself: before the first `cut_repeats`-gram
+    # that already occurred in it (None: kept whole). A cut reply gets no EOS.
+    cut_repeats: Count | None = None
     # Training-time test (Li et al. 2025, EAGLE-3): `unroll` draft steps, step s fed
     # the head's own outputs of step s - 1 as its features, as drafting does; step s's loss
     # weighs unroll_decay^(s-1).
@@ -260,11 +267,39 @@ def expected_tokens(agreement) -> float:
     return float(1 + np.sum(np.cumprod(np.asarray(agreement, np.float64))))
 
 
+def cut_at_repeat(reply: np.ndarray, n: int) -> tuple[np.ndarray, bool]:
+    """(the reply up to where it starts to repeat itself, whether it was cut): cut before the
+    first n-gram that already occurred earlier in it (that n-gram's second start)."""
+    seen = set()
+    for i in range(len(reply) - n + 1):
+        gram = tuple(reply[i : i + n].tolist())
+        if gram in seen:
+            return reply[:i], True
+        seen.add(gram)
+    return reply, False
+
+
+def lookup_share(reply: np.ndarray, n: int = 3) -> tuple[int, int]:
+    """(tokens a lookup of the reply's own past predicts, tokens): token i counts when the n
+    tokens before it occurred earlier in the reply followed by token i (a looping reply's
+    tokens nearly all do; drafting learns such loops cheaply)."""
+    nexts: dict[tuple, set] = {}
+    hits = 0
+    toks = reply.tolist()
+    for i in range(n, len(toks)):
+        gram = tuple(toks[i - n : i])
+        hits += toks[i] in nexts.get(gram, ())
+        nexts.setdefault(gram, set()).add(toks[i])
+    return hits, len(toks)
+
+
 def generated_streams(tc: EagleTrainConfig, eos: int, log=print):
-    """(train, held-out) streams of the target's own greedy replies (prompt, reply, EOS each;
+    """(train, held-out, stats): streams of the target's own replies (prompt, reply, EOS each;
     see `EagleTrainConfig.data`), each int32 [N, 2]: the token and whether it is a reply's
     (its reply tokens and EOS: 1, its prompt: 0), from <out_dir>/generated.npz when a run
-    with the same prompts made it."""
+    with the same prompts and settings made it; stats per split: replies, reply tokens, the
+    replies cut (`cut_repeats`) and the share of reply tokens a lookup predicts
+    (`lookup_share`)."""
     from jaxinfer.engine.llm import LLM
     from jaxinfer.engine.request import SamplingParams
     from jaxinfer.workload.code_prompts import KINDS, prompt_text, snippets
@@ -272,22 +307,25 @@ def generated_streams(tc: EagleTrainConfig, eos: int, log=print):
     key = dict(target=tc.target, dtype=tc.target_dtype, prompts=tc.prompts,
                heldout_prompts=tc.heldout_prompts, snippet_chars=tc.snippet_chars,
                reply_tokens=tc.reply_tokens, exclude=sorted(tc.exclude_modules),
+               temperature=tc.reply_temperature, cut_repeats=tc.cut_repeats, seed=tc.seed,
                layout="token,is_reply")  # fmt: skip
     path = Path(tc.out_dir) / "generated.npz"
     if path.is_file():
         saved = np.load(path)
         if json.loads(str(saved["key"])) == key:
             log(f"{tc.name}: the target's replies from {path}")
-            return saved["train"], saved["heldout"]
+            return saved["train"], saved["heldout"], json.loads(str(saved["stats"]))
     llm = LLM(tc.target, dtype=tc.target_dtype, max_num_seqs=64, max_num_batched_tokens=1024,
               max_model_len=1024, num_pages=2048, page_size=16, warmup=False)  # fmt: skip
     kinds = KINDS if llm.chat_template is not None else tuple(k for k in KINDS if k != "chat")
-    sampling = SamplingParams(max_tokens=tc.reply_tokens, temperature=0.0)
-    streams = []
+    streams, stats = [], {}
     for split, n in (("train", tc.prompts), ("heldout", tc.heldout_prompts)):
         pieces = snippets(split_texts(tc, split), n, tc.snippet_chars)
         prompts = [prompt_text(kinds[i % len(kinds)], s, i // len(kinds), llm.render_chat)
                    for i, s in enumerate(pieces)]  # fmt: skip
+        sampling = [SamplingParams(max_tokens=tc.reply_tokens, temperature=tc.reply_temperature,
+                                   seed=zlib.crc32(f"{tc.seed} {split} {i}".encode()))
+                    for i in range(len(prompts))]  # fmt: skip
         t0 = time.perf_counter()
         outs = llm.generate(prompts, sampling)
         failed = [o.error for o in outs if o.error is not None]
@@ -295,18 +333,28 @@ def generated_streams(tc: EagleTrainConfig, eos: int, log=print):
             raise ValueError(f"train config: {len(failed)} of the {split} prompts failed "
                              f"(snippet_chars={tc.snippet_chars}, reply_tokens="
                              f"{tc.reply_tokens}): {failed[0]}")  # fmt: skip
-        parts = []
+        parts, cut, hits, total = [], 0, 0, 0
         for o in outs:
             prompt = np.asarray(o.prompt_token_ids, np.int32)
-            reply = np.asarray([*o.token_ids, eos], np.int32)
+            reply, was_cut = np.asarray(o.token_ids, np.int32), False
+            if tc.cut_repeats is not None:
+                reply, was_cut = cut_at_repeat(reply, tc.cut_repeats)
+            cut += was_cut
+            h, t = lookup_share(reply)
+            hits, total = hits + h, total + t
+            reply = reply if was_cut else np.append(reply, np.int32(eos))
             parts += [np.stack([prompt, np.zeros_like(prompt)], 1),
                       np.stack([reply, np.ones_like(reply)], 1)]  # fmt: skip
         streams.append(np.concatenate(parts))
-        log(f"{tc.name}: {split}: {n} replies of the target, {sum(len(o.token_ids) for o in outs):,}"
-            f" tokens in {time.perf_counter() - t0:.0f} s")  # fmt: skip
+        stats[split] = dict(replies=n, reply_tokens=total, cut=cut,
+                            lookup_share=round(hits / max(total, 1), 4))  # fmt: skip
+        log(f"{tc.name}: {split}: {n} replies of the target, {total:,} tokens kept ({cut} cut), "
+            f"{stats[split]['lookup_share']:.1%} predictable by a 3-gram lookup, in "
+            f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
-    np.savez(path, train=streams[0], heldout=streams[1], key=json.dumps(key))
-    return streams[0], streams[1]
+    np.savez(path, train=streams[0], heldout=streams[1], key=json.dumps(key),
+             stats=json.dumps(stats))  # fmt: skip
+    return streams[0], streams[1], stats
 
 
 def train_eagle(tc: EagleTrainConfig, *, log=print) -> dict:
@@ -317,8 +365,9 @@ def train_eagle(tc: EagleTrainConfig, *, log=print) -> dict:
     if tokenizer is None:
         raise ValueError(f"train config: target={tc.target!r} has no tokenizer to read text with")
     eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else cfg.bos_token_id
+    generated = None
     if tc.data == "generated":
-        train, heldout_stream = generated_streams(tc, eos, log)
+        train, heldout_stream, generated = generated_streams(tc, eos, log)
     else:
         train = text_stream(tokenizer, tc, eos, "train")
         heldout_stream = text_stream(tokenizer, tc, eos, "heldout")
@@ -372,7 +421,7 @@ def train_eagle(tc: EagleTrainConfig, *, log=print) -> dict:
     summary = {
         **provenance(),
         "name": tc.name, "target": tc.target, "steps": tc.steps, "data": tc.data,
-        "train_tokens": len(train),
+        "generated": generated, "train_tokens": len(train),
         "train_tokens_seen": tc.steps * tc.batch_size * tc.seq_len,
         "head_params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(head))),
         "heldout_agreement_before": agree0[0], "heldout_agreement": eval_agree[0],
