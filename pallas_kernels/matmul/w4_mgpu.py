@@ -35,7 +35,9 @@ How the work is cut
   transposes to [M, N], applies an output scale (nvfp4's, int8's) and casts to x's dtype.
 
 Not yet done: the 4-bit x split and the epilogue inside the kernel, TMA multicast of x across a
-cluster, per-group sub-tiles instead of selects for nvfp4.
+cluster, per-group sub-tiles instead of selects for nvfp4, and K or N that are multiples of 64 but
+not of 128 (SmolLM2's hidden size is 576: none of its products fits, so its GGUF blocks take
+XLA's product).
 
 On CPU the kernel runs under jax's GPU interpreter (`interpret=True`); its wgmma is a plain dot
 and register layouts are not modelled there (`_mgpu.wgmma_dot`).
