@@ -118,6 +118,23 @@ def test_8bit_formats_split_and_carry_the_ring_in_interpreter(fresh_seed, fmt):
                num_programs=3)  # fmt: skip
 
 
+# K and N multiples of 64 but not 128 (SmolLM2's 576 and 960): the last K step re-reads 64
+# inputs against zeros, the last tile's second consumer repeats the first's outputs; with split-K
+# (3 steps, 3 splits: the half step is a split of its own) and the ring carried across tiles.
+@pytest.mark.parametrize(
+    "fmt,m,k,n,kw",
+    [
+        ("q4_1", 3, 192, 192, dict(num_splits=1)),
+        ("q8_0", 5, 320, 64, dict(num_splits=3, num_stages=2)),
+        ("int8", 9, 192, 320, dict(num_splits=1, num_stages=2, num_programs=2)),
+        ("nvfp4", 2, 320, 192, dict(num_splits=1)),
+        ("mxfp4", 1, 192, 64, dict(num_splits=2)),
+    ],
+)
+def test_sizes_in_64s_take_a_half_step_and_a_half_tile(fresh_seed, fmt, m, k, n, kw):
+    check_case(fresh_seed, fmt, m, k, n, interpret=True, **kw)
+
+
 @pytest.mark.parametrize("fmt", list(PARTS))
 def test_reference_reads_jaxinfer_layouts(fresh_seed, fmt):
     """The reference dequantizes a weight quantized by jaxinfer's format to jaxinfer's values."""
@@ -140,7 +157,13 @@ def test_arguments_are_validated_by_name():
     bad = [
         (dict(x=jnp.zeros((4, 256), jnp.float32)), "x must be bf16"),
         (dict(x=jnp.zeros((200, 256), jnp.bfloat16)), "M (tokens) must be in 1..128"),
-        (dict(x=jnp.zeros((4, 192), jnp.bfloat16)), "K must be a multiple of 128"),
+        (
+            dict(
+                x=jnp.zeros((4, 192), jnp.bfloat16), values=w["values"][:96], scales=w["scales"][:1]
+            ),
+            "K must be a multiple of 128 for fmt 'int4_g128_sym'",
+        ),
+        (dict(x=jnp.zeros((4, 160), jnp.bfloat16)), "K must be a multiple of 64 and at least"),
         (dict(values=w["values"].astype(jnp.int8)), "values must be uint8 [K/2, N]"),
         (dict(values=w["values"][:64]), "values: 64 rows hold 128 inputs"),
         (dict(scales=w["scales"][:, :32]), "scales must be float32 [2, 128]"),
@@ -198,6 +221,12 @@ def test_kernel_lowers_for_cuda(fmt, m):
     assert "mosaic_gpu" in lower_for_cuda(fmt, m)
 
 
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_kernel_lowers_for_cuda_at_smollm2_sizes(fmt):
+    """SmolLM2's q/k/v product (K 576, N 960: a half step and a half tile)."""
+    assert "mosaic_gpu" in lower_for_cuda(fmt, 1, k=576, n=960)
+
+
 def test_benchmark_smoke_run_writes_rows_with_provenance(tmp_path):
     """experiments/bench_quant_matmul.py --smoke: every impl timed, close to the reference."""
     import json
@@ -222,6 +251,15 @@ def test_benchmark_smoke_run_writes_rows_with_provenance(tmp_path):
 @pytest.mark.parametrize("m", [1, 16, 64])
 def test_compiled_kernel_on_gpu(fresh_seed, fmt, n, k, m):
     """The same check, compiled, at Llama-3-8B's FFN shapes (run on the device: `pytest -m gpu`)."""
+    check_case(fresh_seed, fmt, m, k, n, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536)])
+@pytest.mark.parametrize("m", [1, 64])
+def test_compiled_kernel_at_smollm2_sizes_on_gpu(fresh_seed, fmt, n, k, m):
+    """SmolLM2's q/k/v and down products from its GGUF formats: a half K step, a half tile."""
     check_case(fresh_seed, fmt, m, k, n, interpret=False)
 
 
@@ -261,3 +299,28 @@ def test_formats_products_run_on_the_kernel_as_their_xla_product(fresh_seed, fmt
     with pytest.raises(ValueError, match="backend must be one of"):
         f = dataclasses.replace(wf, backend="triton")
         f.matmul(x, dataclasses.replace(qw, format=f))
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "int8", "mxfp4"])
+def test_products_in_64s_run_on_the_kernel_as_their_xla_product(fresh_seed, fmt):
+    """A [192, 320] weight (K and N multiples of 64, not of 128: SmolLM2's kind) through
+    jaxinfer's format on the kernel gives its XLA product; int4_g128_sym, whose groups span a
+    whole K step, is refused there by name."""
+    import dataclasses
+
+    from jaxinfer.quant import WEIGHT_FORMATS, QuantizedWeight
+
+    rng = np.random.default_rng(fresh_seed)
+    x = jnp.asarray(rng.standard_normal((4, 192)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((192, 320)) * 0.05, jnp.float32)
+
+    def product(name, backend):
+        f = dataclasses.replace(WEIGHT_FORMATS[name], backend=backend)
+        return f.matmul(x, QuantizedWeight(f.quantize(w, 1), f, 1))
+
+    want = np.asarray(product(fmt, "xla"), np.float32)
+    got = np.asarray(product(fmt, "pallas"), np.float32)
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max(),
+                               err_msg=f"{fmt}, seed {fresh_seed}")  # fmt: skip
+    with pytest.raises(ValueError, match="pallas backend takes"):
+        product("int4_g128_sym", "pallas")

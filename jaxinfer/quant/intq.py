@@ -82,20 +82,20 @@ def w4_kernel_product(fmt: WeightFormat, x: jax.Array, qw: QuantizedWeight,
     if backend == "xla":
         return None
     from pallas_kernels.matmul.reference import BITS, PARTS
-    from pallas_kernels.matmul.w4_mgpu import MAX_M, TILE_K, TILE_N
+    from pallas_kernels.matmul.w4_mgpu import MAX_M, SIZE_MULTIPLE, TILE_K, sizes_fit
 
     values = qw.arrays["values"]  # 4 bits: [*in[:-1], in[-1]/2, *out]; 8 bits: [*in, *out]
     lead, out = x.shape[: x.ndim - qw.in_dims], values.shape[qw.in_dims :]
     k, n = math.prod(x.shape[x.ndim - qw.in_dims :]), math.prod(out)
     rows = math.prod(lead)
     names = PARTS.get(fmt.name, {})
-    fits = (bool(names) and x.dtype == jnp.bfloat16 and 1 <= rows <= MAX_M and k % TILE_K == 0
-            and n % TILE_N == 0)  # fmt: skip
+    fits = (bool(names) and x.dtype == jnp.bfloat16 and 1 <= rows <= MAX_M
+            and sizes_fit(fmt.name, k, n))  # fmt: skip
     if backend == "pallas" and not fits:
         raise ValueError(f"{fmt.name}: the pallas backend takes the formats {sorted(PARTS)} with "
-                         f"bf16 x of 1..{MAX_M} tokens, K a multiple of {TILE_K} and N of {TILE_N}; "
-                         f"got x {x.dtype} {list(x.shape)}, output "
-                         f"{list(out)}")  # fmt: skip
+                         f"bf16 x of 1..{MAX_M} tokens, K and N multiples of {SIZE_MULTIPLE} "
+                         f"(K of {TILE_K} for int4_g128_sym), K >= {TILE_K}; got x {x.dtype} "
+                         f"{list(x.shape)}, output {list(out)}")  # fmt: skip
     if backend == "auto" and not (fits and rows <= W4_KERNEL_MAX_ROWS and one_gpu()):
         return None
     from pallas_kernels.matmul import w4_matmul

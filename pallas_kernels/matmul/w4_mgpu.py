@@ -30,14 +30,18 @@ How the work is cut
   tile: 7 for nvfp4's 16-input groups), casts to bf16 and feeds wgmma with fp32 accumulation. A
   scale whose group is the whole step (int4_g128's) multiplies the step's [64, M_pad] product
   instead, row by row: M_pad / 2 multiplies a thread, not 32 per code.
+- Sizes that are multiples of 64 but not of 128 (SmolLM2's hidden size, 576) take no reads
+  out of bounds: the last K step's weight rows (and group entries) start 64 inputs early, at
+  K - 128, and the dispatcher inserts 64 zero inputs into x before its last 64, so that step's
+  first half multiplies zeros; the last output tile's second consumer takes the first's 64
+  outputs (N - 64 on), computing and storing the same values. Groups must then divide 64
+  (int4_g128_sym, whose scale spans a whole step, needs K a multiple of 128).
 - Split-K S (`default_num_splits`): the K loop is cut into S ranges so that narrow weights still
   fill the SMs; each range writes fp32 [64, M_pad] partials and a small XLA epilogue adds them,
   transposes to [M, N], applies an output scale (nvfp4's, int8's) and casts to x's dtype.
 
 Not yet done: the 4-bit x split and the epilogue inside the kernel, TMA multicast of x across a
-cluster, per-group sub-tiles instead of selects for nvfp4, and K or N that are multiples of 64 but
-not of 128 (SmolLM2's hidden size is 576: none of its products fits, so its GGUF blocks take
-XLA's product).
+cluster, per-group sub-tiles instead of selects for nvfp4.
 
 On CPU the kernel runs under jax's GPU interpreter (`interpret=True`); its wgmma is a plain dot
 and register layouts are not modelled there (`_mgpu.wgmma_dot`).
@@ -69,6 +73,7 @@ from pallas_kernels.matmul.w4_decode import DECODERS, W4Decode
 
 TILE_N = CONSUMERS * ROWS  # outputs per tile: 64 (wgmma's M) per consumer
 TILE_K = 128  # inputs per pipeline step; every format's group size divides it
+SIZE_MULTIPLE = 64  # K and N: multiples of this (of TILE_K for a group of 128), K >= TILE_K
 HALF_K = TILE_K // 2  # inputs per wgmma (a "half" of the step); x tiles are [M_pad, HALF_K]
 MAX_M = 128  # tokens: with two consumers' fp32 output stages, 256 would leave one stage
 SMEM_BYTES = 200 * 1024  # the stages are cut to fit this much shared memory (227 KiB on Hopper)
@@ -127,31 +132,43 @@ def w4_matmul_mgpu(
     dec = DECODERS[fmt]
     m, k = x.shape
     n = values.shape[1]
-    steps = k // TILE_K
+    steps = -(-k // TILE_K)  # a last step of 64 inputs counts whole (see "Sizes" above)
     m_pad = padded_m(m)
     stages = default_num_stages(m_pad, dec, steps) if num_stages is None else int(num_stages)
     sms = _compat.num_sms(device)
     if num_splits is None:
-        num_splits = default_num_splits(n // TILE_N, steps, sms)
+        num_splits = default_num_splits(-(-n // TILE_N), steps, sms)
     num_splits = int(num_splits)
     if num_splits < 1 or steps % num_splits:
-        raise ValueError(f"num_splits must divide K / {TILE_K} = {steps}, got {num_splits}")
+        raise ValueError(f"num_splits must divide the {steps} K steps (ceil(K / {TILE_K})), "
+                         f"got {num_splits}")  # fmt: skip
     if stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {stages}")
     interpret = _compat.default_interpret(device) if interpret is None else bool(interpret)
-    tiles = n // TILE_N * num_splits
-    plan = WsPlan(mt=n // TILE_N, nt=1, k_splits=num_splits, steps=steps // num_splits,
+    tiles = -(-n // TILE_N) * num_splits
+    plan = WsPlan(mt=-(-n // TILE_N), nt=1, k_splits=num_splits, steps=steps // num_splits,
                   num_stages=min(stages, steps // num_splits),
                   programs=min(tiles, int(num_programs or sms)))  # fmt: skip
-    kernel = _build_kernel(plan, m_pad=m_pad, n=n, fmt=fmt, interpret=interpret)
+    kernel = _build_kernel(plan, m_pad=m_pad, n=n, k=k, fmt=fmt, interpret=interpret)
     xp = jnp.pad(x.astype(jnp.bfloat16), ((0, m_pad - m), (0, 0)))
     grouped = [parts[name] for name, _ in dec.grouped]
     xs = (xp[:, 0::2], xp[:, 1::2]) if dec.bits == 4 else (xp,)
+    if k % TILE_K:  # the last step re-reads 64 inputs: zeros for them, before x's last 64
+        z = HALF_K * dec.bits // 8  # x columns of 64 inputs: 32 of x_even / x_odd, or 64
+        xs = tuple(jnp.concatenate([a[:, :-z], jnp.zeros((m_pad, z), a.dtype), a[:, -z:]], 1)
+                   for a in xs)  # fmt: skip
     (out,) = kernel(*xs, values, *grouped)  # fp32 [N, M_pad] or [S, N, M_pad]
     y = (out if num_splits == 1 else jnp.sum(out, axis=0))[:, :m].T
     if dec.output_scale is not None:
         y = y * jnp.asarray(parts[dec.output_scale], jnp.float32)
     return y.astype(x.dtype)
+
+
+def sizes_fit(fmt: str, k: int, n: int) -> bool:
+    """Whether the kernel takes a [k, n] weight of `fmt` (see `check_inputs`)."""
+    group = DECODERS[fmt].group
+    return (k % SIZE_MULTIPLE == 0 and k >= TILE_K and n % SIZE_MULTIPLE == 0
+            and (k % TILE_K == 0 or group is None or SIZE_MULTIPLE % group == 0))  # fmt: skip
 
 
 def check_inputs(x, values, fmt: str, parts: dict) -> None:
@@ -163,9 +180,14 @@ def check_inputs(x, values, fmt: str, parts: dict) -> None:
     m, k = x.shape
     if not 1 <= m <= MAX_M:
         raise ValueError(f"x: M (tokens) must be in 1..{MAX_M}, got {m}")
-    if k % TILE_K:
-        raise ValueError(f"x: K must be a multiple of {TILE_K}, got {k}")
-    per_byte = 8 // DECODERS[fmt].bits  # codes a byte
+    if k % SIZE_MULTIPLE or k < TILE_K:
+        raise ValueError(f"x: K must be a multiple of {SIZE_MULTIPLE} and at least {TILE_K}, "
+                         f"got {k}")  # fmt: skip
+    dec = DECODERS[fmt]
+    if k % TILE_K and not (dec.group is None or SIZE_MULTIPLE % dec.group == 0):
+        raise ValueError(f"x: K must be a multiple of {TILE_K} for fmt {fmt!r} (groups of "
+                         f"{dec.group}), got {k}")  # fmt: skip
+    per_byte = 8 // dec.bits  # codes a byte
     want_dtype, rows = (jnp.uint8, "K/2") if per_byte == 2 else (jnp.int8, "K")
     if values.ndim != 2 or values.dtype != want_dtype:
         raise ValueError(f"values must be {jnp.dtype(want_dtype)} [{rows}, N] for fmt {fmt!r}, "
@@ -174,12 +196,11 @@ def check_inputs(x, values, fmt: str, parts: dict) -> None:
         raise ValueError(f"values: {values.shape[0]} rows hold {per_byte * values.shape[0]} "
                          f"inputs, but x has K = {k}")  # fmt: skip
     n = values.shape[1]
-    if n % TILE_N:
-        raise ValueError(f"values: N (outputs) must be a multiple of {TILE_N}, got {n}")
+    if n % SIZE_MULTIPLE:
+        raise ValueError(f"values: N (outputs) must be a multiple of {SIZE_MULTIPLE}, got {n}")
     want = PARTS[fmt]
     if set(parts) != set(want):
         raise ValueError(f"fmt {fmt!r} takes parts {sorted(want)}, got {sorted(parts)}")
-    dec = DECODERS[fmt]
     for name, dtype in want.items():
         a = parts[name]
         shapes = [(), (n,)] if name == dec.output_scale else [(k // dec.group, n)]
@@ -235,12 +256,20 @@ def _group_rows(dec: W4Decode, p_refs, half: int, interpret: bool) -> dict:
 
 
 @functools.cache
-def _build_kernel(plan: WsPlan, *, m_pad: int, n: int, fmt: str, interpret: bool):
+def _build_kernel(plan: WsPlan, *, m_pad: int, n: int, k: int, fmt: str, interpret: bool):
     dec = DECODERS[fmt]
     n_parts = len(dec.grouped)
     n_x = 2 if dec.bits == 4 else 1  # x_even and x_odd, or x
     n_w = weight_tiles(dec)
     groups = TILE_K // dec.group if n_parts else 0  # group entries per step
+    step_rows = n_w * HALF_K  # weight rows per step (bytes of a column)
+    last_row = k * dec.bits // 8 - step_rows  # the last step's first row (K - 128 inputs)
+    last_group = k // dec.group - groups if n_parts else 0
+    row_align = SIZE_MULTIPLE * dec.bits // 8  # the rows of 64 inputs: every start's multiple
+
+    def out_row(t, c):  # consumer c's first output; the last tile's second may repeat the first's
+        return jnp.minimum(t.m_blk * TILE_N + c * ROWS, n - ROWS)
+
     split = plan.k_splits > 1
     names = [name for name, _ in dec.grouped]
 
@@ -258,14 +287,16 @@ def _build_kernel(plan: WsPlan, *, m_pad: int, n: int, fmt: str, interpret: bool
                 c0 = kk * HALF_K if n_x == 2 else kk * TILE_K + h * HALF_K
                 cols = pl.ds(pl.multiple_of(c0, HALF_K), HALF_K)
                 plgpu.copy_gmem_to_smem(src.at[:, cols], x_s.at[h, slot], bar)
+            r0 = jnp.minimum(kk * step_rows, last_row)  # (K - 128 on for a last half step)
+            g0 = jnp.minimum(kk * groups, last_group)
             for c in range(CONSUMERS):
-                outs = pl.ds(pl.multiple_of(t.m_blk * TILE_N + c * ROWS, ROWS), ROWS)
+                outs = pl.ds(pl.multiple_of(out_row(t, c), ROWS), ROWS)
                 for j in range(n_w):  # the step's weight rows, 64 bytes of a column each
-                    rows = pl.ds(pl.multiple_of((kk * n_w + j) * HALF_K, HALF_K), HALF_K)
+                    rows = pl.ds(pl.multiple_of(r0 + j * HALF_K, row_align), HALF_K)
                     plgpu.copy_gmem_to_smem(vals.at[rows, outs], v_s.at[slot, c, j], bar)
                 for src, dst in zip(p_gmem, p_s, strict=True):
-                    plgpu.copy_gmem_to_smem(src.at[pl.ds(kk * groups, groups), outs],
-                                            dst.at[slot, c], bar)  # fmt: skip
+                    plgpu.copy_gmem_to_smem(src.at[pl.ds(g0, groups), outs], dst.at[slot, c],
+                                            bar)  # fmt: skip
 
         def step(c, slot, acc):  # consumer c's 64 outputs x every token, one K step
             p_refs = [ref.at[slot, c] for ref in p_s]
@@ -288,7 +319,7 @@ def _build_kernel(plan: WsPlan, *, m_pad: int, n: int, fmt: str, interpret: bool
             return acc + prod
 
         def finish(c, t, acc):
-            store_tile(acc, o_s.at[c], out, t.m_blk * TILE_N + c * ROWS, 0, t.k_blk,
+            store_tile(acc, o_s.at[c], out, out_row(t, c), 0, t.k_blk,
                        split=split, dtype=jnp.float32)  # fmt: skip
 
         ws_gemm(plan, full=full, free=free, issue=issue, step=step, finish=finish,
