@@ -6,8 +6,9 @@ Rows per (format, m, n, k): `w4_pallas` (pallas_kernels.matmul.w4_matmul, every 
 `xla_dequant` (jaxinfer's format `matmul` with its XLA backend: dequantize in the graph, then a
 bf16 dot) and, once per shape, `xla_bf16` (a plain bf16 dot of the dequantized weight).
 Bandwidth is `weight_TBps`: the bytes of the weight as each impl reads it (values plus
-per-group parts for the quantized rows, the bf16 matrix for `xla_bf16`) over the time. Every row carries `rel_err` against the fp32
-reference on the same inputs. Results are written after every row.
+per-group parts for the quantized rows, the bf16 matrix for `xla_bf16`) over the time. Every
+row carries `rel_err` against the fp32 reference on the same inputs. Results are written after
+every row.
 
     PYTHONPATH=. python3 experiments/bench_quant_matmul.py --out $OUT/quant_matmul.json
     python experiments/bench_quant_matmul.py --smoke --out /tmp/qm.json   # CPU, interpreter

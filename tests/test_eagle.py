@@ -330,8 +330,8 @@ def test_generated_replies_sampled_seeded_and_cut_where_they_repeat(tmp_path):
     greedy one. (tiny, fixed prompts and seeds: deterministic.)"""
     from jaxinfer.train.eagle import generated_streams, load_eagle_config
 
-    eos = LLM("tiny", warmup=False, num_pages=4, max_model_len=48).engine.runner.cfg
-    eos = eos.eos_token_ids[0]
+    cfg = LLM("tiny", warmup=False, num_pages=4, max_model_len=48).engine.runner.cfg
+    eos = cfg.eos_token_ids[0]
 
     def streams(out, *extra):
         tc = load_eagle_config(None, ["name=e", "target=tiny", f"out_dir={tmp_path / out}",

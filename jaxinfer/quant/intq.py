@@ -74,8 +74,8 @@ BACKENDS = ("auto", "pallas", "xla")
 def w4_kernel_product(fmt: WeightFormat, x: jax.Array, qw: QuantizedWeight,
                       backend: str) -> jax.Array | None:  # fmt: skip
     """x @ qw on the weight-only kernel (`pallas_kernels.matmul.w4_matmul`, under its interpreter
-    on a CPU) when `backend` picks it, else None (the format's XLA product). "pallas": always, an error
-    where the kernel cannot run it; "auto": bf16 x of at most `W4_KERNEL_MAX_ROWS` tokens on
+    on a CPU) when `backend` picks it, else None (the format's XLA product). "pallas": always, an
+    error where the kernel cannot run it; "auto": bf16 x of at most `W4_KERNEL_MAX_ROWS` tokens on
     `one_gpu()`, shapes the kernel takes."""
     if backend not in BACKENDS:
         raise ValueError(f"{fmt.name}: backend must be one of {BACKENDS}, got {backend!r}")

@@ -3,8 +3,9 @@
 One `W4Decode` per format is the kernel's only format-specific part (`w4_mgpu` is one kernel for
 all of them, 4-bit and 8-bit). Everything here is elementwise jnp on register arrays: int32 codes
 (0..15 for 4 bits, -128..127 for 8) and fp32 per-group rows already broadcast to the codes'
-shape, so it lowers for Mosaic GPU and runs under the interpreter alike. The arithmetic decodes are independent of `reference.py`'s table lookups,
-so the tests compare two ways of reading a format.
+shape, so it lowers for Mosaic GPU and runs under the interpreter alike. The arithmetic decodes
+are independent of `reference.py`'s table lookups, so the tests compare two ways of reading a
+format.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from pallas_kernels.matmul.reference import BITS, GROUP_SIZES, PARTS
 
 @dataclass(frozen=True)
 class W4Decode:
-    """`bits` per code (4: two a byte, 8: int8); `group` inputs share one entry of each of
-    `grouped` (arrays [K/group, N], streamed with the values); `to_f32(name, raw)` makes a row of
-    one of them fp32; `value(codes, rows)` is the weight (fp32) of int32 codes given each grouped
-    part's fp32 row broadcast to their shape; `output_scale` names a part, one scalar or one per
-    output, that multiplies the product (nvfp4's tensor scale, int8's channel scales)."""
+    """`name` is the format's (its `bits` per code come from `reference.BITS`); `group` inputs share
+    one entry of each of `grouped` (arrays [K/group, N], streamed with the values); `to_f32(name,
+    raw)` makes a row of one of them fp32; `value(codes, rows)` is the weight (fp32) of int32 codes
+    given each grouped part's fp32 row broadcast to their shape; `output_scale` names a part, one
+    scalar or one per output, that multiplies the product (nvfp4's tensor scale, int8's channel
+    scales)."""
 
     name: str
     group: int | None
@@ -36,7 +38,10 @@ class W4Decode:
     # A grouped part whose group is the kernel's whole K step (128 inputs): it scales the step's
     # product row by row instead of every decoded value, and `value` leaves it out.
     step_scale: str | None = None
-    bits: int = 4
+
+    @property
+    def bits(self) -> int:  # per code: 4 (two a byte) or 8 (int8)
+        return BITS[self.name]
 
 
 # 2 |v| of the E2M1 magnitudes 0..7 (0, 0.5, 1, 1.5, 2, 3, 4, 6), one per nibble of an int32
@@ -112,7 +117,6 @@ DECODERS = {
         _to_f32,
         lambda q, r: q.astype(jnp.float32),
         output_scale="scales",
-        bits=8,
     ),
     "q8_0": W4Decode(
         "q8_0",
@@ -120,11 +124,10 @@ DECODERS = {
         (("d", jnp.float16),),
         _to_f32,
         lambda q, r: r["d"] * q.astype(jnp.float32),
-        bits=8,
     ),
 }
 assert all(set(PARTS[f]) == {n for n, _ in d.grouped} | {d.output_scale} - {None}
            for f, d in DECODERS.items())  # fmt: skip
-assert all(d.bits == BITS[f] for f, d in DECODERS.items())
+assert all(d.name == f for f, d in DECODERS.items())
 assert all(d.step_scale is None or (d.group == 128 and d.step_scale in dict(d.grouped))
            for d in DECODERS.values())  # fmt: skip

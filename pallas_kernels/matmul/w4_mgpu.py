@@ -122,12 +122,12 @@ def w4_matmul_mgpu(
     device: jax.Device | None = None,
     **parts: jax.Array,
 ) -> jax.Array:
-    """x [M, K] bf16 @ the weight (`values`: uint8 [K/2, N] for 4 bits, int8 [K, N] for 8, and
-    the format's `parts`, named as in `reference.PARTS`) -> [M, N] in x's dtype. Static tuning: `num_stages` (pipeline depth),
-    `num_splits` (split-K parts, a divisor of K / 128), `num_programs` (persistent programs,
-    never more than the tiles); defaults from `default_num_stages` / `default_num_splits` /
-    `device`'s SMs. `interpret` runs the GPU interpreter (default: when `device`, None for
-    `jax.devices()[0]`, is not a GPU)."""
+    """x [M, K] bf16 @ the weight (`values`: uint8 [K/2, N] for 4 bits, int8 [K, N] for 8, and the
+    format's `parts`, named as in `reference.PARTS`) -> [M, N] in x's dtype. Static tuning:
+    `num_stages` (pipeline depth), `num_splits` (split-K parts, a divisor of ceil(K / 128)),
+    `num_programs` (persistent programs, never more than the tiles); defaults from
+    `default_num_stages` / `default_num_splits` / `device`'s SMs. `interpret` runs the GPU
+    interpreter (default: when `device`, None for `jax.devices()[0]`, is not a GPU)."""
     check_inputs(x, values, fmt, parts)
     dec = DECODERS[fmt]
     m, k = x.shape
