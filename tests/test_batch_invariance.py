@@ -488,8 +488,8 @@ def test_gpu_batches_of_16_and_64_leave_logprobs_bitwise(gpu_model, fresh_seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["int8", "fp8_block", "nvfp4"])
 def test_gpu_weight_formats_leave_logprobs_bitwise(gpu_model, fmt, fresh_seed):
-    """Weight formats under the switch on the GPU: each product over fixed 8-row tiles (int8
-    dequantized by XLA, fp8_block on our block-scaled kernel, nvfp4 on the 4-bit kernel)."""
+    """Weight formats under the switch on the GPU: each product over fixed 8-row tiles (int8 and
+    nvfp4 on the weight-only kernel, fp8_block on our block-scaled kernel)."""
     engine = _engine(gpu_model, quant={"weights": fmt}, **GPU_PAGES)
     assert engine.model_config.has_formats, fmt
     check_batches(engine, fresh_seed)
