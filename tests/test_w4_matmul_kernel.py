@@ -227,11 +227,11 @@ def test_kernel_lowers_for_cuda_at_smollm2_sizes(fmt):
     assert "mosaic_gpu" in lower_for_cuda(fmt, 1, k=576, n=960)
 
 
-@pytest.mark.parametrize("fmt", ["int4_g128_sym", "nvfp4", "q4_1"])
-def test_4bit_x_reaches_the_kernel_by_a_bitcast(fmt):
-    """On the GPU no XLA op prepares a 4-bit product's x (at K a multiple of 128): it is
-    reinterpreted as uint32 input pairs, which the kernel splits and reads past its rows (3 of
-    8 here) as TMA's zeros. A pad or an even/odd slice here is a kernel launch per product."""
+@pytest.mark.parametrize("fmt", ["int4_g128_sym", "nvfp4", "q4_1", "int8", "q8_0"])
+def test_x_reaches_the_kernel_without_an_xla_op(fmt):
+    """On the GPU no XLA op prepares a product's x (at K a multiple of 128): 4 bits reinterpret it
+    as uint32 input pairs, which the kernel splits; rows past the batch's (3 of 8 here) are TMA's
+    zeros. A pad or an even/odd slice here would be a kernel launch per product."""
     sds, k, n, dec = jax.ShapeDtypeStruct, 1024, 256, DECODERS[fmt]
     parts = {name: sds((n,) if name == dec.output_scale else (k // dec.group, n), dt)
              for name, dt in PARTS[fmt].items()}  # fmt: skip
@@ -239,7 +239,8 @@ def test_4bit_x_reaches_the_kernel_by_a_bitcast(fmt):
     def call(x, values, parts):
         return w4_matmul_mgpu(x, values, fmt=fmt, interpret=False, **parts)
 
-    jaxpr = jax.make_jaxpr(call)(sds((3, k), jnp.bfloat16), sds((k // 2, n), jnp.uint8), parts)
+    values = sds((k // 2, n), jnp.uint8) if BITS[fmt] == 4 else sds((k, n), jnp.int8)
+    jaxpr = jax.make_jaxpr(call)(sds((3, k), jnp.bfloat16), values, parts)
     names = [e.primitive.name for e in jaxpr.jaxpr.eqns]
     before = names[: names.index("custom_vmap_call")]  # (the kernel's call)
     assert set(before) <= {"reshape", "bitcast_convert_type"}, names

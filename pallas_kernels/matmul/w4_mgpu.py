@@ -23,7 +23,7 @@ How the work is cut
   first and second 64 inputs, each its own [64, 64] int8 tile, and x is read as it is.
 - The loop is `_mgpu.ws_gemm`, the FP8 GEMM's: a producer warpgroup issues each step's TMA copies
   (128 inputs: x's [M_pad, 64] pairs or its two [M_pad, 64] halves, rows past M read as TMA's
-  zeros for 4 bits, and per consumer its weight tiles of [64 rows, 64 outputs] bytes and each
+  zeros, and per consumer its weight tiles of [64 rows, 64 outputs] bytes and each
   grouped part's [128 / group, 64] tile) into a `num_stages`-deep ring; the
   consumers decode and multiply while it fills the next stages, and persistent programs (one per
   SM) take the tiles in turn. A consumer loads a byte tile from the transposed view (outputs
@@ -42,7 +42,7 @@ How the work is cut
   fill the SMs; each range writes fp32 [64, M_pad] partials and a small XLA epilogue adds them,
   transposes to [M, N], applies an output scale (nvfp4's, int8's) and casts to x's dtype.
 
-Not yet done: the epilogue inside the kernel (8 bits: x's row padding too), TMA multicast of x
+Not yet done: the epilogue inside the kernel, TMA multicast of x
 across a cluster, per-group sub-tiles instead of selects for nvfp4.
 
 On CPU the kernel runs under jax's GPU interpreter (`interpret=True`); its wgmma is a plain dot
@@ -166,17 +166,15 @@ def w4_matmul_mgpu(
 
 
 def _kernel_x(x: jax.Array, dec: W4Decode, m_pad: int, interpret: bool) -> jax.Array:
-    """x as the kernel reads it. 4 bits: uint32 [M, K/2] (a bitcast, no copy), element b holding
-    inputs 2b (low half) and 2b + 1 (high half), which the consumers split into the even and odd
-    inputs in shared memory; the kernel's TMA copies read M_pad rows, those past x's bounds as
-    zeros (the GPU interpreter cannot: there x's rows are padded here). 8 bits: bf16 [M_pad, K],
-    zero rows below x's. With K a multiple of 64 but not of 128, 64 zero inputs go before x's
-    last 64 (see "Sizes")."""
+    """x as the kernel reads it: 8 bits, x; 4 bits, uint32 [M, K/2] (a bitcast, no copy), element
+    b holding inputs 2b (low half) and 2b + 1 (high half), which the consumers split into the even
+    and odd inputs in shared memory. The kernel's TMA copies read M_pad rows, those past x's
+    bounds as zeros (the GPU interpreter cannot: there x's rows are padded here). With K a
+    multiple of 64 but not of 128, 64 zero inputs go before x's last 64 (see "Sizes")."""
     m, k = x.shape
-    if dec.bits == 4:
-        xk = lax.bitcast_convert_type(x.reshape(m, k // 2, 2), jnp.uint32)
-    if dec.bits == 8 or interpret:
-        xk = jnp.pad(x if dec.bits == 8 else xk, ((0, m_pad - m), (0, 0)))
+    xk = lax.bitcast_convert_type(x.reshape(m, k // 2, 2), jnp.uint32) if dec.bits == 4 else x
+    if interpret:
+        xk = jnp.pad(xk, ((0, m_pad - m), (0, 0)))
     if k % TILE_K:
         z = HALF_K * dec.bits // 8  # x columns of 64 inputs: 32 uint32 pairs, or 64
         xk = jnp.concatenate([xk[:, :-z], jnp.zeros((xk.shape[0], z), xk.dtype), xk[:, -z:]], 1)
@@ -315,12 +313,13 @@ def _build_kernel(plan: WsPlan, *, m: int, m_pad: int, n: int, k: int, fmt: str,
         def issue(t, i, slot):  # step i of tile t: x's step, each consumer's weight tiles
             kk = t.b0 + i
             bar = full.at[slot]
-            if pairs:  # the step's 64 input pairs; rows M..M_pad out of x's bounds: TMA's zeros
+            # (x's rows M..M_pad are out of its bounds: TMA reads them as zeros)
+            if pairs:  # the step's 64 input pairs
                 cols = pl.ds(pl.multiple_of(kk * HALF_K, HALF_K), HALF_K)
                 plgpu.copy_gmem_to_smem(x.at[pl.ds(0, m_pad), cols], x_s.at[slot], bar)
             for h in range(0 if pairs else 2):  # 8 bits: x's h-th 64 inputs of the step
                 cols = pl.ds(pl.multiple_of(kk * TILE_K + h * HALF_K, HALF_K), HALF_K)
-                plgpu.copy_gmem_to_smem(x.at[:, cols], x_s.at[h, slot], bar)
+                plgpu.copy_gmem_to_smem(x.at[pl.ds(0, m_pad), cols], x_s.at[h, slot], bar)
             r0 = jnp.minimum(kk * step_rows, last_row)  # (K - 128 on for a last half step)
             g0 = jnp.minimum(kk * groups, last_group)
             for c in range(CONSUMERS):
