@@ -1,6 +1,6 @@
 """Each GPU kernel's own time in one call of a quantized matmul, from Nsight Compute: which part
 of a `w4_pallas` / `fp8_block_pallas` row's time is the Mosaic kernel and which is the XLA ops
-around it (padding, split-K sums, casts, activation quantization).
+around it (padding, the even/odd split of x, split-K sums, casts, activation quantization).
 
 The script runs itself under `ncu` (one metric pass per kernel: duration and DRAM bytes), warms
 the op up outside the profiled range, then profiles exactly one call. The results file lists

@@ -19,11 +19,10 @@ from pallas_kernels import _compat
 ROWS = 64  # wgmma M
 
 
-def swizzled_smem(shape, dtype, swizzle: int = 128):
-    """A shared-memory buffer in the layout TMA and wgmma want: (8 rows, swizzle bytes) tiles
-    (`swizzle` at most, less when a row is shorter)."""
+def swizzled_smem(shape, dtype):
+    """A shared-memory buffer in the layout TMA and wgmma want: (8 rows, swizzle bytes) tiles."""
     itemsize = jnp.dtype(dtype).itemsize
-    swizzle = min(swizzle, shape[-1] * itemsize)
+    swizzle = min(128, shape[-1] * itemsize)
     return plgpu.SMEM(
         shape,
         dtype,

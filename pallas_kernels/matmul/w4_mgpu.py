@@ -17,17 +17,16 @@ How the work is cut
   consumers). 4-bit: byte i of a column holds inputs 2i and 2i+1; rather than interleave the two
   nibbles in registers, the contraction is split into even and odd inputs, y^T = W_even^T
   x_even^T + W_odd^T x_odd^T, the low nibbles of one [64 packed rows, 64 outputs] tile forming
-  W_even and the high nibbles W_odd. x arrives as uint32 input pairs (a bitcast of x, no XLA
-  op); each consumer splits a step's pairs into its own x_even and x_odd tiles in shared memory
-  (low and high 16 bits, `_split_pairs`) before its wgmmas. 8-bit: the halves are the step's
-  first and second 64 inputs, each its own [64, 64] int8 tile, and x is read as it is.
+  W_even and the high nibbles W_odd; the dispatcher splits x into x_even and x_odd ([M, K/2]
+  each; x is small). 8-bit: the halves are the step's first and second 64 inputs, each its own
+  [64, 64] int8 tile, and x is read as it is.
 - The loop is `_mgpu.ws_gemm`, the FP8 GEMM's: a producer warpgroup issues each step's TMA copies
-  (128 inputs: x's [M_pad, 64] pairs or its two [M_pad, 64] halves, rows past M read as TMA's
-  zeros, and per consumer its weight tiles of [64 rows, 64 outputs] bytes and each
-  grouped part's [128 / group, 64] tile) into a `num_stages`-deep ring; the
-  consumers decode and multiply while it fills the next stages, and persistent programs (one per
-  SM) take the tiles in turn. A consumer loads a byte tile from the transposed view (outputs
-  as rows) in `WGMMA_TRANSPOSED` layout, widens it to int32, relays it to the WGMMA layout,
+  (128 inputs: the two x halves [M_pad, 64], x's rows past M read out of its bounds as TMA's
+  zeros, and per consumer its weight tiles of [64 rows, 64 outputs] bytes and each grouped
+  part's [128 / group, 64] tile) into a `num_stages`-deep ring; the consumers decode and
+  multiply while it fills the next stages, and persistent programs (one per SM) take the tiles
+  in turn. A consumer loads a byte tile from the transposed view (outputs as rows) in
+  `WGMMA_TRANSPOSED` layout, widens it to int32, relays it to the WGMMA layout,
   decodes it with the per-group rows broadcast along the row (a select per group boundary in the
   tile: 7 for nvfp4's 16-input groups), casts to bf16 and feeds wgmma with fp32 accumulation. A
   scale whose group is the whole step (int4_g128's) multiplies the step's [64, M_pad] product
@@ -42,8 +41,8 @@ How the work is cut
   fill the SMs; each range writes fp32 [64, M_pad] partials and a small XLA epilogue adds them,
   transposes to [M, N], applies an output scale (nvfp4's, int8's) and casts to x's dtype.
 
-Not yet done: the epilogue inside the kernel, TMA multicast of x
-across a cluster, per-group sub-tiles instead of selects for nvfp4.
+Not yet done: the 4-bit x split and the epilogue inside the kernel, TMA multicast of x across a
+cluster, per-group sub-tiles instead of selects for nvfp4.
 
 On CPU the kernel runs under jax's GPU interpreter (`interpret=True`); its wgmma is a plain dot
 and register layouts are not modelled there (`_mgpu.wgmma_dot`).
@@ -80,8 +79,6 @@ HALF_K = TILE_K // 2  # inputs per wgmma (a "half" of the step); x tiles are [M_
 MAX_M = 128  # tokens: with two consumers' fp32 output stages, 256 would leave one stage
 SMEM_BYTES = 200 * 1024  # the stages are cut to fit this much shared memory (227 KiB on Hopper)
 MAX_STAGES = 4
-PAIR_SWIZZLE = 64  # bytes: x's uint32 pair tiles, [8, 16] (4 tiles across a step for 4 warps)
-HALF_SWIZZLE = 32  # bytes: the split x_even / x_odd tiles, [8, 16] bf16, as the pairs' layout
 FILL_STEPS = 2  # what a tile costs beyond its steps (the ring's fill, the store), in steps
 
 
@@ -98,13 +95,11 @@ def weight_tiles(decoder: W4Decode) -> int:
 
 def default_num_stages(m_pad: int, decoder: W4Decode, steps: int) -> int:
     """As many stages (up to `MAX_STAGES`, never more than the steps) as fit `SMEM_BYTES` next
-    to the consumers' fp32 output stages (and, for 4 bits, their split x tiles)."""
+    to the consumers' fp32 output stages."""
     per_stage = 2 * m_pad * HALF_K * 2 + weight_tiles(decoder) * HALF_K * TILE_N  # x; weights
     per_stage += sum(TILE_K // decoder.group * TILE_N * jnp.dtype(dt).itemsize
                      for _, dt in decoder.grouped)  # fmt: skip
     out = CONSUMERS * ROWS * m_pad * 4
-    if decoder.bits == 4:  # each consumer's x_even and x_odd tiles (`_split_pairs`)
-        out += CONSUMERS * 2 * m_pad * HALF_K * 2
     return max(1, min(steps, MAX_STAGES, (SMEM_BYTES - out) // per_stage))
 
 
@@ -155,30 +150,21 @@ def w4_matmul_mgpu(
     plan = WsPlan(mt=-(-n // TILE_N), nt=1, k_splits=num_splits, steps=steps // num_splits,
                   num_stages=min(stages, steps // num_splits),
                   programs=min(tiles, int(num_programs or sms)))  # fmt: skip
-    kernel = _build_kernel(plan, m=m, m_pad=m_pad, n=n, k=k, fmt=fmt, interpret=interpret)
-    x_in = _kernel_x(x.astype(jnp.bfloat16), dec, m_pad, interpret)
+    kernel = _build_kernel(plan, m_pad=m_pad, n=n, k=k, fmt=fmt, interpret=interpret)
+    # x's rows past M are TMA's zeros: read out of its bounds (the interpreter cannot: padded)
+    xp = x.astype(jnp.bfloat16)
+    xp = jnp.pad(xp, ((0, m_pad - m), (0, 0))) if interpret else xp
     grouped = [parts[name] for name, _ in dec.grouped]
-    (out,) = kernel(x_in, values, *grouped)  # fp32 [N, M_pad] or [S, N, M_pad]
+    xs = (xp[:, 0::2], xp[:, 1::2]) if dec.bits == 4 else (xp,)
+    if k % TILE_K:  # the last step re-reads 64 inputs: zeros for them, before x's last 64
+        z = HALF_K * dec.bits // 8  # x columns of 64 inputs: 32 of x_even / x_odd, or 64
+        xs = tuple(jnp.concatenate([a[:, :-z], jnp.zeros((len(a), z), a.dtype), a[:, -z:]], 1)
+                   for a in xs)  # fmt: skip
+    (out,) = kernel(*xs, values, *grouped)  # fp32 [N, M_pad] or [S, N, M_pad]
     y = (out if num_splits == 1 else jnp.sum(out, axis=0))[:, :m].T
     if dec.output_scale is not None:
         y = y * jnp.asarray(parts[dec.output_scale], jnp.float32)
     return y.astype(x.dtype)
-
-
-def _kernel_x(x: jax.Array, dec: W4Decode, m_pad: int, interpret: bool) -> jax.Array:
-    """x as the kernel reads it: 8 bits, x; 4 bits, uint32 [M, K/2] (a bitcast, no copy), element
-    b holding inputs 2b (low half) and 2b + 1 (high half), which the consumers split into the even
-    and odd inputs in shared memory. The kernel's TMA copies read M_pad rows, those past x's
-    bounds as zeros (the GPU interpreter cannot: there x's rows are padded here). With K a
-    multiple of 64 but not of 128, 64 zero inputs go before x's last 64 (see "Sizes")."""
-    m, k = x.shape
-    xk = lax.bitcast_convert_type(x.reshape(m, k // 2, 2), jnp.uint32) if dec.bits == 4 else x
-    if interpret:
-        xk = jnp.pad(xk, ((0, m_pad - m), (0, 0)))
-    if k % TILE_K:
-        z = HALF_K * dec.bits // 8  # x columns of 64 inputs: 32 uint32 pairs, or 64
-        xk = jnp.concatenate([xk[:, :-z], jnp.zeros((xk.shape[0], z), xk.dtype), xk[:, -z:]], 1)
-    return xk
 
 
 def sizes_fit(fmt: str, k: int, n: int) -> bool:
@@ -244,18 +230,6 @@ def _load_codes(v_ref, interpret: bool) -> jax.Array:
     return plgpu.layout_cast(raw.astype(jnp.int32), plgpu.Layout.WGMMA)
 
 
-def _split_pairs(src, dst, interpret: bool) -> None:
-    """uint32 input pairs [M_pad, 64] (`src`) -> bf16 x_even and x_odd [2, M_pad, 64] (`dst`,
-    swizzled for wgmma), then a fence and the warpgroup's barrier, so wgmma sees them. The
-    previous step's wgmmas have read `dst`: `wgmma_dot` waits for them."""
-    shape = src.shape
-    layout = plgpu.Layout.SMEM_GMEM_COPY(shape, jnp.uint32, PAIR_SWIZZLE)
-    u = src[...] if interpret else plgpu.load(src, (), layout=layout)
-    for h, half in enumerate((u & 0xFFFF, u >> 16)):  # input 2b in the low 16 bits
-        dst.at[h][...] = lax.bitcast_convert_type(half.astype(jnp.uint16), jnp.bfloat16)
-    plgpu.commit_smem()
-
-
 def _row(dec: W4Decode, name: str, src, shape, interpret: bool) -> jax.Array:
     """One group entry per output (a [64] row of a part's tile) as fp32, broadcast to `shape`."""
     raw = src[...] if interpret else plgpu.load(src, (), layout=plgpu.Layout.WGMMA.reduce(1))
@@ -285,11 +259,10 @@ def _group_rows(dec: W4Decode, p_refs, half: int, interpret: bool) -> dict:
 
 
 @functools.cache
-def _build_kernel(plan: WsPlan, *, m: int, m_pad: int, n: int, k: int, fmt: str,
-                  interpret: bool):  # fmt: skip
+def _build_kernel(plan: WsPlan, *, m_pad: int, n: int, k: int, fmt: str, interpret: bool):
     dec = DECODERS[fmt]
     n_parts = len(dec.grouped)
-    pairs = dec.bits == 4  # x as uint32 input pairs, split by each consumer (`_kernel_x`)
+    n_x = 2 if dec.bits == 4 else 1  # x_even and x_odd, or x
     n_w = weight_tiles(dec)
     groups = TILE_K // dec.group if n_parts else 0  # group entries per step
     step_rows = n_w * HALF_K  # weight rows per step (bytes of a column)
@@ -304,22 +277,19 @@ def _build_kernel(plan: WsPlan, *, m: int, m_pad: int, n: int, k: int, fmt: str,
     names = [name for name, _ in dec.grouped]
 
     def body(*refs):
-        x, vals = refs[:2]
-        p_gmem, out = refs[2 : 2 + n_parts], refs[2 + n_parts]
-        x_s, v_s, *rest = refs[3 + n_parts :]
-        p_s, rest = rest[:n_parts], rest[n_parts:]
-        xh_s, (o_s, full, free) = (rest[0], rest[1:]) if pairs else (None, rest)
+        xs, vals = refs[:n_x], refs[n_x]
+        p_gmem, out = refs[n_x + 1 : n_x + 1 + n_parts], refs[n_x + 1 + n_parts]
+        x_s, v_s, *rest = refs[n_x + 2 + n_parts :]
+        p_s, (o_s, full, free) = rest[:n_parts], rest[n_parts:]
 
-        def issue(t, i, slot):  # step i of tile t: x's step, each consumer's weight tiles
+        def issue(t, i, slot):  # step i of tile t: the x halves, each consumer's weight tiles
             kk = t.b0 + i
             bar = full.at[slot]
-            # (x's rows M..M_pad are out of its bounds: TMA reads them as zeros)
-            if pairs:  # the step's 64 input pairs
-                cols = pl.ds(pl.multiple_of(kk * HALF_K, HALF_K), HALF_K)
-                plgpu.copy_gmem_to_smem(x.at[pl.ds(0, m_pad), cols], x_s.at[slot], bar)
-            for h in range(0 if pairs else 2):  # 8 bits: x's h-th 64 inputs of the step
-                cols = pl.ds(pl.multiple_of(kk * TILE_K + h * HALF_K, HALF_K), HALF_K)
-                plgpu.copy_gmem_to_smem(x.at[pl.ds(0, m_pad), cols], x_s.at[h, slot], bar)
+            for h in range(2):  # x half h: x_even / x_odd's step columns, or x's h-th 64 inputs
+                src = xs[h] if n_x == 2 else xs[0]
+                c0 = kk * HALF_K if n_x == 2 else kk * TILE_K + h * HALF_K
+                cols = pl.ds(pl.multiple_of(c0, HALF_K), HALF_K)
+                plgpu.copy_gmem_to_smem(src.at[pl.ds(0, m_pad), cols], x_s.at[h, slot], bar)
             r0 = jnp.minimum(kk * step_rows, last_row)  # (K - 128 on for a last half step)
             g0 = jnp.minimum(kk * groups, last_group)
             for c in range(CONSUMERS):
@@ -334,8 +304,6 @@ def _build_kernel(plan: WsPlan, *, m: int, m_pad: int, n: int, k: int, fmt: str,
         def step(c, slot, acc):  # consumer c's 64 outputs x every token, one K step
             p_refs = [ref.at[slot, c] for ref in p_s]
             prod, rows, codes = None, None, None
-            if pairs:  # x_even and x_odd into this consumer's own tiles
-                _split_pairs(x_s.at[slot], xh_s.at[c], interpret)
             for h in range(2):
                 if dec.bits == 4:  # W_even^T from the low nibbles, W_odd^T from the high ones
                     codes = _load_codes(v_s.at[slot, c, 0], interpret) if h == 0 else codes
@@ -346,8 +314,7 @@ def _build_kernel(plan: WsPlan, *, m: int, m_pad: int, n: int, k: int, fmt: str,
                     rows = _group_rows(dec, p_refs, h, interpret)
                 w = dec.value(q, rows).astype(jnp.bfloat16)
                 # (wgmma_dot reads its accumulator: both products are done with the stage after)
-                x_h = xh_s.at[c, h] if pairs else x_s.at[h, slot]
-                p = wgmma_dot(w, x_h, interpret=interpret, transpose_b=True)
+                p = wgmma_dot(w, x_s.at[h, slot], interpret=interpret, transpose_b=True)
                 prod = p if prod is None else prod + p
             if dec.step_scale is not None:  # one scale per output for the whole step
                 ref = p_refs[names.index(dec.step_scale)]
@@ -363,20 +330,13 @@ def _build_kernel(plan: WsPlan, *, m: int, m_pad: int, n: int, k: int, fmt: str,
 
     stages = plan.num_stages
     v_dtype = jnp.uint8 if dec.bits == 4 else jnp.int8
-    if pairs:  # x's step as input pairs; each consumer's x_even and x_odd tiles
-        x_scratch = swizzled_smem((stages, m_pad, HALF_K), jnp.uint32, PAIR_SWIZZLE)
-        halves = [swizzled_smem((CONSUMERS, 2, m_pad, HALF_K), jnp.bfloat16, HALF_SWIZZLE)]
-    else:  # x's step as its two halves
-        x_scratch, halves = swizzled_smem((2, stages, m_pad, HALF_K), jnp.bfloat16), []
-    x_copies = 1 if pairs else 2
     scratch = [
-        x_scratch,
+        swizzled_smem((2, stages, m_pad, HALF_K), jnp.bfloat16),  # the two x halves' tiles
         swizzled_smem((stages, CONSUMERS, n_w, HALF_K, ROWS), v_dtype),  # weight tiles
         *[plgpu.SMEM((stages, CONSUMERS, groups, ROWS), dt) for _, dt in dec.grouped],
-        *halves,
         plgpu.SMEM((CONSUMERS, ROWS, m_pad), jnp.float32),  # output stages, one per consumer
-        # full: the step's copies landed (x's, and per consumer its weights and parts)
-        plgpu.Barrier(num_arrivals=x_copies + CONSUMERS * (n_w + n_parts), num_barriers=stages),
+        # full: the step's copies landed (two x halves, and per consumer its weights and parts)
+        plgpu.Barrier(num_arrivals=2 + CONSUMERS * (n_w + n_parts), num_barriers=stages),
         plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),  # free: both read it
     ]
     return ws_launch(body, plan, m_pad=n, n=m_pad, out_dtype=jnp.float32, scratch=scratch,
