@@ -227,25 +227,6 @@ def test_kernel_lowers_for_cuda_at_smollm2_sizes(fmt):
     assert "mosaic_gpu" in lower_for_cuda(fmt, 1, k=576, n=960)
 
 
-@pytest.mark.parametrize("fmt", ["int4_g128_sym", "nvfp4", "q4_1", "int8", "q8_0"])
-def test_x_is_not_padded_before_the_kernel(fmt):
-    """On the GPU x's rows past the batch's (3 of 8 here) are read out of its bounds, TMA's zeros:
-    before the kernel an 8-bit product runs no op, a 4-bit one only x's even/odd slices (at K a
-    multiple of 128). A pad there would be one more launch per product."""
-    sds, k, n, dec = jax.ShapeDtypeStruct, 1024, 256, DECODERS[fmt]
-    parts = {name: sds((n,) if name == dec.output_scale else (k // dec.group, n), dt)
-             for name, dt in PARTS[fmt].items()}  # fmt: skip
-
-    def call(x, values, parts):
-        return w4_matmul_mgpu(x, values, fmt=fmt, interpret=False, **parts)
-
-    values = sds((k // 2, n), jnp.uint8) if BITS[fmt] == 4 else sds((k, n), jnp.int8)
-    jaxpr = jax.make_jaxpr(call)(sds((3, k), jnp.bfloat16), values, parts)
-    names = [e.primitive.name for e in jaxpr.jaxpr.eqns]
-    before = names[: names.index("custom_vmap_call")]  # (the kernel's call)
-    assert before == (["slice", "slice"] if BITS[fmt] == 4 else []), names
-
-
 def test_benchmark_smoke_run_writes_rows_with_provenance(tmp_path):
     """experiments/bench_quant_matmul.py --smoke: every impl timed, close to the reference."""
     import json

@@ -17,16 +17,15 @@ How the work is cut
   consumers). 4-bit: byte i of a column holds inputs 2i and 2i+1; rather than interleave the two
   nibbles in registers, the contraction is split into even and odd inputs, y^T = W_even^T
   x_even^T + W_odd^T x_odd^T, the low nibbles of one [64 packed rows, 64 outputs] tile forming
-  W_even and the high nibbles W_odd; the dispatcher splits x into x_even and x_odd ([M, K/2]
+  W_even and the high nibbles W_odd; the dispatcher splits x into x_even and x_odd ([M_pad, K/2]
   each; x is small). 8-bit: the halves are the step's first and second 64 inputs, each its own
   [64, 64] int8 tile, and x is read as it is.
 - The loop is `_mgpu.ws_gemm`, the FP8 GEMM's: a producer warpgroup issues each step's TMA copies
-  (128 inputs: the two x halves [M_pad, 64], x's rows past M read out of its bounds as TMA's
-  zeros, and per consumer its weight tiles of [64 rows, 64 outputs] bytes and each grouped
-  part's [128 / group, 64] tile) into a `num_stages`-deep ring; the consumers decode and
-  multiply while it fills the next stages, and persistent programs (one per SM) take the tiles
-  in turn. A consumer loads a byte tile from the transposed view (outputs as rows) in
-  `WGMMA_TRANSPOSED` layout, widens it to int32, relays it to the WGMMA layout,
+  (128 inputs: the two x halves [M_pad, 64], and per consumer its weight tiles of [64 rows, 64
+  outputs] bytes and each grouped part's [128 / group, 64] tile) into a `num_stages`-deep ring; the
+  consumers decode and multiply while it fills the next stages, and persistent programs (one per
+  SM) take the tiles in turn. A consumer loads a byte tile from the transposed view (outputs
+  as rows) in `WGMMA_TRANSPOSED` layout, widens it to int32, relays it to the WGMMA layout,
   decodes it with the per-group rows broadcast along the row (a select per group boundary in the
   tile: 7 for nvfp4's 16-input groups), casts to bf16 and feeds wgmma with fp32 accumulation. A
   scale whose group is the whole step (int4_g128's) multiplies the step's [64, M_pad] product
@@ -151,14 +150,12 @@ def w4_matmul_mgpu(
                   num_stages=min(stages, steps // num_splits),
                   programs=min(tiles, int(num_programs or sms)))  # fmt: skip
     kernel = _build_kernel(plan, m_pad=m_pad, n=n, k=k, fmt=fmt, interpret=interpret)
-    # x's rows past M are TMA's zeros: read out of its bounds (the interpreter cannot: padded)
-    xp = x.astype(jnp.bfloat16)
-    xp = jnp.pad(xp, ((0, m_pad - m), (0, 0))) if interpret else xp
+    xp = jnp.pad(x.astype(jnp.bfloat16), ((0, m_pad - m), (0, 0)))
     grouped = [parts[name] for name, _ in dec.grouped]
     xs = (xp[:, 0::2], xp[:, 1::2]) if dec.bits == 4 else (xp,)
     if k % TILE_K:  # the last step re-reads 64 inputs: zeros for them, before x's last 64
         z = HALF_K * dec.bits // 8  # x columns of 64 inputs: 32 of x_even / x_odd, or 64
-        xs = tuple(jnp.concatenate([a[:, :-z], jnp.zeros((len(a), z), a.dtype), a[:, -z:]], 1)
+        xs = tuple(jnp.concatenate([a[:, :-z], jnp.zeros((m_pad, z), a.dtype), a[:, -z:]], 1)
                    for a in xs)  # fmt: skip
     (out,) = kernel(*xs, values, *grouped)  # fp32 [N, M_pad] or [S, N, M_pad]
     y = (out if num_splits == 1 else jnp.sum(out, axis=0))[:, :m].T
@@ -289,7 +286,7 @@ def _build_kernel(plan: WsPlan, *, m_pad: int, n: int, k: int, fmt: str, interpr
                 src = xs[h] if n_x == 2 else xs[0]
                 c0 = kk * HALF_K if n_x == 2 else kk * TILE_K + h * HALF_K
                 cols = pl.ds(pl.multiple_of(c0, HALF_K), HALF_K)
-                plgpu.copy_gmem_to_smem(src.at[pl.ds(0, m_pad), cols], x_s.at[h, slot], bar)
+                plgpu.copy_gmem_to_smem(src.at[:, cols], x_s.at[h, slot], bar)
             r0 = jnp.minimum(kk * step_rows, last_row)  # (K - 128 on for a last half step)
             g0 = jnp.minimum(kk * groups, last_group)
             for c in range(CONSUMERS):
