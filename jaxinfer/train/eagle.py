@@ -397,6 +397,28 @@ def train_eagle(tc: EagleTrainConfig, *, log=print) -> dict:
         loss = float(np.mean([float(r[0]) for r in rows]))
         return loss, [round(float(a), 4) for a in np.mean([np.asarray(r[1]) for r in rows], 0)]
 
+    def save(done: int, eval_loss: float, eval_agree: list[float]) -> dict:
+        """Writes the head and metrics.json as of step `done` (every eval: a run cut short
+        keeps its last one); returns the summary."""
+        summary = {
+            **provenance(),
+            "name": tc.name, "target": tc.target, "steps": done, "data": tc.data,
+            "generated": generated, "train_tokens": len(train),
+            "train_tokens_seen": done * tc.batch_size * tc.seq_len,
+            "head_params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(head))),
+            "heldout_agreement_before": agree0[0], "heldout_agreement": eval_agree[0],
+            # step s's top-1 agreement given s - 1 kept drafts, fed its own features (unroll)
+            "heldout_agreement_by_step": eval_agree,
+            "expected_tokens_per_verification": round(expected_tokens(eval_agree), 3),
+            "heldout_loss": round(eval_loss, 4), "train_s": round(time.perf_counter() - t0, 1),
+            "total_s": round(time.perf_counter() - t_start, 1),
+            "config": OmegaConf.to_container(OmegaConf.structured(tc)),
+        }  # fmt: skip
+        save_head(tc.head, jax.tree.map(lambda w: w.astype(tc.head_dtype), head), cfg,
+                  {"train": summary})  # fmt: skip
+        (out / "metrics.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
     loss0, agree0 = evaluate()
     log(f"step 0: held-out loss {loss0:.3f}, agreement by draft step {agree0}")
     t0 = time.perf_counter()
@@ -418,21 +440,5 @@ def train_eagle(tc: EagleTrainConfig, *, log=print) -> dict:
                 f.write(json.dumps(row) + "\n")
             log(f"step {done}: loss {float(loss):.3f}, held-out loss {eval_loss:.3f}, agreement "
                 f"by draft step {eval_agree} ({row['elapsed_s']} s)")  # fmt: skip
-    summary = {
-        **provenance(),
-        "name": tc.name, "target": tc.target, "steps": tc.steps, "data": tc.data,
-        "generated": generated, "train_tokens": len(train),
-        "train_tokens_seen": tc.steps * tc.batch_size * tc.seq_len,
-        "head_params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(head))),
-        "heldout_agreement_before": agree0[0], "heldout_agreement": eval_agree[0],
-        # step s's top-1 agreement given s - 1 kept drafts, fed its own features (unroll)
-        "heldout_agreement_by_step": eval_agree,
-        "expected_tokens_per_verification": round(expected_tokens(eval_agree), 3),
-        "heldout_loss": round(eval_loss, 4), "train_s": round(time.perf_counter() - t0, 1),
-        "total_s": round(time.perf_counter() - t_start, 1),
-        "config": OmegaConf.to_container(OmegaConf.structured(tc)),
-    }  # fmt: skip
-    save_head(tc.head, jax.tree.map(lambda w: w.astype(tc.head_dtype), head), cfg,
-              {"train": summary})  # fmt: skip
-    (out / "metrics.json").write_text(json.dumps(summary, indent=2))
+            summary = save(done, eval_loss, eval_agree)
     return summary
