@@ -7,8 +7,11 @@ proposer against the same engine without speculation, in one run.
         --methods none ngram self:10 --batches 1 8 64 --out $OUT/speculative.json  # H200
 
 Each method builds one engine (engine.max_num_seqs = the largest batch; its warm-up, once,
-excluded), and for each workload and batch B generates B x --waves requests, B at a time (so B
-run together, all to the same length), greedily (--temperature 0) or sampled, EOS ignored;
+excluded; --num-pages 0, the default, sizes the KV cache so that no point preempts), and for
+each workload and batch B generates B x --waves requests with B in flight at a time: a finished
+request's slot takes the next prompt at once, as a server at concurrency B does (a batch that
+waited for its slowest member would charge speculation, whose sequences advance at different
+rates, for the wait), greedily (--temperature 0) or sampled, EOS ignored, all to the same length;
 recorded: output tok/s, the speedup over "none" at the same batch and
 workload, the draft acceptance rate, tokens per verification (tau) and acceptance by draft
 position (`metrics.summary`), and whether the outputs equal "none"'s token for token (they must:
@@ -81,13 +84,25 @@ def speculative_config(method: str, gamma: int) -> dict:
                      "self:LAYERS[:G] or eagle:HEAD[:G] (each with an optional +adaptive)")  # fmt: skip
 
 
-def build_engine(args, method: str) -> tuple[LLM, dict, float]:
+PAGE_SIZE = 16
+
+
+def pages_for(args, longest_prompt: int) -> int:
+    """KV pages for max(--batches) sequences of the longest prompt and --max-tokens each, plus
+    what a decode scan reserves ahead (two scans of --decode-steps rounds of 1 + gamma tokens)
+    and the scratch page: no point preempts (a preemption's recompute would be timed)."""
+    ahead = 2 * args.decode_steps * (1 + args.num_draft_tokens)
+    per_seq = -(-(longest_prompt + args.max_tokens + ahead) // PAGE_SIZE)
+    return max(args.batches) * per_seq + 1
+
+
+def build_engine(args, method: str, num_pages: int) -> tuple[LLM, dict, float]:
     """(the method's engine, its engine options, warm-up seconds): one per method for every
     batch (max_num_seqs = the largest), so a run compiles each method's buckets once."""
     top = max(args.batches)
     engine = dict(model=args.model, dtype=args.dtype, max_num_seqs=top,
                   max_num_batched_tokens=max(args.max_num_batched_tokens, top),
-                  num_pages=args.num_pages, page_size=16, max_model_len=args.max_model_len,
+                  num_pages=num_pages, page_size=PAGE_SIZE, max_model_len=args.max_model_len,
                   decode_steps=args.decode_steps, decode_buckets=sorted(set(args.batches)),
                   speculative=speculative_config(method, args.num_draft_tokens))  # fmt: skip
     t0 = time.perf_counter()
@@ -97,21 +112,31 @@ def build_engine(args, method: str) -> tuple[LLM, dict, float]:
 
 def run_point(llm: LLM, engine: dict, warmup_s: float, method: str, batch: int, prompts,
               sampling) -> tuple[dict, list]:  # fmt: skip
-    """One (method, batch) point on the method's engine: the prompts in groups of `batch`."""
-    llm.engine.step_records.clear()
+    """One (method, batch) point on the method's engine: the prompts with `batch` in flight."""
+    eng = llm.engine
+    eng.step_records.clear()
     t0 = time.perf_counter()
-    outs = []
-    for i in range(0, len(prompts), batch):
-        outs += llm.generate(prompts[i : i + batch], sampling)
+    queue, seqs, live = list(prompts), [], []
+    while queue or eng.has_unfinished():
+        while queue and len(live) < batch:
+            live.append(eng.add_request(queue.pop(0), sampling))
+            seqs.append(live[-1])
+        eng.step()
+        live = [s for s in live if not s.is_finished]
     wall = time.perf_counter() - t0
-    tokens = [o.token_ids for o in outs]
-    summary = summarize([], llm.engine.step_records)
+    errors = [s.error for s in seqs if s.error is not None]
+    if errors:
+        raise RuntimeError(f"{method} at batch {batch}: {len(errors)} requests failed: {errors[0]}")
+    tokens = [list(s.output_token_ids) for s in seqs]
+    eng.release(seqs)
+    summary = summarize([], eng.step_records)
     row = {
         "method": method, "batch": batch, "requests": len(prompts),
         "output_tokens": sum(map(len, tokens)), "wall_s": round(wall, 3),
         "output_tok_s": round(sum(map(len, tokens)) / wall, 1),
-        "steps": len(llm.engine.step_records), "engine_warmup_s": round(warmup_s, 1),
-        "compiles_after_warmup": llm.engine.compiles_after_warmup,
+        "steps": len(eng.step_records), "engine_warmup_s": round(warmup_s, 1),
+        "compiles_after_warmup": eng.compiles_after_warmup,
+        "preemptions": summary["total_preemptions"],
         **{k: summary[k] for k in ("draft_acceptance_rate", "tokens_per_verification",
                                    "acceptance_by_position", "speculative_step_fraction")},
         "speculative": engine["speculative"],
@@ -141,7 +166,7 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.plot([r["batch"] for r in sub], [r["speedup"] for r in sub], "o-", label=method)
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch (requests run together)")
+        ax.set_xlabel("batch (requests in flight)")
         ax.set_ylabel("output tok/s over no speculation")
         ax.set_title(wl)
         ax.legend(fontsize=8)
@@ -173,7 +198,7 @@ def main(argv=None) -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--decode-steps", type=int, default=8)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
-    ap.add_argument("--num-pages", type=int, default=1024)
+    ap.add_argument("--num-pages", type=int, default=0, help="0: enough that no point preempts")
     ap.add_argument("--max-model-len", type=int, default=1024)
     args = ap.parse_args(argv)
     if "none" not in args.methods:
@@ -187,10 +212,11 @@ def main(argv=None) -> None:
     waves = {b: max(args.waves, -(-args.min_requests // b)) for b in args.batches}
     points = [(wl, batch, prompts_of(wl, prompter, batch * waves[batch], args.snippet_chars))
               for wl in args.workloads for batch in args.batches]  # fmt: skip
+    num_pages = args.num_pages or pages_for(args, max(len(p) for *_, ps in points for p in ps))
     base = {}  # (workload, batch) -> (tokens, output tok/s) of "none"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for method in methods:  # "none" first: every other row's baseline exists when it runs
-        llm, engine, warmup_s = build_engine(args, method)
+        llm, engine, warmup_s = build_engine(args, method, num_pages)
         for wl, batch, prompts in points:
             row, tokens = run_point(llm, engine, warmup_s, method, batch, prompts, sampling)
             if method == "none":
