@@ -90,10 +90,11 @@ PAGE_SIZE = 16
 def pages_for(args, longest_prompt: int) -> int:
     """KV pages for max(--batches) sequences of the longest prompt and --max-tokens each, plus
     what a decode scan reserves ahead (two scans of --decode-steps rounds of 1 + gamma tokens)
-    and the scratch page: no point preempts (a preemption's recompute would be timed)."""
+    and the scratch page: no point preempts (a preemption's recompute would be timed). At least
+    one request of --max-model-len (the engine's own floor)."""
     ahead = 2 * args.decode_steps * (1 + args.num_draft_tokens)
     per_seq = -(-(longest_prompt + args.max_tokens + ahead) // PAGE_SIZE)
-    return max(args.batches) * per_seq + 1
+    return max(max(args.batches) * per_seq, -(-args.max_model_len // PAGE_SIZE)) + 1
 
 
 def build_engine(args, method: str, num_pages: int) -> tuple[LLM, dict, float]:
