@@ -1,0 +1,69 @@
+"""experiments/speculative/run.py's batching: B requests in flight (a finished one's slot takes
+the next prompt at once), and a KV cache sized so that no point preempts."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import experiment_scripts
+
+
+class FakeSeq:
+    def __init__(self, prompt: list[int]) -> None:
+        self.left = prompt[0]  # the engine steps this request takes
+        self.output_token_ids: list[int] = []
+        self.error = None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.left == 0
+
+
+class FakeEngine:
+    """Each step gives every unfinished request one token; records the most in flight."""
+
+    def __init__(self) -> None:
+        self.seqs, self.steps, self.most, self.step_records = [], 0, 0, []
+        self.compiles_after_warmup = 0
+
+    def add_request(self, prompt, sampling):
+        self.seqs.append(FakeSeq(prompt))
+        return self.seqs[-1]
+
+    def has_unfinished(self) -> bool:
+        return any(not s.is_finished for s in self.seqs)
+
+    def step(self) -> None:
+        live = [s for s in self.seqs if not s.is_finished]
+        self.most = max(self.most, len(live))
+        self.steps += 1
+        for s in live:
+            s.output_token_ids.append(len(s.output_token_ids))
+            s.left -= 1
+
+    def release(self, seqs) -> None:
+        pass
+
+
+def test_a_finished_requests_slot_takes_the_next_prompt_at_once():
+    run = experiment_scripts.load("speculative/run")
+    eng = FakeEngine()
+    lengths = [3, 1, 1, 3]
+    row, tokens = run.run_point(SimpleNamespace(engine=eng), {"speculative": {}}, 0.0, "none", 2,
+                                [[n] for n in lengths], None)  # fmt: skip
+    # in flight: r0 and r1; r1 ends after step 1, r2 takes its slot, ends after step 2; r3 then
+    # runs steps 3-5. Waves of two would take 3 + 3 = 6 steps.
+    assert eng.steps == 5 and eng.most == 2, (eng.steps, eng.most)
+    assert tokens == [list(range(n)) for n in lengths]
+    assert row["output_tokens"] == sum(lengths) and row["requests"] == 4
+    assert row["preemptions"] == 0
+
+
+def test_the_kv_cache_holds_every_point_and_one_request_of_max_model_len():
+    run = experiment_scripts.load("speculative/run")
+    args = SimpleNamespace(batches=[1, 8, 64], max_tokens=256, decode_steps=8,
+                           num_draft_tokens=4, max_model_len=1024)  # fmt: skip
+    # 64 sequences of 248 + 256 tokens and two scans of 8 rounds x 5 rows ahead: 37 pages each
+    assert run.pages_for(args, 248) == 64 * 37 + 1
+    args.batches = [1]  # one sequence needs 37 pages; the engine wants one of 1,024 tokens: 64
+    assert run.pages_for(args, 248) == 64 + 1
