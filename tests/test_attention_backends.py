@@ -62,10 +62,12 @@ def test_pallas_backend_matches_xla_through_prefill_and_decode(fresh_seed):
         assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2
 
 
-def test_decode_step_writes_kv_in_the_kernel(monkeypatch, fresh_seed):
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_decode_step_writes_kv_in_the_kernel(monkeypatch, fresh_seed, q_len):
     """A decode step on the Pallas backend writes its K/V inside the attention kernel (no XLA
     scatter): the same hidden states and the same pages (bar the scratch page, where only the
-    scatter writes padding tokens) as with `fused_kv_write` off, and the fused launch ran."""
+    scatter writes padding tokens) as with `fused_kv_write` off, and the fused launch ran. With
+    `decode_tokens`, so does a verification-shaped step (3 tokens a sequence)."""
     from pallas_kernels.paged_attention import mosaic_gpu
 
     writes = []
@@ -78,36 +80,45 @@ def test_decode_step_writes_kv_in_the_kernel(monkeypatch, fresh_seed):
     monkeypatch.setattr(mosaic_gpu, "_launch", spy)
     cfg, params = load_model()
     rng = np.random.default_rng(fresh_seed)
-    p1, p2 = [list(rng.integers(1, cfg.vocab_size, n)) for n in (21, 16)]
+    p1, p2 = [list(rng.integers(1, cfg.vocab_size, n)) for n in (21, 15)]
     prefill = build_ragged_batch([p1, p2], [0, 0], [[5, 2], [7]], num_tokens=48, num_seqs=4,
                                  pages_per_seq=4, max_q_len=48)  # fmt: skip
     kv0 = init_kv_cache(cfg, 48, 16, dtype="bfloat16")
     _, kv0 = step(params, cfg, prefill, kv0, attention=AttentionConfig())
-    # sequence 1's new token starts page 2 of its table (position 16)
-    decode = build_ragged_batch([[5], [9]], [21, 16], [[5, 2], [7, 3]], num_tokens=8, num_seqs=4,
-                                pages_per_seq=4, max_q_len=1)  # fmt: skip
+    # sequence 1's new tokens cross from page 1 into page 2 of its table (positions 15, 16, ..)
+    new = [list(rng.integers(1, cfg.vocab_size, q_len)) for _ in range(2)]
+    decode = build_ragged_batch(new, [21, 15], [[5, 2], [7, 3]], num_tokens=8, num_seqs=4,
+                                pages_per_seq=4, max_q_len=q_len)  # fmt: skip
+    options = (("decode_tokens", 4),) if q_len > 1 else ()
     out = {}
     for fused in (True, False):
         # (a jit of its own: the spy sees the launch when the step is traced)
         fused_step = jax.jit(lambda p, b, kv, fused=fused: forward_paged(
-            p, cfg, b, kv, attention=AttentionConfig("pallas", (("fused_kv_write", fused),))))  # fmt: skip
+            p, cfg, b, kv, attention=AttentionConfig("pallas", (("fused_kv_write", fused),
+                                                                *options))))  # fmt: skip
         writes.clear()
         h, kv = fused_step(params, decode, jax.tree.map(jnp.copy, kv0))
         assert writes and set(writes) == {fused}, writes  # (the layer is traced once)
-        out[fused] = np.asarray(h[:2], np.float32), np.asarray(kv.pages[:, 1:], np.float32)
+        out[fused] = np.asarray(h[: 2 * q_len], np.float32), np.asarray(kv.pages[:, 1:], np.float32)
     # a decode step past the token limit (an int option) scatters first: the launch is decided
     # while tracing, so a trace (no run of the interpreted kernel) shows it
     writes.clear()
     jax.eval_shape(functools.partial(forward_paged, cfg=cfg, attention=AttentionConfig(
-        "pallas", (("fused_kv_write", 7),))), params, batch=decode, kv=kv0)  # fmt: skip
+        "pallas", (("fused_kv_write", 7), *options))), params, batch=decode, kv=kv0)  # fmt: skip
     assert writes and not any(writes), writes
     np.testing.assert_array_equal(out[True][1], out[False][1])
     np.testing.assert_allclose(out[True][0], out[False][0], rtol=1e-5, atol=1e-5)
-    # the new slots (page 2 slot 5, page 3 slot 0; index 1 is page 2 here) were empty before
+    h_xla, _ = step(params, cfg, decode, jax.tree.map(jnp.copy, kv0), attention=AttentionConfig())
+    ref = np.asarray(h_xla[: 2 * q_len], np.float32)
+    assert np.linalg.norm(out[True][0] - ref) / np.linalg.norm(ref) < 1e-2, f"seed {fresh_seed}"
+    # the new slots were empty before (pool pages 2, 7, 3 are indices 1, 6, 2 here)
     before = np.asarray(kv0.pages[:, 1:], np.float32)
-    for page, slot in ((1, 5), (2, 0)):
-        assert np.all(before[:, page, :, slot] == 0)
-        assert np.all(out[True][1][:, page, :, slot] != 0)
+    slots = [(1, 5 + j) for j in range(q_len)] + [(6 if j == 0 else 2, (15 + j) % 16)
+                                                   for j in range(q_len)]  # fmt: skip
+    for page, slot in slots:
+        assert np.all(before[:, page, :, slot] == 0), (page, slot)
+        # (written: the pages equal the scatter's, above; a K or V element may be 0 in bf16)
+        assert np.count_nonzero(out[True][1][:, page, :, slot]) > 0, (page, slot)
 
 
 def test_mixed_step_and_kernel_options(fresh_seed):
@@ -145,10 +156,12 @@ def test_backend_option_is_validated():
     # every option's values are checked at configuration (the kernel meets them only when a step
     # is traced for a GPU; a CPU run would ignore them)
     good = dict(split_decode_rows=False, num_splits=3, num_stages=2, warp_specialized=True,
-                block_kv=128, num_consumers=2, token_major_decode=False, fused_kv_write=32)  # fmt: skip
+                block_kv=128, num_consumers=2, token_major_decode=False, fused_kv_write=32,
+                decode_tokens=5)  # fmt: skip
     assert EngineConfig(attention_options=good).attention_options == good
     bad = dict(split_decode_rows=1, num_splits=0, num_stages="2", warp_specialized="yes",
-               block_kv=96, num_consumers=True, token_major_decode=None, fused_kv_write=-1)  # fmt: skip
+               block_kv=96, num_consumers=True, token_major_decode=None, fused_kv_write=-1,
+               decode_tokens=0)  # fmt: skip
     assert set(bad) == set(good) == set(ATTENTION_OPTIONS)
     for key, value in bad.items():
         with pytest.raises(ValueError, match=re.escape(f"options.{key}={value!r} is invalid")):

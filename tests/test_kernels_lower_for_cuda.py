@@ -51,6 +51,8 @@ def lower_attention(*, num_tokens, num_seqs, max_q_len, num_kv_heads=8, group=4,
 DECODE = dict(num_tokens=64, num_seqs=64, max_q_len=1)  # one split: token-major outputs
 SMALL_DECODE = dict(num_tokens=4, num_seqs=4, max_q_len=1)  # context splits and their combine
 PREFILL = dict(num_tokens=256, num_seqs=4, max_q_len=128)  # prefill blocks (and decode rows)
+# speculative verification: decode blocks of 5 tokens (context splits and their combine)
+VERIFY = dict(num_tokens=20, num_seqs=4, max_q_len=5, decode_tokens=8)
 
 
 @pytest.mark.parametrize(
@@ -65,6 +67,9 @@ PREFILL = dict(num_tokens=256, num_seqs=4, max_q_len=128)  # prefill blocks (and
         (SMALL_DECODE, dict(kv_dtype=FP8, warp_specialized=False)),
         (DECODE, dict(head_dim=64, page_size=16, group=8)),  # several copies per tile
         (SMALL_DECODE, dict(head_dim=256, page_size=128)),  # a tile is a slice of a page
+        (VERIFY, {}),
+        (VERIFY, dict(new_kv=True)),  # the kernel writes 5 tokens' K/V a sequence
+        (VERIFY, dict(new_kv=True, shared_pool=True, group=3)),
         (PREFILL, {}),  # two consumer warpgroups; decode rows in a second launch
         (PREFILL, dict(split_decode_rows=False, soft_cap=30.0, sliding_window=100)),
         (PREFILL, dict(kv_dtype=FP8)),

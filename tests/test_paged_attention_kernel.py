@@ -239,7 +239,8 @@ def test_token_major_decode_outputs(monkeypatch, q_lens, ctx_lens, group, warp_s
 
 def run_write_case(*, q_lens, ctx_lens, page_size=16, num_kv_heads=2, group=4, head_dim=64,
                    shared_pool=True, interpret=True, pad_tokens=2, **options):  # fmt: skip
-    """Decode with `new_kv`: the kernel writes each token's K/V into its slot, then attends.
+    """Decode with `new_kv`: the kernel writes each token's K/V into its slot, then attends
+    (several tokens a sequence: blocks of `max(q_lens)` tokens, `options` must allow them).
 
     The new tokens' slots are NaN on input (a tile loaded before the write lands, or from the
     wrong slot, poisons the output); the returned pages must equal the inputs with exactly those
@@ -257,19 +258,20 @@ def run_write_case(*, q_lens, ctx_lens, page_size=16, num_kv_heads=2, group=4, h
     v_new = k_new.copy()
     k_in, v_in = k_pages.copy(), v_pages.copy()
     for s, n in enumerate(q_lens):
-        if n:
-            t, pos = qsl[s], lens[s] - 1
+        for j in range(n):
+            t, pos = qsl[s] + j, lens[s] - n + j
             page, slot = table[s, pos // page_size], pos % page_size
             k_new[t], v_new[t] = k_pages[page, slot], v_pages[page, slot]
             k_in[page, slot] = v_in[page, slot] = np.nan
+    max_q_len = max(q_lens)
     qb = jnp.asarray(q, jnp.bfloat16)
     rest = (jnp.asarray(lens), jnp.asarray(qsl))
     kw = dict(new_kv=(jnp.asarray(k_new, jnp.bfloat16), jnp.asarray(v_new, jnp.bfloat16)),
               interpret=interpret)  # fmt: skip
     if shared_pool:
         pool = interleave(jnp.asarray(k_in, jnp.bfloat16), jnp.asarray(v_in, jnp.bfloat16))
-        x = PagedAttentionInputs(qb, pool, pool, jnp.asarray(table) * 2, *rest, max_q_len=1,
-                                 v_page_offset=1)  # fmt: skip
+        x = PagedAttentionInputs(qb, pool, pool, jnp.asarray(table) * 2, *rest,
+                                 max_q_len=max_q_len, v_page_offset=1)  # fmt: skip
         out, k_out, v_out = ragged_paged_attention_mgpu(x, KernelOptions(**options), **kw)
         assert k_out is v_out
         both = np.asarray(k_out, np.float32).reshape(-1, 2, *k_pages.shape[1:])
@@ -277,14 +279,14 @@ def run_write_case(*, q_lens, ctx_lens, page_size=16, num_kv_heads=2, group=4, h
     else:
         x = PagedAttentionInputs(qb, jnp.asarray(k_in, jnp.bfloat16),
                                  jnp.asarray(v_in, jnp.bfloat16), jnp.asarray(table), *rest,
-                                 max_q_len=1)  # fmt: skip
+                                 max_q_len=max_q_len)  # fmt: skip
         out, k_out, v_out = ragged_paged_attention_mgpu(x, KernelOptions(**options), **kw)
         k_out, v_out = np.asarray(k_out, np.float32), np.asarray(v_out, np.float32)
     assert np.array_equal(k_out, k_pages, equal_nan=True), f"K pages (seed {seed})"
     assert np.array_equal(v_out, v_pages, equal_nan=True), f"V pages (seed {seed})"
     ref = ragged_paged_attention(PagedAttentionInputs(
         qb.astype(jnp.float32), jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.asarray(table),
-        *rest, max_q_len=1))  # fmt: skip
+        *rest, max_q_len=max_q_len))  # fmt: skip
     out, ref = np.asarray(out, np.float32), np.asarray(ref)
     n = sum(q_lens)
     assert np.isfinite(out[:n]).all(), f"non-finite output (seed {seed})"
@@ -314,6 +316,80 @@ def test_kernel_writes_new_kv(q_lens, ctx_lens, group, kw):
     run_write_case(q_lens=q_lens, ctx_lens=ctx_lens, group=group, **kw)
 
 
+@pytest.fixture
+def launched_plans(monkeypatch):
+    """The `_Plan` of every kernel launch the test makes."""
+    from pallas_kernels.paged_attention import mosaic_gpu
+
+    plans = []
+    launch = mosaic_gpu._launch
+
+    def spy(plan, *a, **kw):
+        plans.append(plan)
+        return launch(plan, *a, **kw)
+
+    monkeypatch.setattr(mosaic_gpu, "_launch", spy)
+    return plans
+
+
+# Verification-shaped batches (a few new tokens per sequence, `decode_tokens`): decode blocks of
+# max_q_len tokens. The new tokens inside one tile, across two tiles, across two context splits
+# (130 keys in 3 splits of one 64-key tile: positions 126-127 and 128-129 go to different
+# programs); sequences with fewer tokens (1, 0) beside; GQA groups whose rows sit at every offset.
+@pytest.mark.parametrize(
+    "q_lens,ctx_lens,group,kw",
+    [
+        ([5, 5, 3, 1, 0], [40, 60, 125, 300, 9], 4, {}),
+        ([4], [126], 4, dict(num_splits=3)),
+        ([3, 6, 2], [17, 250, 0], 3, dict(num_splits=2)),
+        ([8, 8], [70, 64], 1, dict(num_splits=1)),
+    ],
+)
+def test_multi_token_decode_blocks(launched_plans, q_lens, ctx_lens, group, kw):
+    run_case(q_lens=q_lens, ctx_lens=ctx_lens, page_size=16, num_kv_heads=2, group=group,
+             head_dim=64, decode_tokens=8, **kw)  # fmt: skip
+    assert [(p.decode, p.bq) for p in launched_plans] == [(True, max(q_lens))], launched_plans
+
+
+# With the new K/V written in the kernel, each split writes the new tokens in its own tiles and
+# defers their loads: both of a single split's tiles deferred in the prologue (60 + 5 keys), one
+# tile loaded by a refill after the writes (200 + 5, 190 + 5: the first new tile a refill, the
+# next too), the new tokens split between two programs (126 + 4 in 3 splits), a sequence with
+# fewer tokens, K and V in two arrays.
+@pytest.mark.parametrize(
+    "q_lens,ctx_lens,group,kw",
+    [
+        ([5, 5, 5, 2, 0], [60, 200, 190, 7, 3], 4, dict(num_splits=1)),
+        ([4, 1], [126, 40], 4, dict(num_splits=3)),
+        ([3, 5], [250, 61], 3, dict(shared_pool=False)),
+        ([9, 9], [30, 100], 4, dict(page_size=64, num_splits=2)),
+    ],
+)
+def test_kernel_writes_new_kv_of_several_tokens(launched_plans, q_lens, ctx_lens, group, kw):
+    run_write_case(q_lens=q_lens, ctx_lens=ctx_lens, group=group, decode_tokens=9, **kw)
+    assert [(p.decode, p.bq) for p in launched_plans] == [(True, max(q_lens))], launched_plans
+
+
+def test_decode_blocks_hold_what_fits_one_warpgroup(launched_plans):
+    # group 8 with the K/V rows: 10 rows a token and up to 6 of shift fill 64 rows at 5 tokens,
+    # so 6 take no new_kv; without them 8 rows a token: 9 go to prefill blocks (and the single
+    # tokens beside them to their own decode launch)
+    from pallas_kernels.paged_attention.mosaic_gpu import (
+        decode_block_tokens,
+        fused_kv_write_reason,
+    )
+
+    assert decode_block_tokens(8, 10) == 5 and decode_block_tokens(4, 6) == 9
+    assert decode_block_tokens(4) == 15 and decode_block_tokens(3, 5) == 11
+    assert fused_kv_write_reason(5, jnp.bfloat16, group=8, decode_tokens=16) is None
+    assert "5 fit a block" in fused_kv_write_reason(6, jnp.bfloat16, group=8, decode_tokens=16)
+    assert "max_q_len 1" in fused_kv_write_reason(2, jnp.bfloat16, group=8)
+    assert decode_block_tokens(8) == 8
+    run_case(q_lens=[9, 1], ctx_lens=[20, 3], page_size=16, num_kv_heads=1, group=8, head_dim=64,
+             decode_tokens=16, warp_specialized=False)  # fmt: skip
+    assert [(p.decode, p.bq) for p in launched_plans] == [(True, 1), (False, 8)], launched_plans
+
+
 def test_new_kv_is_validated():
     q = jnp.zeros((4, 8, 64), jnp.bfloat16)
     pages = jnp.zeros((6, 16, 2, 64), jnp.bfloat16)
@@ -340,6 +416,8 @@ def test_new_kv_is_validated():
         KernelOptions(num_splits=0)
     with pytest.raises(ValueError, match=r"split_decode_rows=1 is invalid: must be a bool"):
         KernelOptions(split_decode_rows=1)
+    with pytest.raises(ValueError, match=r"decode_tokens=0 is invalid: must be an int >= 1"):
+        KernelOptions(decode_tokens=0)
 
 
 @pytest.mark.parametrize("head_dim,group,num_kv_heads", [(128, 8, 1), (256, 2, 2), (64, 1, 4)])
@@ -458,3 +536,14 @@ def test_compiled_kernel_on_gpu(head_dim, fp8, fresh_seed):
     # one sequence alone (a decode bucket of one row): ~33 splits of one tile
     run_write_case(q_lens=[1], ctx_lens=[int(rng.integers(1500, 2100))], page_size=64,
                    num_kv_heads=8, group=4, head_dim=head_dim, interpret=False)  # fmt: skip
+    # verification's decode blocks of several tokens (`decode_tokens`): written by the kernel at
+    # one split and many, the new tokens split between two programs; group 3 without new_kv
+    run_write_case(q_lens=[5] * 8 + [0] + [3] * 8, ctx_lens=list(rng.integers(0, 700, 17)),
+                   page_size=64, num_kv_heads=8, head_dim=head_dim, interpret=False, pad_tokens=1,
+                   decode_tokens=8)  # fmt: skip
+    run_write_case(q_lens=[5], ctx_lens=[int(rng.integers(1500, 2100))], page_size=64,
+                   num_kv_heads=8, head_dim=head_dim, interpret=False, decode_tokens=8)  # fmt: skip
+    run_write_case(q_lens=[4, 2], ctx_lens=[126, 300], num_kv_heads=2, head_dim=head_dim,
+                   interpret=False, decode_tokens=8, num_splits=3)  # fmt: skip
+    run_case(q_lens=[9, 4, 1], ctx_lens=[1000, 63, 5], page_size=16, num_kv_heads=2, group=3,
+             head_dim=head_dim, interpret=False, decode_tokens=9)  # fmt: skip

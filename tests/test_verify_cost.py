@@ -4,6 +4,7 @@ verification step through bench_e2e and writes the cost over the plain step with
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import experiment_scripts
 
@@ -23,3 +24,14 @@ def test_smoke_run_writes_each_gammas_cost_over_the_plain_step(tmp_path):
         want = x["step_ms"] / rows[0, batch]["step_ms"]
         assert abs(x["cost_x"] - want) <= 1e-3 * want, x
     assert png.stat().st_size > 0
+
+
+def test_attention_options_reach_each_gammas_bench():
+    script = experiment_scripts.load("speculative/verify_cost")
+    args = SimpleNamespace(batches=[1, 8], smoke=False, preset="llama3-8b", dtype="bfloat16",
+                           context=512, attention_options=["decode_tokens=9"])  # fmt: skip
+    cmd = script.bench_command(args, 4, "out.json")
+    at = cmd.index("--attention-options")
+    assert cmd[at + 1 :] == ["decode_tokens=9"] and cmd[cmd.index("--num-draft-tokens") + 1] == "4"
+    args.attention_options = []
+    assert "--attention-options" not in script.bench_command(args, 4, "out.json")

@@ -84,6 +84,16 @@ def speculative_config(method: str, gamma: int) -> dict:
                      "self:LAYERS[:G] or eagle:HEAD[:G] (each with an optional +adaptive)")  # fmt: skip
 
 
+def _option(text: str) -> tuple[str, object]:
+    """'key=value' -> (key, value), the value read as YAML (true -> True, 5 -> 5)."""
+    import yaml
+
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r}: want KEY=VALUE")
+    return key, yaml.safe_load(value)
+
+
 PAGE_SIZE = 16
 
 
@@ -105,7 +115,8 @@ def build_engine(args, method: str, num_pages: int) -> tuple[LLM, dict, float]:
                   max_num_batched_tokens=max(args.max_num_batched_tokens, top),
                   num_pages=num_pages, page_size=PAGE_SIZE, max_model_len=args.max_model_len,
                   decode_steps=args.decode_steps, decode_buckets=sorted(set(args.batches)),
-                  speculative=speculative_config(method, args.num_draft_tokens))  # fmt: skip
+                  speculative=speculative_config(method, args.num_draft_tokens),
+                  attention_options=dict(args.attention_options))  # fmt: skip
     t0 = time.perf_counter()
     llm = LLM(**engine)
     return llm, engine, time.perf_counter() - t0
@@ -201,6 +212,9 @@ def main(argv=None) -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--num-pages", type=int, default=0, help="0: enough that no point preempts")
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--attention-options", nargs="*", default=[], metavar="KEY=VALUE",
+                    type=_option, help="engine.attention_options for every method (e.g. "
+                    "decode_tokens=5: verification in the kernel's decode blocks)")  # fmt: skip
     args = ap.parse_args(argv)
     if "none" not in args.methods:
         ap.error("--methods must include none (the baseline of every speedup)")

@@ -35,7 +35,8 @@ def bench_command(args, gamma: int, out: Path) -> list[str]:
             "--parts", "decode", "--workloads", "fixed", "--num-requests", "8",
             "--batches", *batches, "--contexts", str(args.context),
             "--decode-buckets", *batches, "--max-num-batched-tokens", str(max(args.batches)),
-            "--num-draft-tokens", str(gamma), "--out", str(out)]  # fmt: skip
+            "--num-draft-tokens", str(gamma), "--out", str(out),
+            *(["--attention-options", *args.attention_options] if args.attention_options else [])]  # fmt: skip
 
 
 def rows_of(run: dict, gamma: int) -> list[dict]:
@@ -80,6 +81,9 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--timeout", type=float, default=240, help="seconds per gamma")
+    ap.add_argument("--attention-options", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="bench_e2e.py's --attention-options (e.g. decode_tokens=9: verification "
+                    "in the kernel's decode blocks)")  # fmt: skip
     ap.add_argument("--smoke", action="store_true",
                     help="CPU check: tiny, float32, gammas 0 2, batches 1 4, context 16")  # fmt: skip
     args = ap.parse_args(argv)

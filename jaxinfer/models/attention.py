@@ -154,7 +154,11 @@ def _attend(q, k, v, kv, layer, batch, page, offset, sliding_window, attention, 
         and not numerics.batch_invariant
         and backend == "pallas"
         and fused_kv_write_reason(
-            batch.max_q_len, kv.dtype, opts.get("warp_specialized"), q.shape[1] // k.shape[1]
+            batch.max_q_len,
+            kv.dtype,
+            opts.get("warp_specialized"),
+            q.shape[1] // k.shape[1],
+            attention.kernel_options.decode_tokens,
         )
         is None
     )

@@ -26,6 +26,13 @@ How the work is cut
   that reads the tile holding it) copies the two rows into a small buffer with TMA and stores
   them into the page slot; it issues that tile's load only once the stores completed. The pages
   are a global-memory ref, aliased in and out (updated in place when donated).
+- Batches with a few new tokens per sequence (speculative verification: gamma + 1) may take the
+  decode configuration too (`KernelOptions.decode_tokens`): one block of `max_q_len` tokens per
+  sequence in one warpgroup (up to 9 tokens at GQA 4 with the new K/V rows), context splits
+  that fill the GPU, and the new K/V written in the kernel. Otherwise each sequence gets one
+  prefill block (two consumer warpgroups, 128-key tiles, one split: 8 programs for one sequence
+  of an 8-KV-head model) after an XLA scatter. The new tokens may straddle two tiles and two
+  splits: each split writes those in its own tiles and defers those tiles' loads.
 - Mixed batches (prefill chunks and decodes in one step, the engine's mixed step) take two
   launches: sequences with one new token get decode blocks, the others prefill blocks. One launch
   of prefill-shaped blocks for all of them would give every decode token a 128-row block, two
@@ -172,6 +179,11 @@ class KernelOptions:
     - `token_major_decode`: a decode-only batch (`max_q_len == 1`, no more tokens than
       sequences) with one context split writes its outputs in token order from the kernel
       (False: through the per-block layout and a gather, as other batches).
+    - `decode_tokens`: a batch whose sequences have at most this many new tokens each
+      (`max_q_len`, e.g. speculative verification's gamma + 1) runs in the decode configuration
+      with one block of `max_q_len` tokens per sequence (context splits that fill the GPU, and
+      with `new_kv` the K/V written in the kernel), as far as its rows fit one warpgroup
+      (`decode_block_tokens`); 1: only single-token decodes do.
     """
 
     num_splits: int | None = None
@@ -181,13 +193,14 @@ class KernelOptions:
     num_consumers: int | None = None
     split_decode_rows: bool = True
     token_major_decode: bool = True
+    decode_tokens: int = 1
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name == "block_kv":
                 ok, want = type(value) is int and value in (64, 128), "64 or 128"
-            elif f.name in ("num_splits", "num_stages", "num_consumers"):
+            elif f.name in ("num_splits", "num_stages", "num_consumers", "decode_tokens"):
                 ok, want = type(value) is int and value >= 1, "an int >= 1"
             else:
                 ok, want = type(value) is bool, "a bool"
@@ -246,7 +259,7 @@ def ragged_paged_attention_mgpu(
         raise NotImplementedError(reason)
     if new_kv is not None:
         reason = fused_kv_write_reason(max_q_len, k_pages.dtype, options.warp_specialized,
-                                       num_q_heads // num_kv_heads)  # fmt: skip
+                                       num_q_heads // num_kv_heads, options.decode_tokens)  # fmt: skip
         if reason is not None:
             raise ValueError(f"new_kv (K/V written by the kernel): {reason}")
         _check_new_kv(new_kv, num_tokens, k_pages.shape)
@@ -262,11 +275,14 @@ def ragged_paged_attention_mgpu(
                     pages_per_seq=pages_per_seq)  # fmt: skip
 
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    # few new tokens per sequence (verification): one decode block of max_q_len tokens each
+    few = max_q_len <= min(options.decode_tokens, decode_block_tokens(group, stride))
     if batch_invariant:
         one_split = dataclasses.replace(options, num_splits=1)
         parts = [(_plan(decode=False, **geometry, tuning=one_split), q_lens > 0)]
-    elif max_q_len == 1:
-        parts = [(_plan(decode=True, **geometry, tuning=options, row_stride=stride), q_lens > 0)]
+    elif max_q_len == 1 or few:
+        parts = [(_plan(decode=True, **geometry, tuning=options, row_stride=stride,
+                        decode_tokens=max_q_len), q_lens > 0)]  # fmt: skip
     elif options.split_decode_rows:
         parts = [(_plan(decode=True, **geometry), q_lens == 1),
                  (_plan(decode=False, **geometry, tuning=options), q_lens > 1)]  # fmt: skip
@@ -301,8 +317,8 @@ def ragged_paged_attention_mgpu(
     write_kv = new_kv is not None
     plan0, take0 = parts[0]
     num_seqs = q_lens.shape[0]
-    if (plan0.decode and len(parts) == 1 and options.token_major_decode and num_tokens <= num_seqs
-            and _resolve_splits(plan0, num_seqs, num_kv_heads, sms) == 1):  # fmt: skip
+    if (plan0.decode and plan0.bq == 1 and len(parts) == 1 and options.token_major_decode
+            and num_tokens <= num_seqs and _resolve_splits(plan0, num_seqs, num_kv_heads, sms) == 1):  # fmt: skip
         # One split: the kernel writes each token's rows in place ([T, Hq, D]) and the zeros of
         # the padding tokens, so no gather (an XLA fusion per layer) runs after it.
         meta, _ = _query_blocks(plan0, take0, q_lens, seq_lens, query_start_loc, num_tokens,
@@ -331,7 +347,7 @@ def ragged_paged_attention_mgpu(
         # ob: [nb, Hkv, q_rows, D]
         # Back to token order with a gather of rows (only the rows of real tokens are read).
         blk = first_blk[tok_seq] + tok_off // plan.bq
-        row = meta[blk, 5] + (tok_off % plan.bq) * group
+        row = meta[blk, 5] + (tok_off % plan.bq) * plan.row_stride
         idx = (blk[:, None, None] * num_kv_heads + heads) * plan.q_rows + row[:, None, None]
         vals = ob.reshape(-1, head_dim)[idx + in_group]  # [T, Hkv, group, D]
         mine = tok_ok & take[tok_seq]
@@ -340,13 +356,25 @@ def ragged_paged_attention_mgpu(
     return (out, k_pages, v_pages) if write_kv else out
 
 
+def decode_block_tokens(group: int, row_stride: int | None = None) -> int:
+    """The most query tokens a decode block holds (its rows, `row_stride` per token and up to 7
+    of alignment shift, fill at most one warpgroup's 64): `row_stride` is the GQA `group`, or
+    `group + 2` with the new K/V rows (`new_kv`)."""
+    stride = group if row_stride is None else row_stride
+    return (ROWS - (8 - math.gcd(stride, 8))) // stride
+
+
 def fused_kv_write_reason(max_q_len: int, kv_dtype, warp_specialized: bool | None = None,
-                          group: int = 1) -> str | None:  # fmt: skip
-    """Why the kernel cannot write this step's K/V itself (`new_kv`); None when it can."""
+                          group: int = 1, decode_tokens: int = 1) -> str | None:  # fmt: skip
+    """Why the kernel cannot write this step's K/V itself (`new_kv`); None when it can: in
+    decode blocks, so `max_q_len` 1, or up to `decode_tokens` (`KernelOptions`) as far as a
+    block holds them."""
     if group + 2 + 7 > ROWS:
         return f"query groups up to {ROWS - 9} heads per KV head (got {group})"
-    if max_q_len != 1:
-        return f"decode-only batches (max_q_len 1), got max_q_len {max_q_len}"
+    most = min(decode_tokens, decode_block_tokens(group, group + 2))
+    if max_q_len > max(most, 1):
+        return (f"decode blocks (max_q_len 1, or up to decode_tokens={decode_tokens} of which "
+                f"{most} fit a block at group {group}), got max_q_len {max_q_len}")  # fmt: skip
     if jnp.dtype(kv_dtype) in FP8_DTYPES:
         return "fp8 pages are quantized on write by XLA (per-page scales)"
     if warp_specialized:
@@ -378,7 +406,8 @@ class _Plan(NamedTuple):
 
 
 def _plan(*, decode, group, head_dim, quantized, page_size, pages_per_seq,
-          tuning: KernelOptions = DEFAULT_OPTIONS, row_stride=None) -> _Plan:  # fmt: skip
+          tuning: KernelOptions = DEFAULT_OPTIONS, row_stride=None,
+          decode_tokens=1) -> _Plan:  # fmt: skip
     num_consumers, block_kv, num_stages = tuning.num_consumers, tuning.block_kv, tuning.num_stages
     warp_specialized, num_splits = tuning.warp_specialized, tuning.num_splits
     # Decode: one consumer warpgroup, 64-key tiles. Prefill: two consumers (128 query rows)
@@ -395,8 +424,11 @@ def _plan(*, decode, group, head_dim, quantized, page_size, pages_per_seq,
     if stride != group and not decode:
         raise ValueError("rows for new K/V only in decode blocks")
     max_shift = 8 - math.gcd(stride, 8)
-    bq = 1 if decode else max(1, (num_consumers * ROWS - max_shift) // group)
+    # decode: `decode_tokens` tokens per block (1, or verification's few), in one warpgroup
+    bq = decode_tokens if decode else max(1, (num_consumers * ROWS - max_shift) // group)
     q_rows = -(-(bq * stride + max_shift) // 8) * 8
+    if decode and q_rows > ROWS:
+        raise ValueError(f"a decode block of {bq} tokens x {stride} rows does not fit {ROWS} rows")
     num_consumers = -(-q_rows // ROWS)
     if warp_specialized is None:  # measured on the H200: see the module docstring
         warp_specialized = quantized or num_consumers > 1
@@ -481,6 +513,7 @@ def _launch(plan, meta, qt, page_table, k_pages, v_pages, k_scales, v_scales, *,
         v_page_offset=v_page_offset,
         token_major=token_major,
         row_stride=plan.row_stride,
+        bq=plan.bq,
         write_kv=write_kv,
         shared_pages=shared_pages,
         interpret=interpret,
@@ -545,6 +578,7 @@ class _Launch(NamedTuple):
     v_page_offset: int
     token_major: int  # T: decode outputs written in token order, [T * Hq, D]; 0: per block
     row_stride: int
+    bq: int  # query tokens per block
     write_kv: bool
     shared_pages: bool  # one pages ref serves K and V
     interpret: bool
@@ -593,7 +627,7 @@ class _Refs(NamedTuple):
     vc_smem: object
     lse_smem: object
     o_smem: object  # token-major: unswizzled output stage (rows at any offset)
-    kvn_smem: object  # write_kv: the token's new K and V rows
+    kvn_smem: object  # write_kv: the block's query-layout rows from its first token's K row
     q_bar: object  # queries (one per consumer), then the new K/V rows
     k_bar: object  # a tile's copies landed
     v_bar: object
@@ -620,7 +654,8 @@ class _Block(NamedTuple):
     my_lo: jax.Array  # this split's first tile
     n_tiles: jax.Array  # and how many it reads
     last_page: jax.Array  # the sequence's last page index (page-table reads are clamped to it)
-    writer: jax.Array | None  # write_kv: this program writes the token's new K/V
+    writer: jax.Array | None  # write_kv: this program writes new K/V (some lie in its tiles)
+    first_new: jax.Array | None  # write_kv: its first local tile holding a new token
 
 
 def _cast(cfg, x, layout):  # register layouts mean nothing to the GPU interpreter
@@ -687,13 +722,15 @@ def _block(cfg: _Launch, refs: _Refs) -> _Block:
     my_lo = t_lo + split * per
     n_tiles = jnp.maximum(jnp.minimum(t_hi, my_lo + per) - my_lo, 0)
     last_page = jnp.maximum(lax.div(kv_len - 1, jnp.int32(cfg.page_size)), 0)
-    # With `write_kv`, the split whose tiles end at the block's query (decode: the new token)
-    # writes that token's K/V: the only block that reads the tile holding it.
-    writer = None
+    # With `write_kv`, the step's new tokens (positions q_pos0 .. q_pos0 + n_valid - 1) sit in
+    # the block's last tiles: each split writes those in its own tiles, the only program that
+    # reads them, before it loads them.
+    writer = first_new = None
     if cfg.write_kv:
-        writer = (n_valid > 0) & (n_tiles > 0) & (my_lo + n_tiles == t_hi)
+        first_new = jnp.maximum(lax.div(q_pos0, jnp.int32(bk)) - my_lo, 0)
+        writer = (n_valid > 0) & (first_new < n_tiles)
     return _Block(cfg, refs, blk, head, split, seq, q_pos0, n_valid, kv_len, q_row0, shift, my_lo,
-                  n_tiles, last_page, writer)  # fmt: skip
+                  n_tiles, last_page, writer, first_new)  # fmt: skip
 
 
 # ---- K/V copies: a tile is `copies` TMA copies (one per page), into slot `i % num_stages`.
@@ -737,13 +774,13 @@ def _copy(b: _Block, src, dst, bar, tile, c, slot, page):
     plgpu.copy_gmem_to_smem(src_ref, dst_ref, bar.at[slot])
 
 
-def _issue_first_tiles(b: _Block, defer_last=None):
-    """The pipeline's prologue: the first `num_stages` tiles. `defer_last` (a writer block's
-    flag): not the block's last tile, issued once its new K/V rows have landed."""
+def _issue_first_tiles(b: _Block):
+    """The pipeline's prologue: the first `num_stages` tiles, less (a writer) those holding new
+    tokens, issued once their K/V rows have landed (`_write_new_kv`)."""
     for st in range(b.cfg.num_stages):
         issue = st < b.n_tiles
-        if defer_last is not None:
-            issue = issue & jnp.logical_not(defer_last & (st == b.n_tiles - 1))
+        if b.cfg.write_kv:
+            issue = issue & jnp.logical_not(b.writer & (st >= b.first_new))
 
         @pl.when(issue)
         def _(st=st):
@@ -752,10 +789,10 @@ def _issue_first_tiles(b: _Block, defer_last=None):
 
 
 def _wait_for_new_kv(b: _Block, i):
-    """A writer's new K/V rows land before its last tile (which holds them) loads."""
+    """A writer's new K/V rows land before the first tile holding them loads."""
     if b.cfg.write_kv:
 
-        @pl.when(b.writer & (i + b.cfg.num_stages == b.n_tiles - 1))
+        @pl.when(b.writer & (i + b.cfg.num_stages == b.first_new))
         def _():
             plgpu.wait_smem_to_gmem(0)
 
@@ -857,7 +894,7 @@ def _consumer_step(b: _Block, w: int, *, masked: bool):
         mask = None  # a tile every row of this consumer sees in full
         if masked:  # rows before `shift` are not queries
             mask = _causal_mask(functools.partial(_iota, cfg), shape, row0=r0 - b.shift,
-                                base=base, q_pos0=b.q_pos0, kv_len=b.kv_len, group=cfg.group,
+                                base=base, q_pos0=b.q_pos0, kv_len=b.kv_len, group=cfg.row_stride,
                                 sliding_window=cfg.sliding_window)  # fmt: skip
         p, acc, m_new, l_i = _online_softmax(s, acc, m_i, l_i, mask)
         if cfg.quantized:
@@ -892,7 +929,7 @@ def _consumer(b: _Block, w: int):
     if cfg.write_kv:
         pl.when(b.writer)(functools.partial(_load_new_kv, b))
     if not cfg.warp_specialized:
-        _issue_first_tiles(b, defer_last=b.writer)
+        _issue_first_tiles(b)
     if cfg.write_kv:
         pl.when(b.writer)(functools.partial(_write_new_kv, b))
     plgpu.barrier_wait(r.q_bar.at[w])
@@ -902,7 +939,7 @@ def _consumer(b: _Block, w: int):
     l_i = _cast(cfg, jnp.zeros((ROWS,), jnp.float32), layout.reduce(1))
     # Leading tiles that every row of this consumer sees whole skip the masking.
     if cfg.sliding_window is None:
-        first = lax.div(jnp.maximum(w * ROWS - b.shift, 0), jnp.int32(cfg.group))
+        first = lax.div(jnp.maximum(w * ROWS - b.shift, 0), jnp.int32(cfg.row_stride))
         seen = jnp.minimum(b.q_pos0 + first + 1, b.kv_len)
         n_full = jnp.clip(lax.div(seen, jnp.int32(cfg.block_kv)) - b.my_lo, 0, b.n_tiles)
     else:
@@ -962,33 +999,50 @@ def _zero_padding_row(b: _Block):
 # ---- The step's new K/V (write_kv): written by the kernel before it loads the tile holding them.
 
 
+def _new_kv_rows(cfg: _Launch) -> int:
+    """Rows of the query layout from a block's first K row to its last token's V row: token j's
+    K and V are rows j * row_stride and j * row_stride + 1 of them."""
+    return (cfg.bq - 1) * cfg.row_stride + 2
+
+
 def _load_new_kv(b: _Block):
-    """A writer's token's K and V rows (query-layout rows group and group + 1 past its first
-    query row) into their own small buffer: one 2-row TMA copy."""
+    """A writer's new K and V rows (from query-layout row `group` past its first query row,
+    queries between) into their own small buffer: one TMA copy."""
     r = b.refs
-    src = r.q.at[b.head, pl.ds(b.q_row0 + b.shift + b.cfg.group, 2)]
+    src = r.q.at[b.head, pl.ds(b.q_row0 + b.shift + b.cfg.group, _new_kv_rows(b.cfg))]
     plgpu.copy_gmem_to_smem(src, r.kvn_smem, r.q_bar.at[b.cfg.consumers])
 
 
 def _write_new_kv(b: _Block):
-    """The token's K and V rows go to its slot in the pages, one TMA store each, straight from the
-    buffer they landed in. The last tile (which holds that slot) is loaded only after they have
-    landed: now if the prologue deferred it, else the refill waits (`_wait_for_new_kv`)."""
+    """The new tokens in this split's tiles: K and V rows to their slots in the pages, one TMA
+    store each, straight from the buffer they landed in. The tiles holding them are loaded only
+    after they have landed: now for those the prologue deferred, else the refill waits
+    (`_wait_for_new_kv`)."""
     cfg, r = b.cfg, b.refs
     plgpu.barrier_wait(r.q_bar.at[cfg.consumers])
-    pos = b.q_pos0
-    page = r.pt[b.seq, lax.div(pos, jnp.int32(cfg.page_size))]
-    slot = pl.ds(lax.rem(pos, jnp.int32(cfg.page_size)), 1)
-    plgpu.copy_smem_to_gmem(r.kvn_smem.at[pl.ds(0, 1)], r.k.at[page, slot, b.head])
-    plgpu.copy_smem_to_gmem(r.kvn_smem.at[pl.ds(1, 1)],
-                            r.v.at[page + cfg.v_page_offset, slot, b.head])  # fmt: skip
+    page_size = jnp.int32(cfg.page_size)
+    for j in range(cfg.bq):
+        pos = b.q_pos0 + j
+        tile = lax.div(pos, jnp.int32(cfg.block_kv))
 
-    @pl.when(b.n_tiles <= cfg.num_stages)  # the prologue deferred the last tile
+        @pl.when((j < b.n_valid) & (tile >= b.my_lo) & (tile < b.my_lo + b.n_tiles))
+        def _(j=j, pos=pos):
+            page = r.pt[b.seq, lax.div(pos, page_size)]
+            slot = pl.ds(lax.rem(pos, page_size), 1)
+            row = j * cfg.row_stride
+            plgpu.copy_smem_to_gmem(r.kvn_smem.at[pl.ds(row, 1)], r.k.at[page, slot, b.head])
+            plgpu.copy_smem_to_gmem(r.kvn_smem.at[pl.ds(row + 1, 1)],
+                                    r.v.at[page + cfg.v_page_offset, slot, b.head])  # fmt: skip
+
+    @pl.when(b.first_new < cfg.num_stages)  # the prologue deferred tiles
     def _():
         plgpu.wait_smem_to_gmem(0)
-        last = b.n_tiles - 1
-        _issue_k(b, last, lax.rem(last, jnp.int32(cfg.num_stages)))
-        _issue_v(b, last, lax.rem(last, jnp.int32(cfg.num_stages)))
+        for st in range(cfg.num_stages):
+
+            @pl.when((st >= b.first_new) & (st < b.n_tiles))
+            def _(st=st):
+                _issue_k(b, st, st)
+                _issue_v(b, st, st)
 
 
 # ---- The producer warpgroup (warp-specialised pipelines).
@@ -1109,7 +1163,7 @@ def _scratch_types(cfg: _Launch) -> list:
     if cfg.token_major:
         scratch.append(plgpu.SMEM((ROWS, head_dim), cdt))  # o_smem: unswizzled, any row range
     if cfg.write_kv:
-        scratch.append(plgpu.SMEM((2, head_dim), cdt))  # kvn_smem: the token's new K and V rows
+        scratch.append(plgpu.SMEM((_new_kv_rows(cfg), head_dim), cdt))  # kvn_smem
     return scratch
 
 
