@@ -6,17 +6,28 @@ Speculation pays while a verification of 1 + gamma rows costs less than the toke
 small batches on a memory-bound device, drafts that are accepted. A large batch (compute-bound)
 or drafts that are rejected turn it into a loss. So the engine measures both paths: per decode
 bucket (the scan's rows), an exponentially weighted mean (EWMA) of each path's output tokens
-per second of scan time, and runs the faster. The slower one gets one scan in every
-`probe_every` (a probe), so a shift in acceptance (a new workload) is noticed. A bucket starts
-by probing both. The policy is pure host bookkeeping (a few dict operations per scan) and knows
-nothing of clocks: the engine hands it tokens and seconds, which tests can fake.
+per second of scan time, and runs the faster. The slower one gets one scan in every N (a
+probe), so a shift in acceptance (a new workload) is noticed. A bucket starts by probing both.
+
+A probe costs what the losing path loses over its own scan: (its scan seconds / the winner's)
+x (1 - its rate / the winner's), in winner scans. N is that over `budget` (1%), at least
+`probe_every` and at most `max_probe_every`: a loser close behind is probed every 16 scans, a
+far one (speculation at 0.5x with scans twice as long, a large batch) every 100, so probes
+never cost more than ~1% of throughput where they can be afforded (a fixed 1 in 16 would cost
+such a loser 6%), and a shift is still seen within 128 scans. The policy is pure host
+bookkeeping (a few dict operations per scan) and knows nothing of clocks: the engine hands it
+tokens and seconds, which tests can fake.
 """
 
 from __future__ import annotations
 
-# One probe of the losing path per 16 scans costs at most 1/16 of the gap between the paths,
-# and a workload shift is seen within 16 scans (128 rounds at the default decode_steps of 8).
+import math
+
+# The loser's probes: one scan in at least 16 (a shift is seen within 128 rounds at the default
+# decode_steps of 8) and at most 128, as far apart as keeps their cost to BUDGET.
 PROBE_EVERY = 16
+MAX_PROBE_EVERY = 128
+BUDGET = 0.01
 # The weight of a path's newest measurement when it also ran the scan before: a scan's rate is
 # noisy (host scheduling, sequences ending inside it); 0.3 follows a change within ~4 scans.
 ALPHA = 0.3
@@ -26,11 +37,15 @@ class AdaptiveSpeculation:
     """Which path the next decode scan of a bucket runs (`speculate`), from what the engine
     reports: each dispatch (`dispatched`) and each scan's tokens over its seconds (`record`)."""
 
-    def __init__(self, probe_every: int = PROBE_EVERY, alpha: float = ALPHA) -> None:
-        if probe_every < 2 or not 0 < alpha <= 1:
-            raise ValueError(f"probe_every={probe_every} must be >= 2, alpha={alpha} in (0, 1]")
-        self.probe_every, self.alpha = probe_every, alpha
+    def __init__(self, probe_every: int = PROBE_EVERY, alpha: float = ALPHA,
+                 max_probe_every: int = MAX_PROBE_EVERY, budget: float = BUDGET) -> None:  # fmt: skip
+        if probe_every < 2 or max_probe_every < probe_every or not 0 < alpha <= 1 or budget <= 0:
+            raise ValueError(f"probe_every={probe_every} must be >= 2 and <= max_probe_every="
+                             f"{max_probe_every}, alpha={alpha} in (0, 1], budget={budget} > 0")  # fmt: skip
+        self.probe_every, self.max_probe_every = probe_every, max_probe_every
+        self.alpha, self.budget = alpha, budget
         self.rate: dict[tuple[int, bool], float] = {}  # (bucket, speculative) -> tokens/s EWMA
+        self.seconds: dict[tuple[int, bool], float] = {}  # -> seconds a scan, EWMA
         self._scans: dict[int, int] = {}  # scans dispatched per bucket
         self._last: dict[tuple[int, bool], int] = {}  # (bucket, path) -> its latest scan's index
         self._recorded: dict[tuple[int, bool], int] = {}  # (bucket, path) -> _scans at its record
@@ -43,7 +58,14 @@ class AdaptiveSpeculation:
             return ([p for p in missing if (bucket, p) not in self._last] or missing)[0]
         best = self.rate[bucket, True] > self.rate[bucket, False]
         since = self._scans[bucket] - self._last[bucket, not best]  # the winner's scans since
-        return best if since + 1 < self.probe_every else not best
+        return best if since + 1 < self.probe_interval(bucket) else not best
+
+    def probe_interval(self, bucket: int) -> int:
+        """N: the losing path of `bucket` runs one scan in N (both paths measured)."""
+        best = self.rate[bucket, True] > self.rate[bucket, False]
+        win, lose = (bucket, best), (bucket, not best)
+        cost = self.seconds[lose] / self.seconds[win] * (1 - self.rate[lose] / self.rate[win])
+        return min(max(self.probe_every, math.ceil(cost / self.budget)), self.max_probe_every)
 
     def dispatched(self, bucket: int, speculative: bool) -> None:
         """A scan of `bucket` on that path was dispatched (counted here, not when it is read,
@@ -61,10 +83,10 @@ class AdaptiveSpeculation:
         if seconds <= 0:
             return
         key, rate, now = (bucket, speculative), tokens / seconds, self._scans.get(bucket, 0)
-        old = self.rate.get(key)
-        if old is None:
-            self.rate[key] = rate
+        if key not in self.rate:
+            self.rate[key], self.seconds[key] = rate, seconds
         else:
             weight = 1 - (1 - self.alpha) ** max(now - self._recorded[key], 1)
-            self.rate[key] = old + weight * (rate - old)
+            self.rate[key] += weight * (rate - self.rate[key])
+            self.seconds[key] += weight * (seconds - self.seconds[key])
         self._recorded[key] = now
