@@ -30,7 +30,9 @@ p - γ - 1 at a scan's entry, rebuilt from the host). A round
 3. after the target's verification pass, `observe` writes f at p .. p + γ into the pool (rows
    past the accepted ones are dead by length, like their K/V).
 A plain round (adaptive speculation: no drafts) runs step 1 alone and records f_p (`follow`,
-then `observe`), which keeps the invariant.
+then `observe`), which keeps the invariant: a plain scan runs step 1 in full once before its
+first round (`catch_up`: the scan before it may have been speculative), and each round then for
+its one fed token (p0 is the previous round's p), not γ + 1 rows.
 Every mixed step writes its rows' f and runs the head over the whole batch (`fill`), so a prefill
 fills the head's pages as it fills the target's. Drafts come from the decode scans only
 (`propose` drafts nothing in mixed steps, as the draft-model proposer).
@@ -282,31 +284,37 @@ class EagleProposer(Proposer):
         q = jnp.stack(qs, axis=1) if self.rejection else None
         return drafts, DraftState(fed, rnd.positions), cache, q
 
-    def _rewrite(self, state: DraftState, rnd: Round, params, cache: EagleCache):
+    def _rewrite(self, state: DraftState, rnd: Round, params, cache: EagleCache, w=None):
         """A round's first pass (step 1 of the module docstring): the head over p0 + 1 ..
-        p0 + γ + 1, its K/V up to p rewritten from the target's features. Returns (g at p
-        [S, E], the rows it ran [S], cache)."""
+        p0 + w (default w = γ + 1: whatever the previous round kept), its K/V up to p
+        rewritten from the target's features. Returns (g at p [S, E], the rows it ran [S],
+        cache)."""
         tokens, positions, page_ids = rnd.tokens, rnd.positions, rnd.page_ids
         gamma, rows = self.num_draft_tokens, tokens.shape[0]
-        w = gamma + 1
+        w = gamma + 1 if w is None else w
         p0 = state.position
         m = positions - p0  # tokens to (re)write up to p: 1 .. γ + 1 on a live row
         live = rnd.active & (m >= 1) & (m <= w)
         j = jnp.arange(w, dtype=jnp.int32)[None, :]
-        after = jnp.concatenate([state.fed[:, 1:], state.fed[:, :1]], axis=1)  # at p0 + 1 + j
+        after = jnp.concatenate([state.fed[:, 1:], state.fed[:, :1]], axis=1)[:, :w]  # p0 + 1 + j
         chunk = jnp.where(j == (m - 1)[:, None], tokens[:, None], after)
         chunk_pos = p0[:, None] + 1 + j
         feats = read_features(cache.features, page_ids, jnp.arange(rows)[:, None], chunk_pos - 1)
         batch = rows_batch(chunk, jnp.maximum(chunk_pos, 0), live, page_ids, w)
         g, cache = self._paged(params, cache, batch, feats.reshape(rows * w, -1), rnd.attention)
         g = g.reshape(rows, w, -1)
-        g = jnp.take_along_axis(g, jnp.clip(m - 1, 0, gamma)[:, None, None], axis=1)[:, 0]
+        g = jnp.take_along_axis(g, jnp.clip(m - 1, 0, w - 1)[:, None, None], axis=1)[:, 0]
         return g, live, cache
 
-    def follow(self, state: DraftState, rnd: Round, params, cache: EagleCache):
+    def follow(self, state: DraftState, rnd: Round, params, cache: EagleCache, w: int = 1):
         """(state, cache) after a plain round (adaptive speculation): `draft`'s first pass
-        alone, so the head's K/V holds true-feature entries up to p (a speculative round leaves
-        its drafting's own g past its p; this rewrites them), and the round's `observe` adds
-        f_p."""
-        _, _, cache = self._rewrite(state, rnd, params, cache)
+        alone, so the head's K/V holds true-feature entries up to p, and the round's `observe`
+        adds f_p. One row (`w`): `catch_up` has rewritten what a speculative round left (its
+        drafting's own g past its p), so a round has only its fed token at p0 + 1 = p."""
+        _, _, cache = self._rewrite(state, rnd, params, cache, w)
         return DraftState(state.fed.at[:, 0].set(rnd.tokens), rnd.positions), cache
+
+    def catch_up(self, state: DraftState, rnd: Round, params, cache: EagleCache):
+        """Before a plain scan's first round `rnd`: its `follow` in full (γ + 1 rows), so that
+        round's own `follow` finds p written (nothing to do) and later ones one token each."""
+        return self.follow(state, rnd, params, cache, self.num_draft_tokens + 1)

@@ -247,6 +247,12 @@ def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingB
     k = 1 + gamma
     rows = state.tokens.shape[0]
     j = jnp.arange(k, dtype=jnp.int32)
+    if proposer is not None and not speculate:
+        # A plain scan: the proposer catches up once on what the scan before it left (a
+        # speculative round's drafting), so each round's `follow` takes its fed token alone.
+        rnd = Round(state.tokens, state.positions, state.active, page_ids, sb, attention)
+        pstate, draft_kv = proposer.catch_up(state.proposer, rnd, draft_params, draft_kv)
+        state = dataclasses.replace(state, proposer=pstate)
 
     def body(carry, _):
         kv, dkv, st = carry

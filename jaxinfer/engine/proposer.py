@@ -29,7 +29,9 @@ construction (`engine.make_proposer`).
 - `follow(state, rnd, draft_params, pool)`: (state, pool) after a plain round that fed the last
   tokens and drafted nothing (adaptive speculation, `adaptive.py`), so the next round may draft
   from a state as complete as after a drafting round (default: unchanged, for a state the fed
-  tokens do not change).
+  tokens do not change). `catch_up` (same arguments and result) runs once before a plain scan's
+  first round, given that round: what the scan before it left to redo (default: nothing), so
+  `follow` need only take each round's own fed token.
 - `observe(pool, batch, hidden)`: the pool after a round's verification pass, which saw `batch`
   with final-normed hidden states `hidden` (default: unchanged).
 - `static_key()`: what shapes its traced steps. The proposer is a static argument of the jitted
@@ -89,6 +91,9 @@ class Proposer:
         raise NotImplementedError(f"{type(self).__name__} has no device drafts (on_device)")
 
     def follow(self, state, rnd: Round, draft_params, pool):
+        return state, pool
+
+    def catch_up(self, state, rnd: Round, draft_params, pool):
         return state, pool
 
     def observe(self, pool, batch: RaggedBatch, hidden: jax.Array):
