@@ -335,7 +335,8 @@ def launched_plans(monkeypatch):
 # Verification-shaped batches (a few new tokens per sequence, `decode_tokens`): decode blocks of
 # max_q_len tokens. The new tokens inside one tile, across two tiles, across two context splits
 # (130 keys in 3 splits of one 64-key tile: positions 126-127 and 128-129 go to different
-# programs); sequences with fewer tokens (1, 0) beside; GQA groups whose rows sit at every offset.
+# programs); sequences with fewer tokens (1, 0) beside; GQA groups whose rows sit at every offset;
+# a sliding window (each token's own) and a soft cap.
 @pytest.mark.parametrize(
     "q_lens,ctx_lens,group,kw",
     [
@@ -343,6 +344,7 @@ def launched_plans(monkeypatch):
         ([4], [126], 4, dict(num_splits=3)),
         ([3, 6, 2], [17, 250, 0], 3, dict(num_splits=2)),
         ([8, 8], [70, 64], 1, dict(num_splits=1)),
+        ([5, 3], [200, 60], 4, dict(num_splits=2, sliding_window=24, soft_cap=5.0)),
     ],
 )
 def test_multi_token_decode_blocks(launched_plans, q_lens, ctx_lens, group, kw):
