@@ -108,6 +108,15 @@ def test_policy_notices_a_shift_in_acceptance_within_a_probe_period(fresh_seed):
             f"seed {fresh_seed}: after scan {start}", paths[start : start + 200])  # fmt: skip
 
 
+def test_policy_with_no_tokens_yet_probes_at_the_shortest_interval():
+    policy = AdaptiveSpeculation()
+    for speculative in (True, False):  # scans whose rows all ended at once: 0 tokens each
+        policy.dispatched(8, speculative)
+        policy.record(8, speculative, 0.0, 1.0)
+    assert policy.probe_interval(8) == policy.probe_every
+    assert policy.speculate(8) is False  # the winner (ties go to plain) until the next probe
+
+
 def test_policy_keeps_batch_sizes_apart(fresh_seed):
     """Speculation can pay at batch 8 and cost at batch 64: one bucket's rates never decide
     another's."""

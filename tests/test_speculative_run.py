@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import experiment_scripts
+import pytest
 
 
 class FakeSeq:
@@ -67,3 +68,30 @@ def test_the_kv_cache_holds_every_point_and_one_request_of_max_model_len():
     assert run.pages_for(args, 248) == 64 * 37 + 1
     args.batches = [1]  # one sequence needs 37 pages; the engine wants one of 1,024 tokens: 64
     assert run.pages_for(args, 248) == 64 + 1
+
+
+def test_attention_options_reach_every_methods_engine(monkeypatch, capsys, tmp_path):
+    """--attention-options KEY=VALUE (typed as YAML) reach the engine; one without = fails at
+    once, naming it."""
+    run = experiment_scripts.load("speculative/run")
+    built = []
+
+    class StopAtBuild(Exception):
+        pass
+
+    def fake_llm(*model, warmup=True, **engine):  # the prompter (no warm-up), then an engine
+        if not warmup:
+            return None
+        built.append(engine)
+        raise StopAtBuild
+
+    monkeypatch.setattr(run, "LLM", fake_llm)
+    monkeypatch.setattr(run, "prompts_of", lambda wl, llm, n, chars: [[1, 2, 3]] * n)
+    out = str(tmp_path / "s.json")
+    argv = ["--out", out, "--methods", "none", "--attention-options", "decode_tokens=9"]
+    with pytest.raises(StopAtBuild):
+        run.main(argv)
+    assert built[0]["attention_options"] == {"decode_tokens": 9}, built
+    with pytest.raises(SystemExit):
+        run.main([*argv[:-1], "decode_tokens"])
+    assert "'decode_tokens' is not KEY=VALUE" in capsys.readouterr().err

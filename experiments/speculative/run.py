@@ -46,6 +46,8 @@ import json
 import time
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from jaxinfer.engine.llm import LLM
 from jaxinfer.engine.request import SamplingParams
 from jaxinfer.metrics.summary import summarize
@@ -84,16 +86,6 @@ def speculative_config(method: str, gamma: int) -> dict:
                      "self:LAYERS[:G] or eagle:HEAD[:G] (each with an optional +adaptive)")  # fmt: skip
 
 
-def _option(text: str) -> tuple[str, object]:
-    """'key=value' -> (key, value), the value read as YAML (true -> True, 5 -> 5)."""
-    import yaml
-
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"{text!r}: want KEY=VALUE")
-    return key, yaml.safe_load(value)
-
-
 PAGE_SIZE = 16
 
 
@@ -116,7 +108,7 @@ def build_engine(args, method: str, num_pages: int) -> tuple[LLM, dict, float]:
                   num_pages=num_pages, page_size=PAGE_SIZE, max_model_len=args.max_model_len,
                   decode_steps=args.decode_steps, decode_buckets=sorted(set(args.batches)),
                   speculative=speculative_config(method, args.num_draft_tokens),
-                  attention_options=dict(args.attention_options))  # fmt: skip
+                  attention_options=args.attention_options)  # fmt: skip
     t0 = time.perf_counter()
     llm = LLM(**engine)
     return llm, engine, time.perf_counter() - t0
@@ -213,9 +205,13 @@ def main(argv=None) -> None:
     ap.add_argument("--num-pages", type=int, default=0, help="0: enough that no point preempts")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--attention-options", nargs="*", default=[], metavar="KEY=VALUE",
-                    type=_option, help="engine.attention_options for every method (e.g. "
+                    help="engine.attention_options for every method (e.g. "
                     "decode_tokens=5: verification in the kernel's decode blocks)")  # fmt: skip
     args = ap.parse_args(argv)
+    bad = [o for o in args.attention_options if "=" not in o]
+    if bad:
+        ap.error(f"--attention-options: {bad[0]!r} is not KEY=VALUE")
+    args.attention_options = OmegaConf.to_container(OmegaConf.from_dotlist(args.attention_options))
     if "none" not in args.methods:
         ap.error("--methods must include none (the baseline of every speedup)")
     methods = ["none", *[m for m in args.methods if m != "none"]]

@@ -64,6 +64,8 @@ class AdaptiveSpeculation:
         """N: the losing path of `bucket` runs one scan in N (both paths measured)."""
         best = self.rate[bucket, True] > self.rate[bucket, False]
         win, lose = (bucket, best), (bucket, not best)
+        if self.rate[win] <= 0:  # neither path has made a token yet
+            return self.probe_every
         cost = self.seconds[lose] / self.seconds[win] * (1 - self.rate[lose] / self.rate[win])
         return min(max(self.probe_every, math.ceil(cost / self.budget)), self.max_probe_every)
 
