@@ -66,8 +66,8 @@ def test_pallas_backend_matches_xla_through_prefill_and_decode(fresh_seed):
 def test_decode_step_writes_kv_in_the_kernel(monkeypatch, fresh_seed, q_len):
     """A decode step on the Pallas backend writes its K/V inside the attention kernel (no XLA
     scatter): the same hidden states and the same pages (bar the scratch page, where only the
-    scatter writes padding tokens) as with `fused_kv_write` off, and the fused launch ran. With
-    `decode_tokens`, so does a verification-shaped step (3 tokens a sequence)."""
+    scatter writes padding tokens) as with `fused_kv_write` off, and the fused launch ran. So does a
+    verification-shaped step (3 tokens a sequence, in decode blocks)."""
     from pallas_kernels.paged_attention import mosaic_gpu
 
     writes = []
@@ -89,13 +89,11 @@ def test_decode_step_writes_kv_in_the_kernel(monkeypatch, fresh_seed, q_len):
     new = [list(rng.integers(1, cfg.vocab_size, q_len)) for _ in range(2)]
     decode = build_ragged_batch(new, [21, 15], [[5, 2], [7, 3]], num_tokens=8, num_seqs=4,
                                 pages_per_seq=4, max_q_len=q_len)  # fmt: skip
-    options = (("decode_tokens", 4),) if q_len > 1 else ()
     out = {}
     for fused in (True, False):
         # (a jit of its own: the spy sees the launch when the step is traced)
         fused_step = jax.jit(lambda p, b, kv, fused=fused: forward_paged(
-            p, cfg, b, kv, attention=AttentionConfig("pallas", (("fused_kv_write", fused),
-                                                                *options))))  # fmt: skip
+            p, cfg, b, kv, attention=AttentionConfig("pallas", (("fused_kv_write", fused),))))  # fmt: skip
         writes.clear()
         h, kv = fused_step(params, decode, jax.tree.map(jnp.copy, kv0))
         assert writes and set(writes) == {fused}, writes  # (the layer is traced once)
@@ -104,7 +102,7 @@ def test_decode_step_writes_kv_in_the_kernel(monkeypatch, fresh_seed, q_len):
     # while tracing, so a trace (no run of the interpreted kernel) shows it
     writes.clear()
     jax.eval_shape(functools.partial(forward_paged, cfg=cfg, attention=AttentionConfig(
-        "pallas", (("fused_kv_write", 7), *options))), params, batch=decode, kv=kv0)  # fmt: skip
+        "pallas", (("fused_kv_write", 7),))), params, batch=decode, kv=kv0)  # fmt: skip
     assert writes and not any(writes), writes
     np.testing.assert_array_equal(out[True][1], out[False][1])
     np.testing.assert_allclose(out[True][0], out[False][0], rtol=1e-5, atol=1e-5)
@@ -156,12 +154,10 @@ def test_backend_option_is_validated():
     # every option's values are checked at configuration (the kernel meets them only when a step
     # is traced for a GPU; a CPU run would ignore them)
     good = dict(split_decode_rows=False, num_splits=3, num_stages=2, warp_specialized=True,
-                block_kv=128, num_consumers=2, token_major_decode=False, fused_kv_write=32,
-                decode_tokens=5)  # fmt: skip
+                block_kv=128, num_consumers=2, token_major_decode=False, fused_kv_write=32)  # fmt: skip
     assert EngineConfig(attention_options=good).attention_options == good
     bad = dict(split_decode_rows=1, num_splits=0, num_stages="2", warp_specialized="yes",
-               block_kv=96, num_consumers=True, token_major_decode=None, fused_kv_write=-1,
-               decode_tokens=0)  # fmt: skip
+               block_kv=96, num_consumers=True, token_major_decode=None, fused_kv_write=-1)  # fmt: skip
     assert set(bad) == set(good) == set(ATTENTION_OPTIONS)
     for key, value in bad.items():
         with pytest.raises(ValueError, match=re.escape(f"options.{key}={value!r} is invalid")):

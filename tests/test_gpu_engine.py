@@ -99,12 +99,11 @@ def test_pallas_engine_gives_the_xla_engines_tokens(kv_dtype):
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs the compiled kernel")
 def test_verification_in_decode_blocks_gives_the_xla_engines_tokens():
     """Speculative rounds (n-gram drafts, gamma 4: 5 rows a sequence) in the kernel's decode
-    blocks with the K/V written in the kernel (`decode_tokens`), through preemption, then with
+    blocks with the K/V written in the kernel, through preemption, then with
     every page poisoned: the same tokens as the XLA engine's, up to near-ties."""
     spec = dict(speculative={"method": "ngram", "num_draft_tokens": 4}, num_pages=1 + 40)
     ref = serve(LLM("tiny", attention_backend="xla", **spec, **ENGINE))
-    llm = LLM("tiny", attention_backend="pallas", attention_options={"decode_tokens": 5}, **spec,
-              **ENGINE)  # fmt: skip
+    llm = LLM("tiny", attention_backend="pallas", **spec, **ENGINE)
     got = serve(llm)
     assert any(r.decode_steps > 1 for r in llm.engine.step_records), "no decode scan ran"
     poison(llm)

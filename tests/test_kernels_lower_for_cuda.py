@@ -52,7 +52,7 @@ DECODE = dict(num_tokens=64, num_seqs=64, max_q_len=1)  # one split: token-major
 SMALL_DECODE = dict(num_tokens=4, num_seqs=4, max_q_len=1)  # context splits and their combine
 PREFILL = dict(num_tokens=256, num_seqs=4, max_q_len=128)  # prefill blocks (and decode rows)
 # speculative verification: decode blocks of 5 tokens (context splits and their combine)
-VERIFY = dict(num_tokens=20, num_seqs=4, max_q_len=5, decode_tokens=8)
+VERIFY = dict(num_tokens=20, num_seqs=4, max_q_len=5)
 
 
 @pytest.mark.parametrize(

@@ -240,7 +240,7 @@ def test_token_major_decode_outputs(monkeypatch, q_lens, ctx_lens, group, warp_s
 def run_write_case(*, q_lens, ctx_lens, page_size=16, num_kv_heads=2, group=4, head_dim=64,
                    shared_pool=True, interpret=True, pad_tokens=2, **options):  # fmt: skip
     """Decode with `new_kv`: the kernel writes each token's K/V into its slot, then attends
-    (several tokens a sequence: blocks of `max(q_lens)` tokens, `options` must allow them).
+    (several tokens a sequence: blocks of `max(q_lens)` tokens).
 
     The new tokens' slots are NaN on input (a tile loaded before the write lands, or from the
     wrong slot, poisons the output); the returned pages must equal the inputs with exactly those
@@ -332,8 +332,8 @@ def launched_plans(monkeypatch):
     return plans
 
 
-# Verification-shaped batches (a few new tokens per sequence, `decode_tokens`): decode blocks of
-# max_q_len tokens. The new tokens inside one tile, across two tiles, across two context splits
+# Verification-shaped batches (a few new tokens per sequence): decode blocks of max_q_len
+# tokens. The new tokens inside one tile, across two tiles, across two context splits
 # (130 keys in 3 splits of one 64-key tile: positions 126-127 and 128-129 go to different
 # programs); sequences with fewer tokens (1, 0) beside; GQA groups whose rows sit at every offset;
 # a sliding window (each token's own) and a soft cap.
@@ -349,7 +349,7 @@ def launched_plans(monkeypatch):
 )
 def test_multi_token_decode_blocks(launched_plans, q_lens, ctx_lens, group, kw):
     run_case(q_lens=q_lens, ctx_lens=ctx_lens, page_size=16, num_kv_heads=2, group=group,
-             head_dim=64, decode_tokens=8, **kw)  # fmt: skip
+             head_dim=64, **kw)  # fmt: skip
     assert [(p.decode, p.bq) for p in launched_plans] == [(True, max(q_lens))], launched_plans
 
 
@@ -368,7 +368,7 @@ def test_multi_token_decode_blocks(launched_plans, q_lens, ctx_lens, group, kw):
     ],
 )
 def test_kernel_writes_new_kv_of_several_tokens(launched_plans, q_lens, ctx_lens, group, kw):
-    run_write_case(q_lens=q_lens, ctx_lens=ctx_lens, group=group, decode_tokens=9, **kw)
+    run_write_case(q_lens=q_lens, ctx_lens=ctx_lens, group=group, **kw)
     assert [(p.decode, p.bq) for p in launched_plans] == [(True, max(q_lens))], launched_plans
 
 
@@ -383,12 +383,12 @@ def test_decode_blocks_hold_what_fits_one_warpgroup(launched_plans):
 
     assert decode_block_tokens(8, 10) == 5 and decode_block_tokens(4, 6) == 9
     assert decode_block_tokens(4) == 15 and decode_block_tokens(3, 5) == 11
-    assert fused_kv_write_reason(5, jnp.bfloat16, group=8, decode_tokens=16) is None
-    assert "5 fit a block" in fused_kv_write_reason(6, jnp.bfloat16, group=8, decode_tokens=16)
-    assert "max_q_len 1" in fused_kv_write_reason(2, jnp.bfloat16, group=8)
+    assert fused_kv_write_reason(5, jnp.bfloat16, group=8) is None
+    assert "up to 5 tokens" in fused_kv_write_reason(6, jnp.bfloat16, group=8)
+    assert "up to 9 tokens" in fused_kv_write_reason(10, jnp.bfloat16, group=4)
     assert decode_block_tokens(8) == 8
     run_case(q_lens=[9, 1], ctx_lens=[20, 3], page_size=16, num_kv_heads=1, group=8, head_dim=64,
-             decode_tokens=16, warp_specialized=False)  # fmt: skip
+             warp_specialized=False)  # fmt: skip
     assert [(p.decode, p.bq) for p in launched_plans] == [(True, 1), (False, 8)], launched_plans
 
 
@@ -399,8 +399,8 @@ def test_new_kv_is_validated():
     kv = (jnp.zeros((4, 2, 64), jnp.bfloat16),) * 2
     x = PagedAttentionInputs(q, pages, pages, table, lens, qsl, max_q_len=1)
     call = functools.partial(ragged_paged_attention_mgpu, interpret=True)
-    with pytest.raises(ValueError, match="max_q_len 1"):
-        call(dataclasses.replace(x, max_q_len=2), new_kv=kv)
+    with pytest.raises(ValueError, match="up to 9 tokens a sequence"):
+        call(dataclasses.replace(x, max_q_len=10), new_kv=kv)
     with pytest.raises(ValueError, match="warp_specialized=False"):
         call(x, KernelOptions(warp_specialized=True), new_kv=kv)
     with pytest.raises(ValueError, match=r"new_kv must be \(k, v\)"):
@@ -418,8 +418,6 @@ def test_new_kv_is_validated():
         KernelOptions(num_splits=0)
     with pytest.raises(ValueError, match=r"split_decode_rows=1 is invalid: must be a bool"):
         KernelOptions(split_decode_rows=1)
-    with pytest.raises(ValueError, match=r"decode_tokens=0 is invalid: must be an int >= 1"):
-        KernelOptions(decode_tokens=0)
 
 
 @pytest.mark.parametrize("head_dim,group,num_kv_heads", [(128, 8, 1), (256, 2, 2), (64, 1, 4)])
@@ -538,14 +536,14 @@ def test_compiled_kernel_on_gpu(head_dim, fp8, fresh_seed):
     # one sequence alone (a decode bucket of one row): ~33 splits of one tile
     run_write_case(q_lens=[1], ctx_lens=[int(rng.integers(1500, 2100))], page_size=64,
                    num_kv_heads=8, group=4, head_dim=head_dim, interpret=False)  # fmt: skip
-    # verification's decode blocks of several tokens (`decode_tokens`): written by the kernel at
-    # one split and many, the new tokens split between two programs; group 3 without new_kv
+    # verification's decode blocks of several tokens: written by the kernel at one split and
+    # many, the new tokens split between two programs; group 3 without new_kv
     run_write_case(q_lens=[5] * 8 + [0] + [3] * 8, ctx_lens=list(rng.integers(0, 700, 17)),
-                   page_size=64, num_kv_heads=8, head_dim=head_dim, interpret=False, pad_tokens=1,
-                   decode_tokens=8)  # fmt: skip
+                   page_size=64, num_kv_heads=8, head_dim=head_dim, interpret=False,
+                   pad_tokens=1)  # fmt: skip
     run_write_case(q_lens=[5], ctx_lens=[int(rng.integers(1500, 2100))], page_size=64,
-                   num_kv_heads=8, head_dim=head_dim, interpret=False, decode_tokens=8)  # fmt: skip
+                   num_kv_heads=8, head_dim=head_dim, interpret=False)  # fmt: skip
     run_write_case(q_lens=[4, 2], ctx_lens=[126, 300], num_kv_heads=2, head_dim=head_dim,
-                   interpret=False, decode_tokens=8, num_splits=3)  # fmt: skip
+                   interpret=False, num_splits=3)  # fmt: skip
     run_case(q_lens=[9, 4, 1], ctx_lens=[1000, 63, 5], page_size=16, num_kv_heads=2, group=3,
-             head_dim=head_dim, interpret=False, decode_tokens=9)  # fmt: skip
+             head_dim=head_dim, interpret=False)  # fmt: skip

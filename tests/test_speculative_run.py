@@ -88,10 +88,10 @@ def test_attention_options_reach_every_methods_engine(monkeypatch, capsys, tmp_p
     monkeypatch.setattr(run, "LLM", fake_llm)
     monkeypatch.setattr(run, "prompts_of", lambda wl, llm, n, chars: [[1, 2, 3]] * n)
     out = str(tmp_path / "s.json")
-    argv = ["--out", out, "--methods", "none", "--attention-options", "decode_tokens=9"]
+    argv = ["--out", out, "--methods", "none", "--attention-options", "num_splits=2"]
     with pytest.raises(StopAtBuild):
         run.main(argv)
-    assert built[0]["attention_options"] == {"decode_tokens": 9}, built
+    assert built[0]["attention_options"] == {"num_splits": 2}, built
     with pytest.raises(SystemExit):
-        run.main([*argv[:-1], "decode_tokens"])
-    assert "'decode_tokens' is not KEY=VALUE" in capsys.readouterr().err
+        run.main([*argv[:-1], "num_splits"])
+    assert "'num_splits' is not KEY=VALUE" in capsys.readouterr().err

@@ -29,9 +29,9 @@ def test_smoke_run_writes_each_gammas_cost_over_the_plain_step(tmp_path):
 def test_attention_options_reach_each_gammas_bench():
     script = experiment_scripts.load("speculative/verify_cost")
     args = SimpleNamespace(batches=[1, 8], smoke=False, preset="llama3-8b", dtype="bfloat16",
-                           context=512, attention_options=["decode_tokens=9"])  # fmt: skip
+                           context=512, attention_options=["num_splits=2"])  # fmt: skip
     cmd = script.bench_command(args, 4, "out.json")
     at = cmd.index("--attention-options")
-    assert cmd[at + 1 :] == ["decode_tokens=9"] and cmd[cmd.index("--num-draft-tokens") + 1] == "4"
+    assert cmd[at + 1 :] == ["num_splits=2"] and cmd[cmd.index("--num-draft-tokens") + 1] == "4"
     args.attention_options = []
     assert "--attention-options" not in script.bench_command(args, 4, "out.json")

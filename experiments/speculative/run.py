@@ -206,7 +206,7 @@ def main(argv=None) -> None:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--attention-options", nargs="*", default=[], metavar="KEY=VALUE",
                     help="engine.attention_options for every method (e.g. "
-                    "decode_tokens=5: verification in the kernel's decode blocks)")  # fmt: skip
+                    "fused_kv_write=false)")  # fmt: skip
     args = ap.parse_args(argv)
     bad = [o for o in args.attention_options if "=" not in o]
     if bad:

@@ -82,8 +82,7 @@ def main(argv=None) -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--timeout", type=float, default=240, help="seconds per gamma")
     ap.add_argument("--attention-options", nargs="*", default=[], metavar="KEY=VALUE",
-                    help="bench_e2e.py's --attention-options (e.g. decode_tokens=9: verification "
-                    "in the kernel's decode blocks)")  # fmt: skip
+                    help="bench_e2e.py's --attention-options (e.g. num_splits=4)")  # fmt: skip
     ap.add_argument("--smoke", action="store_true",
                     help="CPU check: tiny, float32, gammas 0 2, batches 1 4, context 16")  # fmt: skip
     args = ap.parse_args(argv)

@@ -158,7 +158,6 @@ def _attend(q, k, v, kv, layer, batch, page, offset, sliding_window, attention, 
             kv.dtype,
             opts.get("warp_specialized"),
             q.shape[1] // k.shape[1],
-            attention.kernel_options.decode_tokens,
         )
         is None
     )

@@ -26,13 +26,14 @@ How the work is cut
   that reads the tile holding it) copies the two rows into a small buffer with TMA and stores
   them into the page slot; it issues that tile's load only once the stores completed. The pages
   are a global-memory ref, aliased in and out (updated in place when donated).
-- Batches with a few new tokens per sequence (speculative verification: gamma + 1) may take the
-  decode configuration too (`KernelOptions.decode_tokens`): one block of `max_q_len` tokens per
-  sequence in one warpgroup (up to 9 tokens at GQA 4 with the new K/V rows), context splits
-  that fill the GPU, and the new K/V written in the kernel. Otherwise each sequence gets one
-  prefill block (two consumer warpgroups, 128-key tiles, one split: 8 programs for one sequence
-  of an 8-KV-head model) after an XLA scatter. The new tokens may straddle two tiles and two
-  splits: each split writes those in its own tiles and defers those tiles' loads.
+- Batches with a few new tokens per sequence (speculative verification: gamma + 1) take the
+  decode configuration too, as far as a sequence's rows fit one warpgroup (`decode_block_tokens`:
+  9 tokens at GQA 4 with the new K/V rows): one block of `max_q_len` tokens per sequence,
+  context splits that fill the GPU, and the new K/V written in the kernel. The new tokens may
+  straddle two tiles and two splits: each split writes those in its own tiles and defers those
+  tiles' loads. (One prefill block per sequence after an XLA scatter, the alternative, made a
+  gamma 4 verification on the 8B shape cost 18% over a plain step at batch 1, against 1% so:
+  experiments/results/h200/speculative_verify_cost_8b_blocks_ab.json.)
 - Mixed batches (prefill chunks and decodes in one step, the engine's mixed step) take two
   launches: sequences with one new token get decode blocks, the others prefill blocks. One launch
   of prefill-shaped blocks for all of them would give every decode token a 128-row block, two
@@ -175,15 +176,11 @@ class KernelOptions:
       64 query rows each.
     - `split_decode_rows`: in a batch with `max_q_len > 1`, the sequences with exactly one new
       token go through the decode configuration (a second launch; the options above then apply
-      to the prefill part only).
+      to the prefill part only). A batch whose sequences all fit a decode block
+      (`decode_block_tokens`) runs in one launch of decode blocks.
     - `token_major_decode`: a decode-only batch (`max_q_len == 1`, no more tokens than
       sequences) with one context split writes its outputs in token order from the kernel
       (False: through the per-block layout and a gather, as other batches).
-    - `decode_tokens`: a batch whose sequences have at most this many new tokens each
-      (`max_q_len`, e.g. speculative verification's gamma + 1) runs in the decode configuration
-      with one block of `max_q_len` tokens per sequence (context splits that fill the GPU, and
-      with `new_kv` the K/V written in the kernel), as far as its rows fit one warpgroup
-      (`decode_block_tokens`); 1: only single-token decodes do.
     """
 
     num_splits: int | None = None
@@ -193,14 +190,13 @@ class KernelOptions:
     num_consumers: int | None = None
     split_decode_rows: bool = True
     token_major_decode: bool = True
-    decode_tokens: int = 1
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name == "block_kv":
                 ok, want = type(value) is int and value in (64, 128), "64 or 128"
-            elif f.name in ("num_splits", "num_stages", "num_consumers", "decode_tokens"):
+            elif f.name in ("num_splits", "num_stages", "num_consumers"):
                 ok, want = type(value) is int and value >= 1, "an int >= 1"
             else:
                 ok, want = type(value) is bool, "a bool"
@@ -259,7 +255,7 @@ def ragged_paged_attention_mgpu(
         raise NotImplementedError(reason)
     if new_kv is not None:
         reason = fused_kv_write_reason(max_q_len, k_pages.dtype, options.warp_specialized,
-                                       num_q_heads // num_kv_heads, options.decode_tokens)  # fmt: skip
+                                       num_q_heads // num_kv_heads)  # fmt: skip
         if reason is not None:
             raise ValueError(f"new_kv (K/V written by the kernel): {reason}")
         _check_new_kv(new_kv, num_tokens, k_pages.shape)
@@ -276,13 +272,13 @@ def ragged_paged_attention_mgpu(
 
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     # few new tokens per sequence (verification): one decode block of max_q_len tokens each
-    few = max_q_len <= min(options.decode_tokens, decode_block_tokens(group, stride))
+    few = max_q_len <= decode_block_tokens(group, stride)
     if batch_invariant:
         one_split = dataclasses.replace(options, num_splits=1)
         parts = [(_plan(decode=False, **geometry, tuning=one_split), q_lens > 0)]
     elif max_q_len == 1 or few:
         parts = [(_plan(decode=True, **geometry, tuning=options, row_stride=stride,
-                        decode_tokens=max_q_len), q_lens > 0)]  # fmt: skip
+                        block_tokens=max_q_len), q_lens > 0)]  # fmt: skip
     elif options.split_decode_rows:
         parts = [(_plan(decode=True, **geometry), q_lens == 1),
                  (_plan(decode=False, **geometry, tuning=options), q_lens > 1)]  # fmt: skip
@@ -365,16 +361,15 @@ def decode_block_tokens(group: int, row_stride: int | None = None) -> int:
 
 
 def fused_kv_write_reason(max_q_len: int, kv_dtype, warp_specialized: bool | None = None,
-                          group: int = 1, decode_tokens: int = 1) -> str | None:  # fmt: skip
+                          group: int = 1) -> str | None:  # fmt: skip
     """Why the kernel cannot write this step's K/V itself (`new_kv`); None when it can: in
-    decode blocks, so `max_q_len` 1, or up to `decode_tokens` (`KernelOptions`) as far as a
-    block holds them."""
+    decode blocks, so as many tokens a sequence as a block holds (`decode_block_tokens`)."""
     if group + 2 + 7 > ROWS:
         return f"query groups up to {ROWS - 9} heads per KV head (got {group})"
-    most = min(decode_tokens, decode_block_tokens(group, group + 2))
-    if max_q_len > max(most, 1):
-        return (f"decode blocks (max_q_len 1, or up to decode_tokens={decode_tokens} of which "
-                f"{most} fit a block at group {group}), got max_q_len {max_q_len}")  # fmt: skip
+    most = decode_block_tokens(group, group + 2)
+    if max_q_len > most:
+        return (f"decode blocks (up to {most} tokens a sequence fit a block at group {group}), "
+                f"got max_q_len {max_q_len}")  # fmt: skip
     if jnp.dtype(kv_dtype) in FP8_DTYPES:
         return "fp8 pages are quantized on write by XLA (per-page scales)"
     if warp_specialized:
@@ -407,7 +402,7 @@ class _Plan(NamedTuple):
 
 def _plan(*, decode, group, head_dim, quantized, page_size, pages_per_seq,
           tuning: KernelOptions = DEFAULT_OPTIONS, row_stride=None,
-          decode_tokens=1) -> _Plan:  # fmt: skip
+          block_tokens=1) -> _Plan:  # fmt: skip
     num_consumers, block_kv, num_stages = tuning.num_consumers, tuning.block_kv, tuning.num_stages
     warp_specialized, num_splits = tuning.warp_specialized, tuning.num_splits
     # Decode: one consumer warpgroup, 64-key tiles. Prefill: two consumers (128 query rows)
@@ -424,8 +419,8 @@ def _plan(*, decode, group, head_dim, quantized, page_size, pages_per_seq,
     if stride != group and not decode:
         raise ValueError("rows for new K/V only in decode blocks")
     max_shift = 8 - math.gcd(stride, 8)
-    # decode: `decode_tokens` tokens per block (1, or verification's few), in one warpgroup
-    bq = decode_tokens if decode else max(1, (num_consumers * ROWS - max_shift) // group)
+    # decode: `block_tokens` tokens per block (1, or verification's few), in one warpgroup
+    bq = block_tokens if decode else max(1, (num_consumers * ROWS - max_shift) // group)
     q_rows = -(-(bq * stride + max_shift) // 8) * 8
     if decode and q_rows > ROWS:
         raise ValueError(f"a decode block of {bq} tokens x {stride} rows does not fit {ROWS} rows")
