@@ -117,6 +117,20 @@ def test_policy_with_no_tokens_yet_probes_at_the_shortest_interval():
     assert policy.speculate(8) is False  # the winner (ties go to plain) until the next probe
 
 
+def test_mixed_steps_follow_only_a_measured_win():
+    policy = AdaptiveSpeculation()
+    assert not policy.measured_faster(8)  # nothing measured
+    policy.dispatched(8, True)
+    policy.record(8, True, 900.0, 1.0)
+    assert not policy.measured_faster(8)  # speculation alone measured
+    policy.dispatched(8, False)
+    policy.record(8, False, 1000.0, 1.0)
+    assert not policy.measured_faster(8)  # plain faster
+    policy.dispatched(8, True)
+    policy.record(8, True, 5000.0, 1.0)
+    assert policy.measured_faster(8) and not policy.measured_faster(16)
+
+
 def test_policy_keeps_batch_sizes_apart(fresh_seed):
     """Speculation can pay at batch 8 and cost at batch 64: one bucket's rates never decide
     another's."""
@@ -187,6 +201,9 @@ class Forced:
     def record(self, *args) -> None:
         pass
 
+    def measured_faster(self, bucket: int) -> bool:  # (mixed steps: a coin of their own)
+        return bool(self.rng.random() < self.p)
+
 
 @pytest.fixture(scope="module")
 def engines() -> dict[str, LLM]:
@@ -255,6 +272,38 @@ def test_a_thinning_batch_does_not_read_as_a_slower_path(fresh_seed, engines):
     where = f"seed {fresh_seed}: (bucket, speculative, tokens) {reports}"
     assert reports and all(t == full for _, s, t in reports if not s), where
     assert all(t >= full for _, s, t in reports if s), where
+
+
+def test_mixed_steps_draft_only_where_decode_scans_measured_speculation_faster(
+    fresh_seed, engines, monkeypatch
+):
+    """More requests than sequence slots: later ones are admitted (mixed steps) while others
+    decode. A policy that never measures drafts nothing in those mixed steps, whatever its
+    decode scans run; one that has measured speculation faster drafts in them."""
+    rng = np.random.default_rng(fresh_seed)
+    llm = engines["adaptive"]
+    drafted = []
+    propose = llm.engine.proposer.propose
+    monkeypatch.setattr(llm.engine.proposer, "propose",
+                        lambda seq: drafted.append(seq.seq_id) or propose(seq))  # fmt: skip
+    prompts, sampling = _requests(rng, n=7, max_tokens=24)
+
+    class Unmeasured(AdaptiveSpeculation):
+        def record(self, *args) -> None:
+            pass
+
+    class Won(Forced):
+        def measured_faster(self, bucket: int) -> bool:
+            return True
+
+    counts = {}
+    for name, policy in (("unmeasured", Unmeasured()), ("won", Won(rng))):
+        drafted.clear()
+        paths = _generate(llm, prompts, sampling, policy)[1]
+        counts[name] = len(drafted), paths
+    where = f"seed {fresh_seed}: (host drafts, scan paths) {counts}"
+    assert counts["unmeasured"][0] == 0 and True in counts["unmeasured"][1], where
+    assert counts["won"][0] > 0, where
 
 
 VERIFY_COST = 1.2  # a verification of 1 + gamma rows, in plain decode steps (memory-bound)

@@ -25,7 +25,7 @@ class FakeEngine:
 
     def __init__(self) -> None:
         self.seqs, self.steps, self.most, self.step_records = [], 0, 0, []
-        self.compiles_after_warmup = 0
+        self.compiles_after_warmup, self.adaptive = 0, None
 
     def add_request(self, prompt, sampling):
         self.seqs.append(FakeSeq(prompt))
@@ -95,3 +95,19 @@ def test_attention_options_reach_every_methods_engine(monkeypatch, capsys, tmp_p
     with pytest.raises(SystemExit):
         run.main([*argv[:-1], "num_splits"])
     assert "'num_splits' is not KEY=VALUE" in capsys.readouterr().err
+
+
+def test_adaptive_state_reports_each_buckets_rates():
+    from jaxinfer.engine.adaptive import AdaptiveSpeculation
+
+    run = experiment_scripts.load("speculative/run")
+    policy = AdaptiveSpeculation()
+    for bucket, speculative, tokens, seconds in ((8, True, 100.0, 0.5), (8, False, 80.0, 0.25),
+                                                 (64, False, 512.0, 0.125)):  # fmt: skip
+        policy.dispatched(bucket, speculative)
+        policy.record(bucket, speculative, tokens, seconds)
+    assert run.adaptive_state(policy) == {
+        "8": {"speculative": {"tok_s": 200.0, "scan_s": 0.5},
+              "plain": {"tok_s": 320.0, "scan_s": 0.25}},
+        "64": {"plain": {"tok_s": 4096.0, "scan_s": 0.125}},
+    }  # fmt: skip

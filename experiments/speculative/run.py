@@ -145,7 +145,21 @@ def run_point(llm: LLM, engine: dict, warmup_s: float, method: str, batch: int, 
                                    "acceptance_by_position", "speculative_step_fraction")},
         "speculative": engine["speculative"],
     }  # fmt: skip
+    if eng.adaptive is not None:
+        row["adaptive"] = adaptive_state(eng.adaptive)
     return row, tokens
+
+
+def adaptive_state(policy) -> dict:
+    """Adaptive speculation's view after a point, per decode bucket (rows) and path: its EWMA
+    of output tok/s and of seconds a scan (the engine, and so the policy, is the method's for
+    every point: later points start from earlier ones' rates)."""
+    state: dict = {}
+    for (bucket, speculative), rate in sorted(policy.rate.items()):
+        path = "speculative" if speculative else "plain"
+        state.setdefault(str(bucket), {})[path] = {
+            "tok_s": round(rate, 1), "scan_s": round(policy.seconds[bucket, speculative], 5)}  # fmt: skip
+    return state
 
 
 def divergence(tokens: list[list[int]], base: list[list[int]]) -> dict:

@@ -60,6 +60,15 @@ class AdaptiveSpeculation:
         since = self._scans[bucket] - self._last[bucket, not best]  # the winner's scans since
         return best if since + 1 < self.probe_interval(bucket) else not best
 
+    def measured_faster(self, bucket: int) -> bool:
+        """Whether speculation has been measured the faster path of `bucket`: what mixed steps
+        follow. They are neither measured nor probes, so a batch size that decode scans have not
+        yet measured on both paths drafts nothing in its mixed steps (a server that admits a
+        request every few steps would otherwise verify drafts in every mixed step of a batch
+        size where speculation loses, as long as its decode scans were too few to find out)."""
+        spec, plain = self.rate.get((bucket, True)), self.rate.get((bucket, False))
+        return spec is not None and plain is not None and spec > plain
+
     def probe_interval(self, bucket: int) -> int:
         """N: the losing path of `bucket` runs one scan in N (both paths measured)."""
         best = self.rate[bucket, True] > self.rate[bucket, False]

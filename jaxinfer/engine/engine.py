@@ -380,10 +380,12 @@ class Engine:
             # A proposer extends real tokens (inflight.py, 7): a plain step in flight is read
             # first. A verification in flight is read after the next step, which is then a
             # plain one, is dispatched: verifications alternate with overlapped plain steps.
-            # Adaptive speculation drafts in mixed steps only while their batch size's decode
-            # scans speculate (mixed steps are not measured: prefill chunks would blur the rate).
+            # Adaptive speculation drafts in mixed steps only where its batch size's decode scans
+            # measured speculation faster (mixed steps are not measured: prefill chunks would
+            # blur the rate; nor probes).
             n = max(len(self.scheduler.running), 1)
-            speculate = self._speculate(pick_bucket(self.runner.seq_buckets, n))
+            bucket = pick_bucket(self.runner.seq_buckets, n)
+            speculate = self.adaptive is None or self.adaptive.measured_faster(bucket)
             if speculate and self.inflight.plain:
                 early, waited = self._read_mixed()
             self._propose(speculate)
