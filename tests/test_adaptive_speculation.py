@@ -306,6 +306,39 @@ def test_mixed_steps_draft_only_where_decode_scans_measured_speculation_faster(
     assert counts["won"][0] > 0, where
 
 
+def test_a_scan_is_timed_with_the_host_work_on_its_own_tokens(fresh_seed, engines, monkeypatch):
+    """A clock that moves only while the host appends a scan's tokens (1 ms a token; the
+    device is free): each scan, chained or not, is reported with exactly its own tokens' host
+    time. Timed from read to read, a chained scan would carry its predecessor's, which favours
+    a speculative probe after plain scans (fewer tokens before it) and charges the plain scan
+    after it for the probe's extra tokens."""
+    rng = np.random.default_rng(fresh_seed)
+    engine = engines["adaptive"].engine
+    now, appended, reports = [engine.clock()], [], []  # (past the engine's earlier scans)
+
+    class Recording(Forced):
+        def record(self, bucket, speculative, tokens, seconds):
+            reports.append(seconds)
+
+    append_all = engine._append_all
+
+    def slow_append(results):
+        n = sum(len(new) for _, new in results)
+        now[0] += 1e-3 * n
+        if n:
+            appended.append(1e-3 * n)
+        return append_all(results)
+
+    monkeypatch.setattr(engine, "clock", lambda: now[0])
+    monkeypatch.setattr(engine, "_append_all", slow_append)
+    prompts, sampling = _requests(rng, n=4, max_tokens=40)
+    chained = engine.chained_scans
+    _generate(engines["adaptive"], prompts, sampling, Recording(rng))
+    where = f"seed {fresh_seed}: host seconds {appended}, reported {reports}"
+    assert engine.chained_scans > chained and len(reports) >= 4, where
+    assert reports == pytest.approx(appended, abs=1e-9), where
+
+
 VERIFY_COST = 1.2  # a verification of 1 + gamma rows, in plain decode steps (memory-bound)
 
 

@@ -215,10 +215,10 @@ class Engine:
             # (parallel/multihost.py; they built this engine too, `engine/follower.py`)
             self.runner.driver = Leader()
         self.proposer = proposer
-        # adaptive speculation: the policy, and when the host last read a scan (a chained scan's
-        # time starts there: the device ran it from then on)
+        # adaptive speculation: the policy, and when the host was last done with a scan's tokens
+        # (a chained scan's time starts there: `_measure`)
         self.adaptive = AdaptiveSpeculation() if self.runner.adaptive else None
-        self._scan_read_at = -float("inf")
+        self._scan_done_at = -float("inf")
         self.eos_ids = tuple(model_config.eos_token_ids)
         self.sequences: list[Sequence] = []
         self.step_records: list[StepRecord] = []
@@ -445,11 +445,13 @@ class Engine:
         if self.config.async_decode:
             self._chain(self.inflight.scan)
         scan = self.inflight.take()
-        results, device_s = self._collect(scan)
+        results, counts, device_s = self._collect(scan)
         outputs = self._append_all(results)
         fed = sum(len(new) for _, new in results)
         self._record(t_start, len(scan.seqs), fed, True, scan.rounds, device_s,
                      self._drafts(scan))  # fmt: skip
+        if self.adaptive is not None:
+            self._measure(scan, counts, results)
         return early + outputs
 
     def _append_all(self, results) -> list[StepOutput]:
@@ -664,7 +666,8 @@ class Engine:
                                                speculate, t0))  # fmt: skip
 
     def _collect(self, scan: UnreadScan):
-        """Read a scan's tokens; returns ([(seq, tokens)], seconds the host waited for them)."""
+        """Read a scan's tokens; returns ([(seq, tokens)], tokens per [round, row], seconds the
+        host waited for them)."""
         t0 = self.clock()
         tok, counts, lp, top_lp, top_ids, load = jax.device_get(scan.outs)
         read_at = self.clock()
@@ -683,24 +686,25 @@ class Engine:
                    for r in range(scan.rounds) for j in range(int(counts[r, i]))]  # fmt: skip
             seq.num_computed_tokens += len(new)
             results.append((seq, new))
-        if self.adaptive is not None:
-            self._measure(scan, counts, results, read_at)
-        self._scan_read_at = read_at
-        return results, device_s
+        return results, counts, device_s
 
-    def _measure(self, scan: UnreadScan, counts, results, read_at: float) -> None:
-        """Report a read scan to adaptive speculation: its tokens per round a row was live, times
-        the bucket's rows and the rounds (a batch thinning out as sequences end makes fewer
-        tokens whichever path runs: that says nothing of the path), over its seconds from its
-        dispatch, or from the previous scan's read when that came later (a chained scan ran on
-        the device from then)."""
+    def _measure(self, scan: UnreadScan, counts, results) -> None:
+        """Report a scan whose tokens the host is done with to adaptive speculation: its tokens
+        per round a row was live, times the bucket's rows and the rounds (a batch thinning out as
+        sequences end makes fewer tokens whichever path runs: that says nothing of the path),
+        over the seconds from its dispatch, or from when the host was done with the previous
+        scan if that came later (a chained scan ran on the device from its dispatch, beside that
+        scan's host work), to now. So a scan pays for the host work on its own tokens, not on
+        its predecessor's: timed from read to read, a plain scan after a speculative probe paid
+        for the probe's extra tokens, and the probe for the plain scan's fewer."""
+        done = self.clock()
+        start, self._scan_done_at = max(scan.dispatched_at, self._scan_done_at), done
         rows = [i for i, (_, new) in enumerate(results) if new]  # (not the void ones)
         live = int((counts[:, rows] > 0).sum())
         if live:
             made = sum(len(new) for _, new in results)
-            seconds = read_at - max(scan.dispatched_at, self._scan_read_at)
             self.adaptive.record(scan.rows, scan.speculative, made * scan.rows * scan.rounds / live,
-                                 seconds)  # fmt: skip
+                                 done - start)  # fmt: skip
 
     def _drafts(self, scan: UnreadScan) -> bool:
         """Whether `scan`'s rounds verified drafts."""
