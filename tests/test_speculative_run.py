@@ -111,3 +111,24 @@ def test_adaptive_state_reports_each_buckets_rates():
               "plain": {"tok_s": 320.0, "scan_s": 0.25}},
         "64": {"plain": {"tok_s": 4096.0, "scan_s": 0.125}},
     }  # fmt: skip
+
+
+def test_a_profiled_point_accounts_its_decode_rounds(tmp_path):
+    """--profile: a trace of exactly the asked decode scans of a real engine (n-gram, tiny),
+    prefill left out, its device time per round split by kind of work; then the engine drains."""
+    from jaxinfer.engine.llm import LLM
+    from jaxinfer.engine.request import SamplingParams
+
+    run = experiment_scripts.load("speculative/run")
+    llm = LLM("tiny", max_num_seqs=2, num_pages=32, page_size=16, max_model_len=128,
+              decode_steps=4, speculative={"method": "ngram", "num_draft_tokens": 2},
+              warmup=False)  # fmt: skip
+    prompts = [[5, 6, 7, 8] * 3, [9, 10, 11] * 4, [12] * 5]
+    out = run.profile_point(llm, prompts, SamplingParams(max_tokens=40, ignore_eos=True), 2,
+                            tmp_path / "p", scans=2)  # fmt: skip
+    assert "error" not in out and (out["scans"], out["rounds"]) == (2, 8), out
+    assert out["steps_traced"] == 2, out  # (scans only: the prefill ran before the trace)
+    kinds = out["kinds_ms_per_round"]
+    assert kinds.get("matmul", 0) > 0 and out["top_ops"], out
+    assert sum(kinds.values()) == pytest.approx(out["device_ms_per_round"], rel=0.01, abs=1e-3)
+    assert not llm.engine.has_unfinished()

@@ -36,6 +36,12 @@ reference models' domain): "grounded", prompts that end asking for a copy of cod
 (an input-grounded task where n-gram lookup pays: the output repeats the prompt), "open", the
 same code without the request (free continuation), and "chat", a user turn under the model's
 chat template asking to explain, comment or test the code (models with a chat template).
+
+`--profile DIR` adds, after each timed point, a jax.profiler trace of --profile-scans decode
+scans of the point's first B prompts (untimed; traced once the first scan ran, so prefill is
+left out) into DIR/<method>_<workload>_b<B>, and its device account per decode round to the
+row (`profile`: device and span ms, ms by kind of work, the top ops): where a speculative
+round's time goes beside a plain one's.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from omegaconf import OmegaConf
 
 from jaxinfer.engine.llm import LLM
 from jaxinfer.engine.request import SamplingParams
+from jaxinfer.metrics.device_trace import summarize_trace
 from jaxinfer.metrics.summary import summarize
 from jaxinfer.provenance import provenance
 from jaxinfer.workload.code_prompts import KINDS, prompt_text, snippets
@@ -150,6 +157,49 @@ def run_point(llm: LLM, engine: dict, warmup_s: float, method: str, batch: int, 
     return row, tokens
 
 
+def profile_point(llm: LLM, prompts, sampling, batch: int, log_dir: Path, scans: int) -> dict:
+    """Trace `scans` decode scans of `batch` of the prompts in flight, from the first scan's end
+    (prefill is not in it); the rest runs untraced. Device time per decode round."""
+    import jax
+
+    eng = llm.engine
+    eng.step_records.clear()
+    seqs = [eng.add_request(p, sampling) for p in prompts[:batch]]
+
+    def scans_run() -> int:
+        return sum(r.decode_steps > 1 for r in eng.step_records)
+
+    while eng.has_unfinished() and scans_run() < 1:
+        eng.step()
+    first, start = scans_run(), len(eng.step_records)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    jax.profiler.start_trace(str(log_dir))
+    try:
+        while eng.has_unfinished() and scans_run() < first + scans:
+            eng.step()
+        jax.block_until_ready(eng.runner.kv)  # (a chained scan may still be running)
+    finally:
+        jax.profiler.stop_trace()
+    steps = eng.step_records[start:]
+    traced = [r for r in steps if r.decode_steps > 1]
+    rounds = sum(r.decode_steps for r in traced)
+    while eng.has_unfinished():
+        eng.step()
+    eng.release(seqs)
+    summary = summarize_trace(log_dir, top=10)
+    out = {"dir": str(log_dir), "scans": len(traced), "rounds": rounds,
+           "steps_traced": len(steps)}  # fmt: skip
+    if "device_ms" not in summary or not rounds:
+        return out | {"error": summary.get("error", "no decode scan ran")}
+    per = lambda ms: round(ms / rounds, 4)  # noqa: E731
+    return out | {
+        "device_ms_per_round": per(summary["device_ms"]),
+        "span_ms_per_round": per(summary["span_ms"]),
+        "kinds_ms_per_round": {k["name"]: per(k["time_ms"]) for k in summary["kinds"]},
+        "top_ops": summary["top_ops"],
+    }
+
+
 def adaptive_state(policy) -> dict:
     """Adaptive speculation's view after a point, per decode bucket (rows) and path: its EWMA
     of output tok/s and of seconds a scan (the engine, and so the policy, is the method's for
@@ -221,6 +271,9 @@ def main(argv=None) -> None:
     ap.add_argument("--attention-options", nargs="*", default=[], metavar="KEY=VALUE",
                     help="engine.attention_options for every method (e.g. "
                     "fused_kv_write=false)")  # fmt: skip
+    ap.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                    help="after each point, trace --profile-scans of its decode scans into DIR")  # fmt: skip
+    ap.add_argument("--profile-scans", type=int, default=4)
     args = ap.parse_args(argv)
     bad = [o for o in args.attention_options if "=" not in o]
     if bad:
@@ -244,6 +297,10 @@ def main(argv=None) -> None:
         llm, engine, warmup_s = build_engine(args, method, num_pages)
         for wl, batch, prompts in points:
             row, tokens = run_point(llm, engine, warmup_s, method, batch, prompts, sampling)
+            if args.profile is not None:
+                name = f"{method.replace(':', '_').replace('/', '_')}_{wl}_b{batch}"
+                row["profile"] = profile_point(llm, prompts, sampling, batch, args.profile / name,
+                                               args.profile_scans)  # fmt: skip
             if method == "none":
                 base[wl, batch] = tokens, row["output_tok_s"]
             base_tokens, base_tok_s = base[wl, batch]
