@@ -83,6 +83,40 @@ def test_eagle_output_equals_plain_output_token_for_token(fresh_seed, engines):
     assert _acceptance(engines["trained"])[0] > 0, f"seed {fresh_seed}: nothing kept"
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"method": "eagle", "eagle_head": "eagle-tiny"},
+        {"method": "draft", "draft_model": "tiny-draft"},
+    ],
+    ids=["eagle", "draft model"],
+)
+def test_all_greedy_rounds_verify_without_the_rejection_rule(fresh_seed, engines, spec,
+                                                            monkeypatch):  # fmt: skip
+    """With rejection-sampled drafts (the default), a scan whose rows are all greedy drafts
+    argmaxes and verifies them by matching (no q, no `rejection_verify`); one with a sampled row
+    takes the rule. Greedy rounds give plain decoding's tokens (sampled ones its distribution:
+    test_sampled_drafts_follow_the_q_handed_to_the_verifier). (Shapes of their own: the steps
+    are traced here, where the spy sees them.)"""
+    from jaxinfer.engine import model_runner
+
+    traced = []
+    rule = model_runner.rejection_verify
+    monkeypatch.setattr(model_runner, "rejection_verify",
+                        lambda *a: traced.append(1) or rule(*a))  # fmt: skip
+    kw = KW | dict(max_num_seqs=3, decode_steps=3)
+    llm = LLM("tiny", **kw, speculative={**spec, "num_draft_tokens": 2}, warmup=False)
+    rng = np.random.default_rng(fresh_seed)
+    prompts = _code_prompts(engines["plain"], rng, 2, chars=120)
+    greedy = SamplingParams(max_tokens=16, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, seed=fresh_seed)
+    want = [o.token_ids for o in engines["plain"].generate(prompts, greedy)]
+    got = [o.token_ids for o in llm.generate(prompts, greedy)]
+    assert got == want and not traced, f"seed {fresh_seed}: greedy, rule traced {len(traced)}x"
+    llm.generate(prompts, sampled)
+    assert traced, f"seed {fresh_seed}: sampled rows verified without the rejection rule"
+
+
 @pytest.mark.optimized
 def test_training_raises_the_heads_agreement_with_the_target(fresh_seed, tmp_path):
     """`train_eagle` on tiny, briefly, on the target's own replies (`data: generated`) to

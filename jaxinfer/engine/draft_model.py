@@ -117,7 +117,7 @@ class DraftModelProposer(Proposer):
             batch = rows_batch(tok, pos, rnd.active, rnd.page_ids, q)
             hidden, kv = forward_paged(params, cfg, batch, kv, attention=rnd.attention)
             logits = compute_logits(params, cfg, hidden.reshape(rows, q, -1)[:, -1])
-            if not self.rejection:
+            if not self.rejection or not sb.filtered:  # (all greedy: Proposer.draft)
                 return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
             j = pos[:, -1] - positions  # the draft's index: it is the token at sb.position + j
             row_sb = dataclasses.replace(sb, position=sb.position + j)
@@ -132,7 +132,7 @@ class DraftModelProposer(Proposer):
             qs.append(q)
         drafts = jnp.stack(drafts, axis=1)
         fed = jnp.concatenate([rnd.tokens[:, None], drafts], axis=1)
-        q = jnp.stack(qs, axis=1) if self.rejection else None
+        q = None if qs[0] is None else jnp.stack(qs, axis=1)
         return drafts, DraftState(fed, positions), kv, q
 
     def _catch_up(self, state: DraftState, rnd: Round):

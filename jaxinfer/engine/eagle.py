@@ -266,7 +266,7 @@ class EagleProposer(Proposer):
 
         def draw(g, k):  # the k-th draft (0-based) from g [S, E]
             logits = compute_logits(params["shared"], self.target, g)
-            if not self.rejection:
+            if not self.rejection or not rnd.sampling.filtered:  # (all greedy: Proposer.draft)
                 return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
             row_sb = dataclasses.replace(rnd.sampling, position=rnd.sampling.position + k)
             probs = filtered_probs(logits, row_sb)
@@ -281,7 +281,7 @@ class EagleProposer(Proposer):
             qs.append(q)
         drafts = jnp.stack(drafts, axis=1)
         fed = jnp.concatenate([rnd.tokens[:, None], drafts], axis=1)
-        q = jnp.stack(qs, axis=1) if self.rejection else None
+        q = None if qs[0] is None else jnp.stack(qs, axis=1)
         return drafts, DraftState(fed, rnd.positions), cache, q
 
     def _rewrite(self, state: DraftState, rnd: Round, params, cache: EagleCache, w=None):

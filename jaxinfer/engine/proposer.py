@@ -25,7 +25,11 @@ construction (`engine.make_proposer`).
 - `draft(state, rnd, draft_params, pool)`: a decode-scan round's drafts after each row's last
   token, on the device: (drafts [S, gamma], state, pool, q). q [S, gamma, V]: the distributions
   sampled drafts were drawn from, for rejection sampling (`sampler.rejection_verify`); None for
-  deterministic drafts, which `accept_drafts` keeps while they equal the target's samples.
+  deterministic drafts, which `accept_drafts` keeps while they equal the target's samples. A
+  round whose rows are all greedy (`rnd.sampling.filtered` False, static) drafts argmaxes with
+  q None: with one-hot p and q the rejection rule keeps a draft exactly when it is the target's
+  argmax, and its residual draw is that argmax, which greedy verification gives without the
+  [S, gamma + 1, V] distributions and their random draws.
 - `follow(state, rnd, draft_params, pool)`: (state, pool) after a plain round that fed the last
   tokens and drafted nothing (adaptive speculation, `adaptive.py`), so the next round may draft
   from a state as complete as after a drafting round (default: unchanged, for a state the fed
