@@ -34,8 +34,8 @@ How the work is cut
   tiles' loads. (One prefill block per sequence after an XLA scatter, the alternative, made a
   gamma 4 verification on the 8B shape cost 18% over a plain step at batch 1, against 1% so:
   experiments/results/h200/speculative_verify_cost_8b_blocks_ab.json.)
-- Mixed batches (prefill chunks and decodes in one step, the engine's mixed step) take two
-  launches: sequences with one new token get decode blocks, the others prefill blocks. One launch
+- Mixed batches (prefill chunks and decodes in one step, the engine's mixed step) whose longest
+  chunk does not fit a decode block take two launches: sequences with one new token get decode blocks, the others prefill blocks. One launch
   of prefill-shaped blocks for all of them would give every decode token a 128-row block, two
   consumer warpgroups and 128-key tiles (`split_decode_rows=False` keeps that for comparison).
 - Grid: (query block, KV head, context split). Each program streams its share of the sequence's
