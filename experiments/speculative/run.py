@@ -282,7 +282,8 @@ def main(argv=None) -> None:
     if "none" not in args.methods:
         ap.error("--methods must include none (the baseline of every speedup)")
     methods = ["none", *[m for m in args.methods if m != "none"]]
-    result = {**provenance(), "args": vars(args) | {"out": str(args.out), "plot": str(args.plot)},
+    args_json = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    result = {**provenance(), "args": args_json,
               "rows": []}  # fmt: skip
     prompter = LLM(args.model, warmup=False, num_pages=4, max_model_len=48)  # its tokenizer
     sampling = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True,
