@@ -51,6 +51,24 @@ def greedy(n, **kw):
     return SamplingParams(max_tokens=n, ignore_eos=True, **kw)
 
 
+@pytest.mark.parametrize("speculative", [None, {"method": "ngram", "num_draft_tokens": 2}])
+def test_no_scan_is_chained_past_the_end_of_its_sequences(model, prompts, speculative):
+    """A decode scan is not chained after one that may end every sequence in it: it would run
+    void on the device, ahead of the next request's prefill. Lengths land on, before and after a
+    scan's end; the outputs stay the reference's and the other scans still chain."""
+    extra = {"speculative": speculative} if speculative else {}
+    engine = make_engine(model, decode_steps=4, max_num_seqs=2, **extra)
+    lens = [24, 26, 29, 31]
+    for p, n in zip(prompts, lens, strict=False):
+        (seq,) = run(engine, [p + p[:3]], [greedy(n)])  # (a repeat for the n-gram to find)
+        (ref,) = greedy_generate(model[1], model[0], [p + p[:3]], n)
+        assert seq.output_token_ids == ref, (speculative, n)
+    scans = [r for r in engine.step_records if r.decode_steps > 1]
+    void = [r for r in scans if r.num_batched_tokens == 0]
+    assert not void, f"{len(void)} of {len(scans)} scans made no token ({speculative})"
+    assert engine.chained_scans >= len(scans) // 2, (engine.chained_scans, len(scans))
+
+
 def test_batched_greedy_equals_each_request_alone_and_the_reference(model, prompts):
     engine = make_engine(model, decode_steps=4)
     lens = [5 + 3 * i for i in range(len(prompts))]

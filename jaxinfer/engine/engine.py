@@ -649,8 +649,13 @@ class Engine:
             return
         if any(s.status is not SeqStatus.RUNNING for s in prev.seqs):
             return
-        t0 = self.clock()
         k = prev.rounds
+        if all(self._left(s) <= k * (self.runner.num_rows if self._drafts(prev) else 1)
+               for s in prev.seqs):  # fmt: skip
+            # prev may end every sequence (it makes k to k x rows tokens each): a scan chained
+            # now would run void, and the next request's prefill would wait behind it
+            return
+        t0 = self.clock()
         per_round = self.runner.num_rows if self.runner.scan_proposer else 1
         for seq in prev.seqs:  # prev may add up to k rounds of tokens before this scan's k
             need = min(seq.num_tokens + 2 * k * per_round - 1, seq.max_total_tokens)
@@ -664,6 +669,12 @@ class Engine:
         self.chained_scans += 1
         self.inflight.dispatch_scan(UnreadScan(prev.seqs, outs, final, prev.sb, prev.rows, k,
                                                speculate, t0))  # fmt: skip
+
+    @staticmethod
+    def _left(seq: Sequence) -> int:
+        """Tokens `seq` may still generate, as far as the host has read them."""
+        return min(seq.output_budget - len(seq.output_token_ids),
+                   seq.max_total_tokens - seq.num_tokens)  # fmt: skip
 
     def _collect(self, scan: UnreadScan):
         """Read a scan's tokens; returns ([(seq, tokens)], tokens per [round, row], seconds the
