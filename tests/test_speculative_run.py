@@ -113,6 +113,26 @@ def test_adaptive_state_reports_each_buckets_rates():
     }  # fmt: skip
 
 
+def test_adaptive_trace_shows_each_scan_and_the_rates_it_left():
+    """The trace follows the policy scan by scan: a fast speculative probe, then plain scans
+    that overtake it; each entry carries the EWMAs right after that record."""
+    from jaxinfer.engine.adaptive import AdaptiveSpeculation
+
+    run = experiment_scripts.load("speculative/run")
+    policy = AdaptiveSpeculation(alpha=0.5)
+    policy.log = []
+    for speculative, tokens, seconds in ((True, 300.0, 0.5), (False, 100.0, 0.5),
+                                         (False, 900.0, 0.5)):  # fmt: skip
+        policy.dispatched(8, speculative)
+        policy.record(8, speculative, tokens, seconds)
+    assert run.adaptive_trace(policy.log) == {
+        "scan": [1, 2, 3], "bucket": [8, 8, 8], "speculative": [1, 0, 0],
+        "tok_s": [600.0, 200.0, 1800.0], "ms": [500.0, 500.0, 500.0],
+        "spec_ewma": [600.0, 600.0, 600.0], "plain_ewma": [None, 200.0, 1000.0],
+    }  # fmt: skip
+    assert not policy.speculate(8)  # plain's EWMA (1000) passed speculation's (600)
+
+
 def test_a_profiled_point_accounts_its_decode_rounds(tmp_path):
     """--profile: a trace of exactly the asked decode scans of a real engine (n-gram, tiny),
     prefill left out, its device time per round split by kind of work; then the engine drains."""

@@ -19,7 +19,8 @@ verification is exact). Methods: none, ngram[:GAMMA], draft:MODEL[:GAMMA], self:
 eagle:HEAD[:GAMMA] (HEAD: a head file from `jaxinfer train configs/train/eagle-*.yaml`, or
 "random"; `engine.speculative`; GAMMA defaults to --num-draft-tokens); a "+adaptive" suffix
 (ngram+adaptive) turns on `engine.speculative.adaptive`, and the row records the fraction of
-decode steps that speculated (`speculative_step_fraction`).
+decode steps that speculated (`speculative_step_fraction`), the policy's rates per bucket after
+the point (`adaptive`) and each of the point's scans as it measured them (`adaptive_trace`).
 
     python experiments/speculative/run.py --methods none ngram ngram+adaptive \
         eagle:eagle-tiny eagle:eagle-tiny+adaptive \
@@ -126,6 +127,8 @@ def run_point(llm: LLM, engine: dict, warmup_s: float, method: str, batch: int, 
     """One (method, batch) point on the method's engine: the prompts with `batch` in flight."""
     eng = llm.engine
     eng.step_records.clear()
+    if eng.adaptive is not None:
+        eng.adaptive.log = []
     t0 = time.perf_counter()
     queue, seqs, live = list(prompts), [], []
     while queue or eng.has_unfinished():
@@ -154,6 +157,8 @@ def run_point(llm: LLM, engine: dict, warmup_s: float, method: str, batch: int, 
     }  # fmt: skip
     if eng.adaptive is not None:
         row["adaptive"] = adaptive_state(eng.adaptive)
+        row["adaptive_trace"] = adaptive_trace(eng.adaptive.log)
+        eng.adaptive.log = None
     return row, tokens
 
 
@@ -210,6 +215,18 @@ def adaptive_state(policy) -> dict:
         state.setdefault(str(bucket), {})[path] = {
             "tok_s": round(rate, 1), "scan_s": round(policy.seconds[bucket, speculative], 5)}  # fmt: skip
     return state
+
+
+def adaptive_trace(log: list[tuple]) -> dict:
+    """The point's scans as adaptive speculation measured them, one list per field: which scan
+    of its bucket (dispatch order), the path, its tok/s and ms, and both paths' EWMAs after it
+    (a run that speculated where its final rates say plain is faster shows here when and on
+    which measurements the policy held speculation the faster path)."""
+    r = lambda v: None if v is None else round(v, 1)  # noqa: E731
+    return {"scan": [e[0] for e in log], "bucket": [e[1] for e in log],
+            "speculative": [int(e[2]) for e in log], "tok_s": [r(e[3]) for e in log],
+            "ms": [round(1e3 * e[4], 3) for e in log], "spec_ewma": [r(e[5]) for e in log],
+            "plain_ewma": [r(e[6]) for e in log]}  # fmt: skip
 
 
 def divergence(tokens: list[list[int]], base: list[list[int]]) -> dict:

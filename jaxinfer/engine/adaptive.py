@@ -49,6 +49,9 @@ class AdaptiveSpeculation:
         self._scans: dict[int, int] = {}  # scans dispatched per bucket
         self._last: dict[tuple[int, bool], int] = {}  # (bucket, path) -> its latest scan's index
         self._recorded: dict[tuple[int, bool], int] = {}  # (bucket, path) -> _scans at its record
+        # when a list: each record as (scan index, bucket, speculative, its tok/s, its seconds,
+        # the speculative and plain EWMAs after it): how the policy got where it is
+        self.log: list[tuple] | None = None
 
     def speculate(self, bucket: int) -> bool:
         """Whether the next scan of `bucket` rows should speculate (no side effect: asking
@@ -101,3 +104,6 @@ class AdaptiveSpeculation:
             self.rate[key] += weight * (rate - self.rate[key])
             self.seconds[key] += weight * (seconds - self.seconds[key])
         self._recorded[key] = now
+        if self.log is not None:
+            self.log.append((now, bucket, speculative, rate, seconds, self.rate.get((bucket, True)),
+                             self.rate.get((bucket, False))))  # fmt: skip
