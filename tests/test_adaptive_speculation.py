@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.engine.adaptive import AdaptiveSpeculation
+from jaxinfer.engine import engine as engine_module
+from jaxinfer.engine.adaptive import MIN_LIVE, AdaptiveSpeculation
 from jaxinfer.engine.compile_counter import compile_count
 from jaxinfer.engine.llm import LLM
 from jaxinfer.engine.request import SamplingParams
@@ -274,6 +275,34 @@ def test_a_thinning_batch_does_not_read_as_a_slower_path(fresh_seed, engines):
     assert all(t >= full for _, s, t in reports if s), where
 
 
+@pytest.mark.parametrize("limits", ["same", "random"])
+def test_a_scan_mostly_past_its_sequences_end_is_not_reported(fresh_seed, engines, limits):
+    """Plain scans only, so a scan's live row-rounds are its tokens: exactly the scans live in
+    at least MIN_LIVE of their row-rounds are reported. Four requests of 10 tokens end one
+    round into their third scan (live 1/4): were it reported, its time (host work on 4 tokens)
+    over 16 scaled tokens would read ~4x a full scan's rate."""
+    rng = np.random.default_rng(fresh_seed)
+    reports = []
+
+    class PlainRecording(Forced):
+        def speculate(self, bucket: int) -> bool:
+            return False
+
+        def record(self, bucket, speculative, tokens, seconds):
+            reports.append(tokens)
+
+    prompts = [rng.integers(3, 4000, 9).tolist() for _ in range(4)]
+    sampling = [SamplingParams(max_tokens=10 if limits == "same" else int(rng.integers(2, 40)),
+                               ignore_eos=True) for _ in prompts]  # fmt: skip
+    _generate(engines["adaptive"], prompts, sampling, PlainRecording(rng))
+    scans = [r for r in engines["adaptive"].engine.step_records if r.decode_steps > 1]
+    live = [r.num_batched_tokens / (r.num_seqs * r.decode_steps) for r in scans]
+    where = f"seed {fresh_seed}: live shares {live}, reports {reports}"
+    assert len(reports) == sum(x >= MIN_LIVE for x in live), where
+    if limits == "same":
+        assert min(live) == 0.25 and len(reports) == len(scans) - 1, where
+
+
 def test_mixed_steps_draft_only_where_decode_scans_measured_speculation_faster(
     fresh_seed, engines, monkeypatch
 ):
@@ -331,6 +360,7 @@ def test_a_scan_is_timed_with_the_host_work_on_its_own_tokens(fresh_seed, engine
 
     monkeypatch.setattr(engine, "clock", lambda: now[0])
     monkeypatch.setattr(engine, "_append_all", slow_append)
+    monkeypatch.setattr(engine_module, "MIN_LIVE", 0.0)  # (every scan reported, thinned or not)
     prompts, sampling = _requests(rng, n=4, max_tokens=40)
     chained = engine.chained_scans
     _generate(engines["adaptive"], prompts, sampling, Recording(rng))

@@ -31,6 +31,11 @@ BUDGET = 0.01
 # The weight of a path's newest measurement when it also ran the scan before: a scan's rate is
 # noisy (host scheduling, sequences ending inside it); 0.3 follows a change within ~4 scans.
 ALPHA = 0.3
+# The engine reports only scans whose sequences were live in at least this share of their
+# row-rounds: a scan thinned by sequences ending inside it (a batch's tail) costs less host work
+# for its fewer tokens, and its rate scaled to the full bucket reads as a faster path (in an
+# H200 trace, tail scans read 3-8x any full scan's rate and kept a losing path in use).
+MIN_LIVE = 0.75
 
 
 class AdaptiveSpeculation:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from jaxinfer.engine.adaptive import AdaptiveSpeculation
+from jaxinfer.engine.adaptive import MIN_LIVE, AdaptiveSpeculation
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.compile_counter import compile_count
 from jaxinfer.engine.config import EngineConfig, resolve_dtype
@@ -707,12 +707,14 @@ class Engine:
         scan if that came later (a chained scan ran on the device from its dispatch, beside that
         scan's host work), to now. So a scan pays for the host work on its own tokens, not on
         its predecessor's: timed from read to read, a plain scan after a speculative probe paid
-        for the probe's extra tokens, and the probe for the plain scan's fewer."""
+        for the probe's extra tokens, and the probe for the plain scan's fewer. A scan whose
+        sequences were live in less than `MIN_LIVE` of its row-rounds (void ones counted as
+        dead) is not reported."""
         done = self.clock()
         start, self._scan_done_at = max(scan.dispatched_at, self._scan_done_at), done
         rows = [i for i, (_, new) in enumerate(results) if new]  # (not the void ones)
         live = int((counts[:, rows] > 0).sum())
-        if live:
+        if live and live >= MIN_LIVE * len(results) * scan.rounds:
             made = sum(len(new) for _, new in results)
             self.adaptive.record(scan.rows, scan.speculative, made * scan.rows * scan.rounds / live,
                                  done - start)  # fmt: skip

@@ -212,8 +212,10 @@ def head_loss(head, shared, cfg: ModelConfig, hidden, target_logits, tokens, key
         if weights is not None:
             valid = valid * weights
         w = unroll_decay**s
-        loss, total = loss + w * jnp.sum(ce * valid) / jnp.sum(valid), total + w
-        agree.append(jnp.sum((jnp.argmax(logits, -1) == labels) * valid) / jnp.sum(valid))
+        # (a batch of windows inside prompts has no valid position: its term is 0, not NaN)
+        n = jnp.maximum(jnp.sum(valid), 1)
+        loss, total = loss + w * jnp.sum(ce * valid) / n, total + w
+        agree.append(jnp.sum((jnp.argmax(logits, -1) == labels) * valid) / n)
     feature = optax.huber_loss(gs[0].astype(jnp.float32), hidden.astype(jnp.float32)).mean()
     return loss / total + feature_weight * feature, jnp.stack(agree)
 
