@@ -204,6 +204,18 @@ def test_unrolled_training_steps_see_what_drafting_sees(fresh_seed):
         )
         want = (hit[:, s:] * w[:, s:]).sum() / w[:, s:].sum()
         assert float(agree[s]) == pytest.approx(want, abs=1e-6), (s, fresh_seed)
+    # a batch of windows with no weighted position (all inside prompts): its loss is the feature
+    # term's alone and its gradient finite (it was 0 / 0 and turned the head NaN for good)
+    zero = jnp.zeros((2, n), jnp.float32)
+    loss_of = lambda h, wts: head_loss(h, shared, cfg, hidden, target_logits, tokens, None,  # noqa: E731
+                                       distill="soft", feature_weight=1.0, feature_noise=0.0,
+                                       unroll=steps, weights=wts)[0]  # fmt: skip
+    loss, grads = jax.value_and_grad(loss_of)(head, zero)
+    feature_only = head_loss(head, shared, cfg, hidden, target_logits, tokens, None,
+                             distill="soft", feature_weight=1.0, feature_noise=0.0, unroll=1,
+                             weights=zero)[0]  # fmt: skip
+    assert float(loss) == pytest.approx(float(feature_only), rel=1e-6), fresh_seed
+    assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads)), fresh_seed
 
 
 def test_generated_windows_weigh_the_positions_before_reply_tokens():
