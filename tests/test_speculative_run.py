@@ -97,6 +97,14 @@ def test_attention_options_reach_every_methods_engine(monkeypatch, capsys, tmp_p
     assert "'num_splits' is not KEY=VALUE" in capsys.readouterr().err
 
 
+def test_profile_scans_below_one_fail_at_the_flag(capsys, tmp_path):
+    run = experiment_scripts.load("speculative/run")
+    with pytest.raises(SystemExit):
+        run.main(["--out", str(tmp_path / "s.json"), "--methods", "none", "--profile-scans", "0"])
+    assert "--profile-scans must be >= 1, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "s.json").exists()
+
+
 def test_adaptive_state_reports_each_buckets_rates():
     from jaxinfer.engine.adaptive import AdaptiveSpeculation
 

@@ -298,6 +298,8 @@ def main(argv=None) -> None:
     args.attention_options = OmegaConf.to_container(OmegaConf.from_dotlist(args.attention_options))
     if "none" not in args.methods:
         ap.error("--methods must include none (the baseline of every speedup)")
+    if args.profile_scans < 1:
+        ap.error(f"--profile-scans must be >= 1, got {args.profile_scans}")
     methods = ["none", *[m for m in args.methods if m != "none"]]
     args_json = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     result = {**provenance(), "args": args_json,
