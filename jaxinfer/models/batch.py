@@ -86,8 +86,16 @@ def build_ragged_batch(
 def rows_batch(tokens: jax.Array, positions: jax.Array, live: jax.Array, page_ids: jax.Array,
                q: int) -> RaggedBatch:  # fmt: skip
     """On device: a batch of q new tokens per row, tokens/positions [S, q] (each row's last
-    position its new length - 1), rows where `live` [S] is false carrying none (a draft pass
-    inside a decode scan: `engine/draft_model.py`, `engine/eagle.py`)."""
-    qsl = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(live * q)])
-    lens = jnp.where(live, positions[:, -1] + 1, 0)
+    position its new length - 1), for the rows where `live` [S] is true (a draft pass inside a
+    decode scan: `engine/draft_model.py`, `engine/eagle.py`). Row r's tokens stay at r * q: a
+    row that is not live before a live one (a sequence that ended inside the scan) carries q
+    tokens at positions 0 .. q - 1 of the scratch page, and the rows after the last live one
+    carry none. (Packing the live rows together instead gave every row after such a row its
+    predecessor's tokens and positions, written into its own pages.)"""
+    before_last = jnp.flip(jnp.cumsum(jnp.flip(live.astype(jnp.int32))) > 0)
+    qsl = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(before_last * q)])
+    hole = before_last & ~live
+    positions = jnp.where(hole[:, None], jnp.arange(q, dtype=positions.dtype), positions)
+    lens = jnp.where(live, positions[:, -1] + 1, jnp.where(hole, q, 0))
+    page_ids = jnp.where(hole[:, None], SCRATCH_PAGE, page_ids)
     return RaggedBatch(tokens.reshape(-1), positions.reshape(-1), qsl, PageTable(page_ids, lens), q)
