@@ -141,6 +141,18 @@ def test_adaptive_trace_shows_each_scan_and_the_rates_it_left():
     assert not policy.speculate(8)  # plain's EWMA (1000) passed speculation's (600)
 
 
+def test_steps_by_kind_splits_wall_time_between_decode_scans_and_other_steps():
+    from jaxinfer.metrics.steps import StepRecord
+
+    run = experiment_scripts.load("speculative/run")
+    records = [StepRecord(0.0, 6, 300, 1, 9, host_ms=2.0, device_ms=1.0),  # a prefill step
+               StepRecord(0.0, 8, 64, 1, 9, host_ms=0.5, device_ms=7.5, decode_steps=8),
+               StepRecord(0.0, 6, 48, 1, 9, host_ms=1.0, device_ms=5.0, decode_steps=8),
+               StepRecord(0.0, 8, 40, 1, 9, host_ms=1.5, device_ms=1.5)]  # fmt: skip
+    assert run.steps_by_kind(records) == {"scan": {"n": 2, "s": 0.014, "mean_seqs": 7.0},
+                                          "other": {"n": 2, "s": 0.006, "mean_seqs": 7.0}}  # fmt: skip
+
+
 def test_a_profiled_point_accounts_its_decode_rounds(tmp_path):
     """--profile: a trace of exactly the asked decode scans of a real engine (n-gram, tiny),
     prefill left out, its device time per round split by kind of work; then the engine drains."""

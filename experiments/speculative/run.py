@@ -154,12 +154,24 @@ def run_point(llm: LLM, engine: dict, warmup_s: float, method: str, batch: int, 
         **{k: summary[k] for k in ("draft_acceptance_rate", "tokens_per_verification",
                                    "acceptance_by_position", "speculative_step_fraction")},
         "speculative": engine["speculative"],
+        "steps_by_kind": steps_by_kind(eng.step_records),
     }  # fmt: skip
     if eng.adaptive is not None:
         row["adaptive"] = adaptive_state(eng.adaptive)
         row["adaptive_trace"] = adaptive_trace(eng.adaptive.log)
         eng.adaptive.log = None
     return row, tokens
+
+
+def steps_by_kind(records) -> dict:
+    """Where the wall time went: decode scans (more than one round a call) vs the other steps
+    (prefill, mixed prefill + decode, single decode steps), each with its count, seconds (host
+    plus the device wait the host saw) and mean rows."""
+    scans = [r for r in records if r.decode_steps > 1]
+    other = [r for r in records if r.decode_steps <= 1]
+    return {kind: {"n": len(rs), "s": round(sum(r.host_ms + r.device_ms for r in rs) / 1e3, 4),
+                   "mean_seqs": round(sum(r.num_seqs for r in rs) / max(len(rs), 1), 1)}
+            for kind, rs in (("scan", scans), ("other", other))}  # fmt: skip
 
 
 def profile_point(llm: LLM, prompts, sampling, batch: int, log_dir: Path, scans: int) -> dict:
