@@ -189,13 +189,21 @@ def test_training_raises_the_heads_agreement_with_the_target(fresh_seed, tmp_pat
     assert info["train"]["steps"] == 40 and head["fc"].shape == (512, 256)
 
 
-def test_unrolled_training_steps_see_what_drafting_sees(fresh_seed):
+@pytest.mark.parametrize("feature_layers", [(), (0, 2)], ids=["final", "fused"])
+def test_unrolled_training_steps_see_what_drafting_sees(fresh_seed, feature_layers):
     """Training's draft step s at position i (`head_forward_unrolled`) is what drafting computes
     there: a causal forward of the head in which positions up to the chain's start c = i - s + 1
-    read the target's features and each later one the head's own previous output, built one
-    draft at a time from scratch. The loss's agreement of step s is the share of positions
-    i >= s - 1 of every window where g_s's argmax is the target's."""
-    from jaxinfer.engine.eagle import SHARED_KEYS, head_forward, init_head, shifted_features
+    read the target's features (a fused head: projected by its "fuse") and each later one the
+    head's own previous output, built one draft at a time from scratch. The loss's agreement of
+    step s is the share of positions i >= s - 1 of every window where g_s's argmax is the
+    target's."""
+    from jaxinfer.engine.eagle import (
+        SHARED_KEYS,
+        head_forward,
+        init_head,
+        shifted_features,
+        true_features,
+    )
     from jaxinfer.engine.loading import load_model
     from jaxinfer.models.attention import causal_attention
     from jaxinfer.models.dense import compute_logits
@@ -203,11 +211,12 @@ def test_unrolled_training_steps_see_what_drafting_sees(fresh_seed):
 
     cfg, params, _ = load_model("tiny", "float32", 0)
     shared = {k: params[k] for k in SHARED_KEYS if k in params}
-    head = init_head(cfg, jax.random.key(fresh_seed % 2**31))
+    head = init_head(cfg, jax.random.key(fresh_seed % 2**31), feature_layers=feature_layers)
     rng = np.random.default_rng(fresh_seed)
     n, steps = 8, 3
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, n)), jnp.int32)
-    hidden = jnp.asarray(rng.standard_normal((2, n, cfg.hidden_size)), jnp.float32)
+    width = cfg.hidden_size * max(len(feature_layers), 1)
+    hidden = jnp.asarray(rng.standard_normal((2, n, width)), jnp.float32)
     gs = head_forward_unrolled(head, shared, cfg, hidden, tokens, steps)
 
     def dense(feats, toks):
@@ -216,7 +225,7 @@ def test_unrolled_training_steps_see_what_drafting_sees(fresh_seed):
         return head_forward(head, shared, cfg, feats, toks, pos, attend, None)[0]
 
     for c in range(n - steps + 1):
-        feats = shifted_features(hidden)[:, : c + 1]
+        feats = true_features(head, cfg, shifted_features(hidden))[:, : c + 1]
         for s in range(1, steps + 1):
             want = dense(feats, tokens[:, : c + s])[:, -1]
             np.testing.assert_allclose(np.asarray(gs[s - 1][:, c + s - 1]), np.asarray(want),
@@ -366,6 +375,20 @@ def test_eagle_config_errors_name_the_key(tmp_path):
         load_eagle_config(None, ["name=x", "target=tiny", "feature_wieght=1"])
     with pytest.raises(ValueError, match="target"):
         load_eagle_config(None, ["name=x"])
+    # fused features: no feature loss, distinct layers, layers the target has, a file that agrees
+    with pytest.raises(ValueError, match=r"feature_layers=\[0, 2\] needs feature_weight=0"):
+        load_eagle_config(None, ["name=x", "target=tiny", "feature_layers=[0,2]"])
+    with pytest.raises(ValueError, match=r"feature_layers=\[1, 1\]: distinct"):
+        load_eagle_config(None, ["name=x", "target=tiny", "feature_layers=[1,1]",
+                                 "feature_weight=0"])  # fmt: skip
+    tiny = LLM("tiny", warmup=False, num_pages=4, max_model_len=48).engine.runner.cfg
+    for layers, meta, match in (((0, 1), [0], "do not fit its fuse"),
+                                ((0, 1), [0, 9], "do not fit its fuse"),
+                                ((), [0, 1], "names feature_layers")):  # fmt: skip
+        head = init_head(tiny, jax.random.key(0), feature_layers=layers)
+        path = save_head(tmp_path / "f.safetensors", head, tiny, {"feature_layers": meta})
+        with pytest.raises(ValueError, match=match):
+            load_head(path, tiny)
 
 
 def test_engines_of_one_head_configuration_share_compiled_steps(engines):
@@ -447,3 +470,100 @@ def test_generated_replies_sampled_seeded_and_cut_where_they_repeat(tmp_path):
     again = streams("t2", "reply_temperature=0.8", "seed=3")[0]
     np.testing.assert_array_equal(sampled, again)
     assert not np.array_equal(sampled, greedy)
+
+
+def test_tapped_features_are_each_layers_normalised_residual_stream(fresh_seed):
+    """`forward_hidden(taps=...)`: the residual stream after each tapped layer, RMS-normalised
+    without a weight, concatenated in the order asked: what the model cut after that layer
+    returns through a final norm of ones."""
+    from jaxinfer.engine.loading import load_model
+    from jaxinfer.models.dense import forward_hidden
+
+    cfg, params, _ = load_model("tiny", "float32", 0)
+    rng = np.random.default_rng(fresh_seed)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 11)), jnp.int32)
+    taps = (cfg.num_layers - 1, 0, 2)
+    hidden, feats = forward_hidden(params, cfg, tokens, taps)
+    np.testing.assert_allclose(np.asarray(hidden), np.asarray(forward_hidden(params, cfg, tokens)),
+                               rtol=1e-6, atol=1e-6, err_msg=f"seed {fresh_seed}")  # fmt: skip
+    e = cfg.hidden_size
+    assert feats.shape == (2, 11, len(taps) * e)
+    for j, layer in enumerate(taps):
+        cut = cfg.replace(num_layers=layer + 1)
+        cut_params = {**params, "layers": params["layers"][: layer + 1],
+                      "final_norm": jnp.ones_like(params["final_norm"])}  # fmt: skip
+        want = forward_hidden(cut_params, cut, tokens)
+        np.testing.assert_allclose(np.asarray(feats[..., j * e : (j + 1) * e]), np.asarray(want),
+                                   rtol=1e-5, atol=1e-5,
+                                   err_msg=f"layer {layer}; seed {fresh_seed}")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fused_head(tmp_path_factory) -> str:
+    """A random fused head (EAGLE-3's features: tiny's layers 0 and 2), saved as training saves
+    one."""
+    from jaxinfer.engine.eagle import init_head, save_head
+    from jaxinfer.engine.loading import load_model
+
+    cfg, _, _ = load_model("tiny", "float32", 0)
+    head = init_head(cfg, jax.random.key(7), feature_layers=(0, 2))
+    path = tmp_path_factory.mktemp("fused") / "head.safetensors"
+    return str(save_head(path, head, cfg, {"feature_layers": [0, 2]}))
+
+
+def test_a_fused_heads_pool_holds_the_tapped_features_and_its_output_equals_plain(
+        fresh_seed, engines, fused_head):  # fmt: skip
+    """A head on tapped layers (`feature_layers`) in the engine: outputs equal plain decoding's
+    (greedy and sampled), and in the middle of a request its feature pool holds, at every
+    position the host has read, the tapped features the model computes for those tokens."""
+    from jaxinfer.models.dense import forward_hidden
+
+    llm = LLM("tiny", **KW, speculative=dict(method="eagle", num_draft_tokens=GAMMA,
+                                              draft_sampling="greedy", eagle_head=fused_head))  # fmt: skip
+    runner = llm.engine.runner
+    assert runner.proposer.feature_layers == (0, 2)
+    rng = np.random.default_rng(fresh_seed)
+    prompts = [*_code_prompts(engines["plain"], rng, 2), rng.integers(3, 4000, 13).tolist()]
+    sampling = [SamplingParams(max_tokens=20, ignore_eos=True),
+                SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.9, top_k=40,
+                               seed=fresh_seed)]  # fmt: skip
+    for sp in sampling:
+        plain, _ = _generate(engines["plain"], prompts, sp)
+        spec, _ = _generate(llm, prompts, sp)
+        assert spec == plain, f"seed {fresh_seed}: a fused head's output differs ({sp})"
+
+    eng = llm.engine
+    seq = eng.add_request(prompts[0], SamplingParams(max_tokens=40, ignore_eos=True))
+    while len(seq.output_token_ids) < 12:
+        eng.step()
+    tokens, pages = list(seq.all_token_ids), list(seq.page_ids)
+    _, want = forward_hidden(runner.params, runner.cfg, jnp.asarray([tokens]), (0, 2))
+    pool = np.asarray(runner.draft_kv.features)
+    n = len(tokens) - 1  # the last read token's features may not be written yet
+    ps = pool.shape[1]
+    got = np.stack([pool[pages[i // ps], i % ps] for i in range(n)])
+    np.testing.assert_allclose(got, np.asarray(want[0, :n]), rtol=1e-4, atol=1e-4,
+                               err_msg=f"seed {fresh_seed}")  # fmt: skip
+    while eng.has_unfinished():
+        eng.step()
+
+
+def test_a_fused_head_trains_and_loads_with_its_layers(fresh_seed, tmp_path):
+    """`feature_layers` in a train config: the saved head has its fuse and names its layers,
+    and an engine loading it taps those layers; a layer the target lacks fails naming the key."""
+    from jaxinfer.engine.eagle import load_head
+    from jaxinfer.train.eagle import load_eagle_config, train_eagle
+
+    base = ["name=f", "target=tiny", f"out_dir={tmp_path}", "max_files=4", "seq_len=32",
+            "batch_size=2", "steps=3", "warmup_steps=1", "eval_every=3", "eval_windows=2",
+            "unroll=2", "feature_weight=0", f"seed={fresh_seed % 2**16}"]  # fmt: skip
+    with pytest.raises(ValueError, match=r"feature_layers=\[0, 4\]: target='tiny' has 4 layers"):
+        train_eagle(load_eagle_config(None, [*base, "feature_layers=[0,4]"]), log=lambda *_: None)
+    tc = load_eagle_config(None, [*base, "feature_layers=[3,1]"])
+    summary = train_eagle(tc, log=lambda *_: None)
+    assert np.isfinite(summary["heldout_loss"]), f"seed {fresh_seed}: {summary['heldout_loss']}"
+    llm = LLM("tiny", warmup=False, num_pages=8, max_model_len=64,
+              speculative={"method": "eagle", "num_draft_tokens": 2, "eagle_head": tc.head})  # fmt: skip
+    head, info = load_head(tc.head, llm.engine.runner.cfg)
+    assert info["feature_layers"] == [3, 1] and head["fuse"].shape == (512, 256)
+    assert llm.engine.runner.proposer.feature_layers == (3, 1)

@@ -12,11 +12,17 @@ so the plain step changes nothing (no second output, no extra pass), and it is R
 (the residual stream before the norm has outlier channels of large magnitude, a worse input for
 a small fc layer). EAGLE's own code feeds Hugging Face's `last_hidden_state`, the same tensor.
 
+Fused features (EAGLE-3, Li et al. 2025): a head saved with `feature_layers` reads, in place of
+f, the residual streams after those layers of the target (low, middle and high ones), each
+RMS-normalised and concatenated (`dense.tap_features`, [.., n E]), projected by its "fuse"
+[n E, E] (`true_features`); the target's forward returns them beside its hidden states
+(`forward_paged(taps=...)`), and the pool holds them. Drafts after the first still feed g.
+
 State (`EagleCache`, in the runner's `draft_kv` slot): the head's K/V pool (one layer, the
 target's pages and page table, as a draft model's pool) and a feature pool [num_pages,
-page_size, E] holding f at every position the target scored. Pages are the sequences', so both
-survive decode-scan row reshuffles, preemption (a recompute rewrites them) and prefix sharing (a
-cached page was filled from the same tokens).
+page_size, E] (n E fused) holding f at every position the target scored. Pages are the
+sequences', so both survive decode-scan row reshuffles, preemption (a recompute rewrites them)
+and prefix sharing (a cached page was filled from the same tokens).
 
 Invariant: at the start of a round with last token t at p, the head's K/V holds its true-feature
 entries (f_{i-1}, t_i) for positions < p0 + 1, where p0 is the previous round's position (or
@@ -95,13 +101,27 @@ def head_config(target: ModelConfig, intermediate_size: int | None = None) -> Mo
 
 
 def init_head(target: ModelConfig, key: jax.Array, intermediate_size: int | None = None,
-              dtype: str = "float32") -> dict:  # fmt: skip
-    """Random head params {"fc": [2E, E], "layer": the decoder layer's params}."""
+              dtype: str = "float32", feature_layers: tuple[int, ...] = ()) -> dict:  # fmt: skip
+    """Random head params {"fc": [2E, E], "layer": the decoder layer's params}, and with
+    `feature_layers` (EAGLE-3's fused features) "fuse": [len(feature_layers) E, E]."""
     hcfg = head_config(target, intermediate_size).replace(param_dtype=dtype)
-    k_fc, k_layer = jax.random.split(key)
+    k_fc, k_layer, k_fuse = jax.random.split(key, 3)
     e = target.hidden_size
     fc = jax.random.normal(k_fc, (2 * e, e), jnp.float32) / np.sqrt(2 * e)
-    return {"fc": fc.astype(dtype), "layer": _init_tree(layer_specs(hcfg, 0), k_layer)}
+    head = {"fc": fc.astype(dtype), "layer": _init_tree(layer_specs(hcfg, 0), k_layer)}
+    if feature_layers:
+        n = len(feature_layers) * e
+        head["fuse"] = (jax.random.normal(k_fuse, (n, e), jnp.float32) / np.sqrt(n)).astype(dtype)
+    return head
+
+
+def true_features(head: dict, target: ModelConfig, feats: jax.Array) -> jax.Array:
+    """The head's feature input [..., E] from the target's own features [..., F]: as they are
+    (its final-normed hidden states), or with a "fuse" projection, its tapped layers'
+    `tap_features` projected [F, E] (drafts after the first feed the head's own output g)."""
+    if "fuse" not in head:
+        return feats
+    return linear(feats.astype(target.jnp_dtype), head["fuse"].astype(target.jnp_dtype))
 
 
 def head_forward(head: dict, shared: dict, target: ModelConfig, feats: jax.Array,
@@ -145,7 +165,8 @@ def save_head(path: str | Path, head: dict, target: ModelConfig, meta: dict | No
     """The head as one safetensors file (the repo's weight format), its shape in the metadata."""
     from safetensors.numpy import save_file
 
-    flat = {"fc": head["fc"], **{f"layer.{k}": v for k, v in head["layer"].items()}}
+    flat = {k: head[k] for k in ("fc", "fuse") if k in head}
+    flat.update({f"layer.{k}": v for k, v in head["layer"].items()})
     tensors = {k: np.asarray(jax.device_get(v)) for k, v in flat.items()}
     info = {"format": HEAD_FORMAT, "hidden_size": target.hidden_size,
             "vocab_size": target.vocab_size, **(meta or {})}  # fmt: skip
@@ -175,8 +196,17 @@ def load_head(path: str | Path, target: ModelConfig, key: str = "engine.speculat
         if info[field] != getattr(target, field):
             raise ValueError(f"{key}={str(path)!r} was trained for a target of {field}="
                              f"{info[field]}; this model's is {getattr(target, field)}")  # fmt: skip
-    head = {"fc": tensors.pop("fc"),
-            "layer": {k.removeprefix("layer."): v for k, v in tensors.items()}}  # fmt: skip
+    head = {k: tensors.pop(k) for k in ("fc", "fuse") if k in tensors}
+    head["layer"] = {k.removeprefix("layer."): v for k, v in tensors.items()}
+    layers = info.get("feature_layers", [])
+    if "fuse" in head:
+        if (not layers or head["fuse"].shape[0] != len(layers) * target.hidden_size
+                or not all(0 <= i < target.num_layers for i in layers)):  # fmt: skip
+            raise ValueError(f"{key}={str(path)!r}: its feature_layers {layers} do not fit its "
+                             f"fuse {list(head['fuse'].shape)} on a target of "
+                             f"{target.num_layers} layers")  # fmt: skip
+    elif layers:
+        raise ValueError(f"{key}={str(path)!r} names feature_layers {layers} but has no fuse")
     return head, info
 
 
@@ -187,15 +217,16 @@ class EagleProposer(Proposer):
     on_device = True
 
     def __init__(self, target: ModelConfig, head: dict, num_draft_tokens: int,
-                 rejection: bool = True) -> None:  # fmt: skip
+                 rejection: bool = True, feature_layers: tuple[int, ...] = ()) -> None:  # fmt: skip
         self.target, self.head, self.num_draft_tokens = target, head, num_draft_tokens
-        self.rejection = rejection
+        self.rejection, self.feature_layers = rejection, tuple(feature_layers)
         self.head_cfg = head_config(target, head["layer"]["w_down"].shape[0])
 
     # Its weights are arguments of the traced steps (`init_pool`), never constants, so two
     # engines of one configuration (a trained head and a random one, say) share their steps.
     def static_key(self) -> tuple:
-        return (self.target, self.head_cfg, self.num_draft_tokens, self.rejection)
+        return (self.target, self.head_cfg, self.num_draft_tokens, self.rejection,
+                self.feature_layers)  # fmt: skip
 
     # -- device state ---------------------------------------------------------------------------
     def init_pool(self, target_params: dict, num_pages: int, page_size: int, kv_dtype: str,
@@ -207,7 +238,8 @@ class EagleProposer(Proposer):
         shared = {k: target_params[k] for k in SHARED_KEYS if k in target_params}
         kv = init_kv_cache(self.head_cfg, num_pages, page_size, kv_dtype, mesh=shardings.mesh,
                            rules=shardings.rules)  # fmt: skip
-        feats = jnp.zeros((num_pages, page_size, self.target.hidden_size), dtype)
+        width = self.target.hidden_size * max(len(self.feature_layers), 1)
+        feats = jnp.zeros((num_pages, page_size, width), dtype)
         return {"head": head, "shared": shared}, EagleCache(kv, shardings.put(feats))
 
     def device_state(self, seqs: list[Sequence], rows: int) -> DraftState:
@@ -244,6 +276,7 @@ class EagleProposer(Proposer):
         features = write_features(cache.features, batch, hidden)
         seq, _ = token_sequences(batch.query_start_loc, batch.tokens.shape[0])
         feats = read_features(features, batch.page_table.page_ids, seq, batch.positions - 1)
+        feats = true_features(params["head"], self.target, feats)
         _, cache = self._paged(params, EagleCache(cache.kv, features), batch, feats, attention)
         return cache
 
@@ -300,6 +333,7 @@ class EagleProposer(Proposer):
         chunk = jnp.where(j == (m - 1)[:, None], tokens[:, None], after)
         chunk_pos = p0[:, None] + 1 + j
         feats = read_features(cache.features, page_ids, jnp.arange(rows)[:, None], chunk_pos - 1)
+        feats = true_features(params["head"], self.target, feats)
         batch = rows_batch(chunk, jnp.maximum(chunk_pos, 0), live, page_ids, w)
         g, cache = self._paged(params, cache, batch, feats.reshape(rows * w, -1), rnd.attention)
         g = g.reshape(rows, w, -1)

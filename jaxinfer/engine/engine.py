@@ -151,11 +151,13 @@ def make_proposer(config: EngineConfig, model_config: ModelConfig, params=None,
         cfg, params = early_exit_draft(model_config, params, spec.draft_layers)
         return DraftModelProposer(cfg, params, spec.num_draft_tokens, rejection)
     if spec.method == "eagle":
+        info = {}
         if spec.eagle_head == "random":
             head = init_head(model_config, jax.random.key(config.seed))
         else:
-            head, _ = load_head(spec.eagle_head, model_config)
-        return EagleProposer(model_config, head, spec.num_draft_tokens, rejection)
+            head, info = load_head(spec.eagle_head, model_config)
+        return EagleProposer(model_config, head, spec.num_draft_tokens, rejection,
+                             tuple(info.get("feature_layers", ())))  # fmt: skip
     if spec.method == "ngram":
         return NgramProposer(spec.num_draft_tokens, spec.ngram_max, spec.ngram_min,
                              config.max_model_len)  # fmt: skip

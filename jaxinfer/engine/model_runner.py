@@ -110,18 +110,21 @@ def _constrain(x, sharding):
     return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
 
-def _forward(params, cfg, batch, kv, attention, expert_mesh, moe_backend, numerics):
-    """(hidden, kv, expert load): the load of an MoE model is (rows per expert [X] summed over
-    the layers, experts given at least one row in each MoE layer [L_moe]); None for a dense one.
-    The second sets a decode step's expert weight traffic."""
+def _forward(params, cfg, batch, kv, attention, expert_mesh, moe_backend, numerics, taps=()):
+    """(hidden, kv, expert load, features): the load of an MoE model is (rows per expert [X]
+    summed over the layers, experts given at least one row in each MoE layer [L_moe]); None for a
+    dense one. The second sets a decode step's expert weight traffic. features: what a proposer
+    with a pool reads (`Proposer.feature_layers`): those layers' `tap_features`, or the hidden
+    states when it names none."""
     out = forward_paged(params, cfg, batch, kv, attention=attention, expert_mesh=expert_mesh,
                         moe_backend=moe_backend, return_expert_load=cfg.moe is not None,
-                        numerics=numerics)  # fmt: skip
+                        numerics=numerics, taps=taps)  # fmt: skip
+    feats = out[-1] if taps else out[0]
     if cfg.moe is None:
-        return out[0], out[1], None
+        return out[0], out[1], None, feats
     moe_layers = [i for i in range(cfg.num_layers) if cfg.layer(i).ffn == "moe"]
     load = out[2][np.asarray(moe_layers)]
-    return out[0], out[1], (load.sum(0), (load > 0).sum(-1).astype(jnp.int32))
+    return out[0], out[1], (load.sum(0), (load > 0).sum(-1).astype(jnp.int32)), feats
 
 
 @partial(jax.jit, static_argnames=("cfg", "attention", "num_rows", "out_sharding",
@@ -169,10 +172,11 @@ def mixed_step(params, kv: KVCache, batch: RaggedBatch, num_drafts: jax.Array,
                                     page_table=table)  # fmt: skip
     tokens = jnp.where(placeholder, last[src], tokens)
     batch = dataclasses.replace(batch, tokens=tokens)
-    hidden, kv, load = _forward(params, cfg, batch, kv, attention, expert_mesh, moe_backend,
-                                numerics)  # fmt: skip
+    taps = proposer.feature_layers if proposer is not None else ()
+    hidden, kv, load, feats = _forward(params, cfg, batch, kv, attention, expert_mesh,
+                                       moe_backend, numerics, taps)  # fmt: skip
     if proposer is not None:
-        draft_kv = proposer.fill(draft_params, draft_kv, batch, hidden, attention)
+        draft_kv = proposer.fill(draft_params, draft_kv, batch, feats, attention)
     rows = logit_rows(batch.query_start_loc, num_drafts, num_rows)
     logits = compute_logits(params, cfg, hidden[rows], numerics)
     logits = _constrain(logits, logits_sharding or out_sharding)
@@ -279,10 +283,11 @@ def decode_loop(params, kv: KVCache, page_ids, state: DecodeState, sb: SamplingB
             page_table=PageTable(page_ids, jnp.where(st.active, st.positions + k, 0)),
             max_q_len=k,
         )
-        hidden, kv, load = _forward(params, cfg, batch, kv, attention, expert_mesh, moe_backend,
-                                    numerics)  # fmt: skip
+        taps = proposer.feature_layers if proposer is not None else ()
+        hidden, kv, load, feats = _forward(params, cfg, batch, kv, attention, expert_mesh,
+                                           moe_backend, numerics, taps)  # fmt: skip
         if proposer is not None:
-            dkv = proposer.observe(dkv, batch, hidden)
+            dkv = proposer.observe(dkv, batch, feats)
         logits = compute_logits(params, cfg, hidden, numerics).reshape(rows, k, -1)
         tok, lp, top_lp, top_ids = sample_rows(
             logits, step_sb, jnp.zeros_like(st.positions), num_logprobs,

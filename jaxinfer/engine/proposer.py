@@ -77,6 +77,9 @@ class Proposer:
 
     num_draft_tokens: int
     on_device: bool = False
+    # the target's layers whose residual streams `fill` and `observe` get (`tap_features`), in
+    # place of its final-normed hidden states (an EAGLE-3-style head's input)
+    feature_layers: tuple[int, ...] = ()
 
     def propose(self, seq: Sequence) -> list[int]:
         return []

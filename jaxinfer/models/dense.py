@@ -48,9 +48,10 @@ LayerFn = Callable[..., tuple[jax.Array, Any]]
 
 
 def apply_layers(cfg: ModelConfig, layers: tuple[dict, ...], x: jax.Array, carry: Any,
-                 layer_fn: LayerFn):  # fmt: skip
+                 layer_fn: LayerFn, taps: tuple[int, ...] = ()):  # fmt: skip
     """Run every decoder layer; `carry` (e.g. the KV cache) is threaded through and updated in
-    place when donated.
+    place when donated. With `taps` (layer indices), also returns the residual stream after each
+    of those layers, `tap_features` of them: (x, carry, feats [..., len(taps) * E]).
 
     The loop is unrolled over per-layer weight buffers, which the matmuls read directly: each
     weight is read once per step. A `lax.scan` over layer-stacked weights made XLA copy each
@@ -61,9 +62,25 @@ def apply_layers(cfg: ModelConfig, layers: tuple[dict, ...], x: jax.Array, carry
     # Inside a trace only: called eagerly, a fresh jit of this closure would compile per call.
     traced = isinstance(x, jax.core.Tracer)
     step = jax.jit(layer_fn, static_argnames="kind") if traced else layer_fn
+    tapped = {}
     for i, p in enumerate(layers):
         x, carry = step(p, x, carry, np.int32(i), kind=cfg.layer(i))
-    return x, carry
+        if i in taps:
+            tapped[i] = x
+    if not taps:
+        return x, carry
+    return x, carry, tap_features([tapped[i] for i in taps], cfg.rms_norm_eps)
+
+
+def tap_features(xs: list[jax.Array], eps: float) -> jax.Array:
+    """Residual streams [..., E] of some layers as one feature [..., n E]: each RMS-normalised
+    without a weight (the residual stream's scale grows with depth and has outlier channels;
+    normalised, each layer weighs alike in the projection that reads them), concatenated."""
+    out = []
+    for x in xs:
+        xf = x.astype(jnp.float32)
+        out.append((xf * lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + eps)).astype(x.dtype))
+    return jnp.concatenate(out, -1)
 
 
 def decoder_layer(
@@ -137,8 +154,10 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
     return compute_logits(params, cfg, forward_hidden(params, cfg, tokens))
 
 
-def forward_hidden(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
-    """Final-normed hidden states [B, L, E] (the LM head's input) of whole sequences [B, L]."""
+def forward_hidden(params: Params, cfg: ModelConfig, tokens: jax.Array,
+                   taps: tuple[int, ...] = ()):  # fmt: skip
+    """Final-normed hidden states [B, L, E] (the LM head's input) of whole sequences [B, L];
+    with `taps`, (those, the tapped layers' `tap_features` [B, L, len(taps) E])."""
     x = embed(params, cfg, tokens)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
 
@@ -148,8 +167,9 @@ def forward_hidden(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.A
     def layer_fn(p, x, carry, layer, *, kind):
         return decoder_layer(cfg, p, x, positions, attend, carry, layer, kind)[:2]
 
-    x, _ = apply_layers(cfg, params["layers"], x, None, layer_fn)
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    x, _, *feats = apply_layers(cfg, params["layers"], x, None, layer_fn, taps)
+    hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    return (hidden, feats[0]) if taps else hidden
 
 
 def forward_paged(
@@ -163,10 +183,12 @@ def forward_paged(
     moe_backend: str = "xla",
     return_expert_load: bool = False,
     numerics: Numerics = DEFAULT_NUMERICS,
+    taps: tuple[int, ...] = (),
 ):
     """One step over a ragged batch: writes the new tokens' K/V, returns (final hidden [T, E],
     kv), and with `return_expert_load` the rows each expert of each layer took, [L, X] int32
-    (zeros in dense layers; padding tokens are routed nowhere). `expert_mesh`: a mesh with an
+    (zeros in dense layers; padding tokens are routed nowhere); with `taps` (layer indices), last,
+    the tapped layers' `tap_features` [T, len(taps) E] (an EAGLE head's input). `expert_mesh`: a mesh with an
     "expert" axis over which the MoE layers' experts are sharded (`jaxinfer.parallel.expert`);
     `moe_backend`: their grouped matmuls' ("xla" or "pallas", `moe.resolve_moe_backend`).
     `numerics` (static): batch-invariant numerics make each token's hidden state a function of
@@ -209,9 +231,9 @@ def forward_paged(
         return x, (kv, loads)
 
     loads = jnp.zeros((cfg.num_layers, num_experts), jnp.int32)
-    x, (kv, loads) = apply_layers(cfg, params["layers"], x, (kv, loads), layer_fn)
+    x, (kv, loads), *feats = apply_layers(cfg, params["layers"], x, (kv, loads), layer_fn, taps)
     hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, numerics)
-    return (hidden, kv, loads) if return_expert_load else (hidden, kv)
+    return (hidden, kv, *([loads] if return_expert_load else []), *feats)
 
 
 def last_token_rows(batch: RaggedBatch) -> jax.Array:

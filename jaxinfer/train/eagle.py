@@ -10,6 +10,10 @@ label: the drafts are judged against the target's samples, not the text. The fea
 g in f's space, since the head feeds its own g back when it drafts the second token onwards;
 the noise (uniform, +-`feature_noise`) makes it robust to its own errors there.
 
+With `feature_layers` (EAGLE-3's fused features, `engine/eagle.py`) the head reads those
+layers' features through its "fuse" projection, and there is no feature loss (its g is in no
+target feature's space); the unroll alone teaches the later draft steps to read g.
+
 With `data: generated` (the target's own replies to prompts) the loss and the metric count only
 the positions whose next token is a reply's, the positions drafting runs at; the prompts are
 context. Held-out metric: top-1 agreement, the share of counted held-out positions where the
@@ -42,6 +46,7 @@ from jaxinfer.engine.eagle import (
     init_head,
     save_head,
     shifted_features,
+    true_features,
 )
 from jaxinfer.engine.loading import load_model
 from jaxinfer.models.config import ModelConfig
@@ -104,8 +109,25 @@ class EagleTrainConfig:
     # weighs unroll_decay^(s-1).
     unroll: Count = 1
     unroll_decay: Annotated[float, Field(gt=0)] = 0.8
+    # EAGLE-3's fused features: the head reads these layers' residual streams (each RMS-
+    # normalised, concatenated, projected by its "fuse" [n E, E]) instead of the final hidden
+    # states; [] keeps those. Its own output g is then in no target feature's space: no feature
+    # loss (feature_weight 0), the unroll teaches the later draft steps to read g.
+    feature_layers: list[int] = field(default_factory=list)
 
     _warmup = model_validator(mode="after")(warmup_in_range)
+
+    @model_validator(mode="after")
+    def _fused_features(self):
+        if self.feature_layers and self.feature_weight:
+            raise ValueError(f"feature_layers={self.feature_layers} needs feature_weight=0 (got "
+                             f"{self.feature_weight}): a fused head's output has no target "
+                             "feature to regress to")  # fmt: skip
+        if len(set(self.feature_layers)) != len(self.feature_layers) or any(
+                i < 0 for i in self.feature_layers):  # fmt: skip
+            raise ValueError(f"feature_layers={self.feature_layers}: distinct layer indices "
+                             ">= 0")  # fmt: skip
+        return self
 
 
 def is_eagle_config(path: str | Path | None, overrides=()) -> bool:
@@ -171,10 +193,11 @@ def chain_attention(q: jax.Array, ks: list[jax.Array], vs: list[jax.Array]) -> j
 def head_forward_unrolled(head, shared, cfg: ModelConfig, hidden: jax.Array, tokens: jax.Array,
                           steps: int, noise: jax.Array | None = None) -> list[jax.Array]:  # fmt: skip
     """[g of draft step 1 .. steps], each [B, L, E]: step 1 reads the target's f one position
-    back (plus `noise`), step s > 1 the head's own step s - 1 output one position back, and
+    back (plus `noise`; `hidden` [B, L, F]: a fused head's tapped features, `true_features`),
+    step s > 1 the head's own step s - 1 output one position back, and
     attends as `chain_attention` says. g_s at i drafts token i + 1 after s - 1 drafts."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    feats = shifted_features(hidden) + (0 if noise is None else noise)
+    feats = true_features(head, cfg, shifted_features(hidden) + (0 if noise is None else noise))
     gs, kvs = [], ()
     for _ in range(steps):
 
@@ -216,22 +239,29 @@ def head_loss(head, shared, cfg: ModelConfig, hidden, target_logits, tokens, key
         n = jnp.maximum(jnp.sum(valid), 1)
         loss, total = loss + w * jnp.sum(ce * valid) / n, total + w
         agree.append(jnp.sum((jnp.argmax(logits, -1) == labels) * valid) / n)
+    if "fuse" in head:  # (a fused head's g has no target feature to regress to)
+        return loss / total, jnp.stack(agree)
     feature = optax.huber_loss(gs[0].astype(jnp.float32), hidden.astype(jnp.float32)).mean()
     return loss / total + feature_weight * feature, jnp.stack(agree)
 
 
-def _target_pass(target_params, cfg, tokens):
-    hidden = forward_hidden(target_params, cfg, tokens)
-    return hidden, compute_logits(target_params, cfg, hidden)
+def _target_pass(target_params, cfg, tokens, taps: tuple[int, ...] = ()):
+    """(the head's features: the final hidden states, or the `taps` layers' fused ones; the
+    target's logits)."""
+    if not taps:
+        hidden = forward_hidden(target_params, cfg, tokens)
+        return hidden, compute_logits(target_params, cfg, hidden)
+    hidden, feats = forward_hidden(target_params, cfg, tokens, taps)
+    return feats, compute_logits(target_params, cfg, hidden)
 
 
 LOSS_OPTIONS = ("distill", "feature_weight", "feature_noise", "unroll", "unroll_decay")
 
 
-@partial(jax.jit, static_argnames=("cfg", "tx", *LOSS_OPTIONS), donate_argnums=(0, 1))
-def train_step(head, opt_state, target_params, tokens, weights, key, *, cfg, tx,
+@partial(jax.jit, static_argnames=("cfg", "tx", "taps", *LOSS_OPTIONS), donate_argnums=(0, 1))
+def train_step(head, opt_state, target_params, tokens, weights, key, *, cfg, tx, taps=(),
                **loss_options):  # fmt: skip
-    hidden, target_logits = _target_pass(target_params, cfg, tokens)  # frozen: no gradient
+    hidden, target_logits = _target_pass(target_params, cfg, tokens, taps)  # frozen: no gradient
     shared = {k: target_params[k] for k in SHARED_KEYS if k in target_params}
 
     def loss_fn(h):
@@ -243,9 +273,10 @@ def train_step(head, opt_state, target_params, tokens, weights, key, *, cfg, tx,
     return optax.apply_updates(head, updates), opt_state, loss, agree
 
 
-@partial(jax.jit, static_argnames=("cfg", "distill", "unroll", "unroll_decay"))
-def eval_step(head, target_params, tokens, weights, *, cfg, distill, unroll, unroll_decay):
-    hidden, target_logits = _target_pass(target_params, cfg, tokens)
+@partial(jax.jit, static_argnames=("cfg", "distill", "unroll", "unroll_decay", "taps"))
+def eval_step(head, target_params, tokens, weights, *, cfg, distill, unroll, unroll_decay,
+              taps=()):  # fmt: skip
+    hidden, target_logits = _target_pass(target_params, cfg, tokens, taps)
     shared = {k: target_params[k] for k in SHARED_KEYS if k in target_params}
     return head_loss(head, shared, cfg, hidden, target_logits, tokens, None, distill=distill,
                      feature_weight=1.0, feature_noise=0.0, unroll=unroll,
@@ -380,11 +411,15 @@ def train_eagle(tc: EagleTrainConfig, *, log=print) -> dict:
                                                   tc.lr * tc.min_lr_ratio)  # fmt: skip
     tx = optax.chain(optax.clip_by_global_norm(tc.grad_clip),
                      optax.adamw(schedule, weight_decay=tc.weight_decay))  # fmt: skip
-    head = init_head(cfg, jax.random.key(tc.seed), tc.intermediate_size)
+    taps = tuple(tc.feature_layers)
+    if any(i >= cfg.num_layers for i in taps):
+        raise ValueError(f"feature_layers={list(taps)}: target={tc.target!r} has "
+                         f"{cfg.num_layers} layers (0 .. {cfg.num_layers - 1})")  # fmt: skip
+    head = init_head(cfg, jax.random.key(tc.seed), tc.intermediate_size, feature_layers=taps)
     opt_state = tx.init(head)
     static = dict(cfg=cfg, tx=tx, distill=tc.distill, feature_weight=tc.feature_weight,
                   feature_noise=tc.feature_noise, unroll=tc.unroll,
-                  unroll_decay=tc.unroll_decay)  # fmt: skip
+                  unroll_decay=tc.unroll_decay, taps=taps)  # fmt: skip
     out = Path(tc.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "log.jsonl").write_text("")
@@ -394,7 +429,8 @@ def train_eagle(tc: EagleTrainConfig, *, log=print) -> dict:
         batches = (window_weights(heldout[i : i + tc.batch_size])
                    for i in range(0, n, tc.batch_size))  # fmt: skip
         rows = [eval_step(head, params, jnp.asarray(t), jnp.asarray(w), cfg=cfg,
-                          distill=tc.distill, unroll=tc.unroll, unroll_decay=tc.unroll_decay)
+                          distill=tc.distill, unroll=tc.unroll, unroll_decay=tc.unroll_decay,
+                          taps=taps)
                 for t, w in batches]  # fmt: skip
         loss = float(np.mean([float(r[0]) for r in rows]))
         return loss, [round(float(a), 4) for a in np.mean([np.asarray(r[1]) for r in rows], 0)]
@@ -417,7 +453,7 @@ def train_eagle(tc: EagleTrainConfig, *, log=print) -> dict:
             "config": OmegaConf.to_container(OmegaConf.structured(tc)),
         }  # fmt: skip
         save_head(tc.head, jax.tree.map(lambda w: w.astype(tc.head_dtype), head), cfg,
-                  {"train": summary})  # fmt: skip
+                  {"train": summary, "feature_layers": list(taps)})  # fmt: skip
         (out / "metrics.json").write_text(json.dumps(summary, indent=2))
         return summary
 
