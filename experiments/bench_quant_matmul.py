@@ -45,7 +45,7 @@ SHAPES = ((14336, 4096), (4096, 14336))  # (n, k): Llama-3-8B's up/gate and down
 MS = (1, 16, 64)
 IMPLS = ("w4_pallas", "xla_dequant", "xla_bf16", "xla_prologue", "xla_grouped")
 # the formats `native` stores as XLA's own int8 / int4 arrays (the xla_prologue/grouped rows)
-NATIVE = {"int8": None, "q8_0": 32, "int4_g128_sym": 128, "q4_1": 32}  # group along K (None: K)
+NATIVE = ("int8", "q8_0", "int4_g128_sym", "q4_1")
 SMOKE = dict(shapes=((128, 256),), ms=(1,))
 TIMING_METHOD = (
     "one jitted lax.fori_loop of N iterations (N traced, so one compile) around the op; each "
@@ -110,9 +110,9 @@ def quantized_weight(fmt: str, k: int, n: int, key) -> dict:
     return jax.jit(lambda w: WEIGHT_FORMATS[fmt].quantize(w, 1))(w)
 
 
-def native(fmt: str, arrays: dict, k: int) -> dict:
+def native(fmt: str, arrays: dict) -> dict:
     """The format's weight as XLA's own types: q int8 or int4 [K, N] (4-bit values centred:
-    q - 8), s [G, N] in the format's dtype (one per `NATIVE[fmt]` inputs; int8: one group of K)
+    q - 8), s [G, N] in the format's dtype (one per group of inputs; int8: one group of K)
     and, for q4_1, the offset m float16 [G, N] (its m + 8 d: the centring folded in):
     w = q s (+ m) group by group."""
     from jaxinfer.quant.intq import unpack_nibbles
@@ -190,7 +190,7 @@ def bench_case(fmt, m, n, k, args, *, with_bf16: bool, interpret: bool) -> list[
     for impl in ("xla_prologue", "xla_grouped"):
         if impl in args.impls and fmt in NATIVE:
             impls.append((impl, None, lambda x, w, sc=impl[4:]: native_matmul(x, w, sc),
-                          native(fmt, arrays, k)))  # fmt: skip
+                          native(fmt, arrays)))  # fmt: skip
     if with_bf16 and "xla_bf16" in args.impls:
         w_bf16 = {"w": wf.dequantize(QuantizedWeight(arrays, wf, 1)).astype(jnp.bfloat16)}
         impls.append(("xla_bf16", None, lambda x, w: jnp.dot(x, w["w"]), w_bf16))

@@ -53,7 +53,7 @@ def make_op(spec: str):
 
         fmt, scheme, (m, n, k) = rest[0], rest[1], map(int, rest[2:])
         x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
-        w = bench.native(fmt, bench.quantized_weight(fmt, k, n, kw), k)
+        w = bench.native(fmt, bench.quantized_weight(fmt, k, n, kw))
         return jax.jit(lambda x, w: bench.native_matmul(x, w, scheme)), (x, w)
     if kind == "fp8_block":
         from jaxinfer.quant import QuantizedWeight

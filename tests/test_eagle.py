@@ -534,8 +534,9 @@ def test_a_fused_heads_pool_holds_the_tapped_features_and_its_output_equals_plai
 
     eng = llm.engine
     seq = eng.add_request(prompts[0], SamplingParams(max_tokens=40, ignore_eos=True))
-    while len(seq.output_token_ids) < 12:
+    while len(seq.output_token_ids) < 12 and not seq.is_finished:
         eng.step()
+    assert seq.error is None and not seq.is_finished, f"seed {fresh_seed}: {seq.error}"
     tokens, pages = list(seq.all_token_ids), list(seq.page_ids)
     _, want = forward_hidden(runner.params, runner.cfg, jnp.asarray([tokens]), (0, 2))
     pool = np.asarray(runner.draft_kv.features)

@@ -259,7 +259,7 @@ def test_benchmarks_native_xla_weights_give_the_formats_product(fresh_seed, sche
         x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
         arrays = bench.quantized_weight(fmt, k, n, kw)
         ref = np.asarray(w4_matmul_ref(x, **arrays, fmt=fmt))
-        w = bench.native(fmt, arrays, k)
+        w = bench.native(fmt, arrays)
         assert w["q"].dtype == (jnp.int8 if fmt in ("int8", "q8_0") else jnp.int4), fmt
         y = np.asarray(jax.jit(bench.native_matmul, static_argnums=2)(x, w, scheme), np.float32)
         err = np.linalg.norm(y - ref) / np.linalg.norm(ref)

@@ -33,6 +33,7 @@ from jaxinfer.models.layers import (
     deferred_rms_norm,
     linear,
     rms_norm,
+    rms_scale,
     rope_attention_factor,
     rope_inv_freq,
     scale_rows,
@@ -76,11 +77,9 @@ def tap_features(xs: list[jax.Array], eps: float) -> jax.Array:
     """Residual streams [..., E] of some layers as one feature [..., n E]: each RMS-normalised
     without a weight (the residual stream's scale grows with depth and has outlier channels;
     normalised, each layer weighs alike in the projection that reads them), concatenated."""
-    out = []
-    for x in xs:
-        xf = x.astype(jnp.float32)
-        out.append((xf * lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + eps)).astype(x.dtype))
-    return jnp.concatenate(out, -1)
+    return jnp.concatenate(
+        [(x.astype(jnp.float32) * rms_scale(x, eps)[..., None]).astype(x.dtype) for x in xs], -1
+    )
 
 
 def decoder_layer(
@@ -188,8 +187,9 @@ def forward_paged(
     """One step over a ragged batch: writes the new tokens' K/V, returns (final hidden [T, E],
     kv), and with `return_expert_load` the rows each expert of each layer took, [L, X] int32
     (zeros in dense layers; padding tokens are routed nowhere); with `taps` (layer indices), last,
-    the tapped layers' `tap_features` [T, len(taps) E] (an EAGLE head's input). `expert_mesh`: a mesh with an
-    "expert" axis over which the MoE layers' experts are sharded (`jaxinfer.parallel.expert`);
+    the tapped layers' `tap_features` [T, len(taps) E] (an EAGLE head's input). `expert_mesh`: a
+    mesh with an "expert" axis over which the MoE layers' experts are sharded
+    (`jaxinfer.parallel.expert`);
     `moe_backend`: their grouped matmuls' ("xla" or "pallas", `moe.resolve_moe_backend`).
     `numerics` (static): batch-invariant numerics make each token's hidden state a function of
     its own sequence alone (`models/numerics.py`).
