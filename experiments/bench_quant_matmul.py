@@ -4,10 +4,10 @@ batch sizes.
 
 Rows per (format, m, n, k): `w4_pallas` (pallas_kernels.matmul.w4_matmul, every format),
 `xla_dequant` (jaxinfer's format `matmul` with its XLA backend: dequantize in the graph, then a
-bf16 dot), once per shape `xla_bf16` (a plain bf16 dot of the dequantized weight), and for
-int8, q8_0, int4_g128_sym and q4_1 `xla_prologue` / `xla_grouped` (`native_matmul`: the weight
-stored as XLA's own int8 / int4, for XLA's GEMM fusion to convert it as it loads it; whether it
-does is what those rows, and `kernel_times.py --op native:...`, are for).
+bf16 dot; int8: a dot of its values, scaled after), and once per shape `xla_bf16` (a plain bf16
+dot of the dequantized weight). XLA does not convert an int4 weight inside its GEMM (it writes
+the bf16 weight first; experiments/results/h100/quant_matmul_native.json, whose products were
+deleted).
 Bandwidth is `weight_TBps`: the bytes of the weight as each impl reads it (values plus
 per-group parts for the quantized rows, the bf16 matrix for `xla_bf16`) over the time. Every
 row carries `rel_err` against the fp32 reference on the same inputs. Results are written after
@@ -43,9 +43,7 @@ from pallas_kernels.matmul import FORMATS, w4_matmul, w4_matmul_ref
 
 SHAPES = ((14336, 4096), (4096, 14336))  # (n, k): Llama-3-8B's up/gate and down projections
 MS = (1, 16, 64)
-IMPLS = ("w4_pallas", "xla_dequant", "xla_bf16", "xla_prologue", "xla_grouped")
-# the formats `native` stores as XLA's own int8 / int4 arrays (the xla_prologue/grouped rows)
-NATIVE = ("int8", "q8_0", "int4_g128_sym", "q4_1")
+IMPLS = ("w4_pallas", "xla_dequant", "xla_bf16")
 SMOKE = dict(shapes=((128, 256),), ms=(1,))
 TIMING_METHOD = (
     "one jitted lax.fori_loop of N iterations (N traced, so one compile) around the op; each "
@@ -110,48 +108,6 @@ def quantized_weight(fmt: str, k: int, n: int, key) -> dict:
     return jax.jit(lambda w: WEIGHT_FORMATS[fmt].quantize(w, 1))(w)
 
 
-def native(fmt: str, arrays: dict) -> dict:
-    """The format's weight as XLA's own types: q int8 or int4 [K, N] (4-bit values centred:
-    q - 8), s [G, N] in the format's dtype (one per group of inputs; int8: one group of K)
-    and, for q4_1, the offset m float16 [G, N] (its m + 8 d: the centring folded in):
-    w = q s (+ m) group by group."""
-    from jaxinfer.quant.intq import unpack_nibbles
-
-    values, n = arrays["values"], arrays["values"].shape[-1]
-    if fmt in ("int4_g128_sym", "q4_1"):
-        q = (unpack_nibbles(values, 0).astype(jnp.int8) - 8).astype(jnp.int4)
-    else:
-        q = values
-    s = arrays["scales" if fmt.startswith("int") else "d"].reshape(-1, n)
-    out = {"q": q, "s": s}
-    if fmt == "q4_1":
-        out["m"] = (arrays["m"].astype(jnp.float32) + 8 * s.astype(jnp.float32)).astype(s.dtype)
-    return out
-
-
-def native_matmul(x, w: dict, scheme: str):
-    """x [M, K] bf16 @ a `native` weight, for XLA to fuse the int -> bf16 conversion into its
-    GEMM's operand load (the weight read once, at its own width). "prologue": the scales
-    broadcast over their groups and multiplied in before the dot (one dot of the bf16 weight as
-    XLA's fusion makes it); "grouped": a dot per group [M, gs] x [gs, N] batched over groups
-    (f32 out), then scaled and summed over groups (the scales out of the GEMM's operand)."""
-    q, s = w["q"], w["s"]
-    (k, n), g = q.shape, s.shape[0]
-    gs = k // g
-    if scheme == "prologue":
-        wq = q.astype(jnp.bfloat16).reshape(g, gs, n) * s.astype(jnp.bfloat16)[:, None]
-        if "m" in w:
-            wq = wq + w["m"].astype(jnp.bfloat16)[:, None]
-        return jnp.dot(x, wq.reshape(k, n), preferred_element_type=jnp.float32).astype(x.dtype)
-    xg = x.reshape(x.shape[0], g, gs)
-    part = lax.dot_general(xg, q.astype(jnp.bfloat16).reshape(g, gs, n), (((2,), (1,)), ((1,), (0,))),
-                           preferred_element_type=jnp.float32)  # [G, M, N]  # fmt: skip
-    y = jnp.einsum("gmn,gn->mn", part, s.astype(jnp.float32))
-    if "m" in w:
-        y = y + jnp.dot(xg.astype(jnp.float32).sum(-1), w["m"].astype(jnp.float32))
-    return y.astype(x.dtype)
-
-
 def nbytes(arrays: dict) -> int:
     """Bytes as the device stores them (int4: two values a byte)."""
     return int(sum(a.size * jax.dtypes.itemsize_bits(a.dtype) // 8 for a in arrays.values()))
@@ -187,10 +143,6 @@ def bench_case(fmt, m, n, k, args, *, with_bf16: bool, interpret: bool) -> list[
     if "xla_dequant" in args.impls:
         impls.append(("xla_dequant", None,
                       lambda x, w: wf.matmul(x, QuantizedWeight(w, wf, 1)), arrays))  # fmt: skip
-    for impl in ("xla_prologue", "xla_grouped"):
-        if impl in args.impls and fmt in NATIVE:
-            impls.append((impl, None, lambda x, w, sc=impl[4:]: native_matmul(x, w, sc),
-                          native(fmt, arrays)))  # fmt: skip
     if with_bf16 and "xla_bf16" in args.impls:
         w_bf16 = {"w": wf.dequantize(QuantizedWeight(arrays, wf, 1)).astype(jnp.bfloat16)}
         impls.append(("xla_bf16", None, lambda x, w: jnp.dot(x, w["w"]), w_bf16))

@@ -29,8 +29,7 @@ METRICS = ("gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.
 
 
 def make_op(spec: str):
-    """(jitted op, its args) for `w4:FMT:M:N:K`, `native:FMT:SCHEME:M:N:K` or
-    `fp8_block:M:N:K`."""
+    """(jitted op, its args) for `w4:FMT:M:N:K` or `fp8_block:M:N:K`."""
     import jax
     import jax.numpy as jnp
 
@@ -47,14 +46,6 @@ def make_op(spec: str):
         w = jax.random.normal(kw, (k, n), jnp.float32) * k**-0.5
         arrays = jax.jit(lambda w: WEIGHT_FORMATS[fmt].quantize(w, 1))(w)
         return jax.jit(lambda x, a: w4_matmul(x, **a, fmt=fmt, backend="pallas")), (x, arrays)
-    if kind == "native":  # bench_quant_matmul's xla_prologue / xla_grouped products
-        sys.path.insert(0, str(ROOT / "experiments"))
-        import bench_quant_matmul as bench
-
-        fmt, scheme, (m, n, k) = rest[0], rest[1], map(int, rest[2:])
-        x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
-        w = bench.native(fmt, bench.quantized_weight(fmt, k, n, kw))
-        return jax.jit(lambda x, w: bench.native_matmul(x, w, scheme)), (x, w)
     if kind == "fp8_block":
         from jaxinfer.quant import QuantizedWeight
         from jaxinfer.quant.fp8 import Fp8Block
@@ -66,7 +57,7 @@ def make_op(spec: str):
         a = jax.jit(lambda w: fmt.quantize(w, 1))(w)
         return jax.jit(lambda x, a: fmt.matmul(x, QuantizedWeight(a, fmt, 1))), (x, a)
     raise ValueError(
-        f"--op {spec!r}: expected w4:FMT:M:N:K, native:FMT:SCHEME:M:N:K or fp8_block:M:N:K"
+        f"--op {spec!r}: expected w4:FMT:M:N:K or fp8_block:M:N:K"
     )
 
 

@@ -331,6 +331,22 @@ def test_fp8_formats_multiply_fp8_operands_in_one_dot_general():
         assert dots[0].outvars[0].aval.dtype == jnp.float32, name
 
 
+def test_int8_xla_product_is_a_dot_of_the_stored_values_scaled_after():
+    """int8's XLA product (CPU, and above the kernel's rows on the GPU) reads the int8 values
+    themselves, scales applied to the dot's output: XLA's GEMM then converts the int8 weight as
+    it loads it instead of reading a dequantized copy (h100/quant_matmul_native.json)."""
+    w = np.random.default_rng(0).standard_normal((256, 48)).astype(np.float32)
+    qw = quantized("int8", w)
+    jaxpr = jax.make_jaxpr(qw.format.matmul)(jnp.ones((3, 256), jnp.bfloat16), qw).jaxpr
+    dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == 1
+    weight = dots[0].invars[1]
+    made = [e for e in jaxpr.eqns if weight in e.outvars]
+    assert made and made[0].primitive.name == "convert_element_type", made
+    assert made[0].invars[0].aval.dtype == jnp.int8, made[0]
+    assert dots[0].outvars[0].aval.dtype == jnp.float32
+
+
 # -- specs ---------------------------------------------------------------------------------------
 
 

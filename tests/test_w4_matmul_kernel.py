@@ -245,27 +245,6 @@ def test_benchmark_smoke_run_writes_rows_with_provenance(tmp_path):
         assert r["rel_err"] < TOL, r
 
 
-@pytest.mark.parametrize("scheme", ["prologue", "grouped"])
-def test_benchmarks_native_xla_weights_give_the_formats_product(fresh_seed, scheme):
-    """bench_quant_matmul's xla_prologue / xla_grouped rows: each format re-stored as XLA's int8
-    or int4 with its scales (and q4_1's offsets folded) gives the format's own product."""
-    import experiment_scripts
-
-    bench = experiment_scripts.load("bench_quant_matmul")
-    rng = np.random.default_rng(fresh_seed)
-    for fmt in bench.NATIVE:
-        m, k, n = int(rng.integers(1, 5)), 256, 64
-        kx, kw = jax.random.split(jax.random.key(fresh_seed))
-        x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
-        arrays = bench.quantized_weight(fmt, k, n, kw)
-        ref = np.asarray(w4_matmul_ref(x, **arrays, fmt=fmt))
-        w = bench.native(fmt, arrays)
-        assert w["q"].dtype == (jnp.int8 if fmt in ("int8", "q8_0") else jnp.int4), fmt
-        y = np.asarray(jax.jit(bench.native_matmul, static_argnums=2)(x, w, scheme), np.float32)
-        err = np.linalg.norm(y - ref) / np.linalg.norm(ref)
-        assert err < TOL, f"seed {fresh_seed}: {fmt} {scheme} rel err {err}"
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", list(PARTS))
 @pytest.mark.parametrize("n,k", [(14336, 4096), (4096, 14336)])
