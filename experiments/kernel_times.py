@@ -56,9 +56,7 @@ def make_op(spec: str):
         fmt = Fp8Block("fp8_block", backend="pallas")
         a = jax.jit(lambda w: fmt.quantize(w, 1))(w)
         return jax.jit(lambda x, a: fmt.matmul(x, QuantizedWeight(a, fmt, 1))), (x, a)
-    raise ValueError(
-        f"--op {spec!r}: expected w4:FMT:M:N:K or fp8_block:M:N:K"
-    )
+    raise ValueError(f"--op {spec!r}: expected w4:FMT:M:N:K or fp8_block:M:N:K")
 
 
 def child(spec: str) -> None:
