@@ -41,6 +41,7 @@ so a run cut short keeps what it finished; a failing row or part is recorded and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
@@ -246,6 +247,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     metavar="FORMAT", help="engine.quant.weights: the layers' linear weights in "
                     f"this format (none, {', '.join(sorted(WEIGHT_FORMATS))}); the transformers "
                     "baseline stays plain")  # fmt: skip
+    ap.add_argument("--weight-backend", default="auto", choices=["auto", "pallas", "triton", "xla"],
+                    help="the --quant weight-only format's product (jaxinfer.quant.intq): auto, "
+                         "the Mosaic kernel (pallas), the Triton kernel or XLA's")  # fmt: skip
     ap.add_argument("--num-draft-tokens", type=int, default=0, metavar="G",
                     help="speculative verification cost: n-gram drafts of G tokens, so each decode "
                          "row's step is a verification round of 1 + G rows per sequence")  # fmt: skip
@@ -878,6 +882,18 @@ def engine_options(args, workloads: dict[str, list[WorkloadRequest]]) -> dict:
     return options
 
 
+def weight_backend_format(args):
+    """The --quant format with its product on --weight-backend (a weight-only format's
+    `backend`: jaxinfer.quant.intq.BACKENDS); SystemExit naming the flags for any other."""
+    from jaxinfer.quant.intq import BACKENDS
+
+    fmt = WEIGHT_FORMATS.get(args.quant)
+    if args.quant.startswith("fp8") or getattr(fmt, "backend", None) not in BACKENDS:
+        raise SystemExit(f"--weight-backend {args.weight_backend}: --quant {args.quant} is not a "
+                         "weight-only format")  # fmt: skip
+    return dataclasses.replace(fmt, backend=args.weight_backend)
+
+
 def quant_record(args, cfg: ModelConfig) -> dict:
     """The weight format of the run and the stored bytes it implies for the plain preset `cfg`
     (`param_bytes`; the decode rows' roofline reads the served config's, the same number)."""
@@ -887,6 +903,7 @@ def quant_record(args, cfg: ModelConfig) -> dict:
     served = quantized_config(QuantConfig(weights=args.quant), f"preset:{args.preset}", cfg)
     return {
         "weights": args.quant,
+        "backend": args.weight_backend,
         "param_bytes": param_bytes(served),
         "plain_param_bytes": param_bytes(cfg),
         "transformers": f"plain {args.dtype} weights (the HF baseline is never quantized)",
@@ -962,6 +979,8 @@ def main(argv=None) -> dict:
         hf_worker(sys.argv[2], sys.argv[3])
         return {}
     args = parse_args(argv)
+    if args.weight_backend != "auto":  # the format's product, for every weight of this process
+        WEIGHT_FORMATS[args.quant] = weight_backend_format(args)
     if not args.smoke:  # (asked of a child: this process must not touch the GPU yet)
         require_gpu("bench_e2e.py", "--smoke", ask_a_child=True)
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_MEM_FRACTION)

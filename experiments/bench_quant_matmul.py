@@ -2,7 +2,8 @@
 and XLA's in-graph dequantization (the format's own XLA `matmul` from jaxinfer.quant), at decode
 batch sizes.
 
-Rows per (format, m, n, k): `w4_pallas` (pallas_kernels.matmul.w4_matmul, every format),
+Rows per (format, m, n, k): `w4_pallas` (pallas_kernels.matmul.w4_matmul's Mosaic GPU kernel,
+every format), `w4_triton` (its Pallas Triton kernel),
 `xla_dequant` (jaxinfer's format `matmul` with its XLA backend: dequantize in the graph, then a
 bf16 dot; int8: a dot of its values, scaled after), and once per shape `xla_bf16` (a plain bf16
 dot of the dequantized weight). XLA does not convert an int4 weight inside its GEMM (it writes
@@ -16,9 +17,9 @@ every row.
     PYTHONPATH=. python3 experiments/bench_quant_matmul.py --out $OUT/quant_matmul.json
     python experiments/bench_quant_matmul.py --smoke --out /tmp/qm.json   # CPU, interpreter
 
-`--configs` times the kernel under each set of its options (`default`, or e.g.
-`num_splits=4,num_stages=3`; a `w4_pallas` row per config, its `config` field naming it);
-`--impls` picks which of the three impls run; `--shapes 14336:4096` picks (n, k).
+`--configs` times the kernels under each set of their options (`default`, or e.g.
+`num_splits=4,num_stages=3`; a kernel row per config, its `config` field naming it);
+`--impls` picks which impls run; `--shapes 14336:4096` picks (n, k).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from pallas_kernels.matmul import FORMATS, w4_matmul, w4_matmul_ref
 
 SHAPES = ((14336, 4096), (4096, 14336))  # (n, k): Llama-3-8B's up/gate and down projections
 MS = (1, 16, 64)
-IMPLS = ("w4_pallas", "xla_dequant", "xla_bf16")
+IMPLS = ("w4_pallas", "w4_triton", "xla_dequant", "xla_bf16")
 SMOKE = dict(shapes=((128, 256),), ms=(1,))
 TIMING_METHOD = (
     "one jitted lax.fori_loop of N iterations (N traced, so one compile) around the op; each "
@@ -135,11 +136,13 @@ def bench_case(fmt, m, n, k, args, *, with_bf16: bool, interpret: bool) -> list[
     wf = dataclasses.replace(WEIGHT_FORMATS[fmt], backend="xla")  # "auto" picks the kernel
     kernel_opts = {"interpret": True} if interpret else {}
     impls = []  # (impl, config, op, weight arrays)
-    if "w4_pallas" in args.impls:
+    for impl, backend in (("w4_pallas", "pallas"), ("w4_triton", "triton")):
+        if impl not in args.impls:
+            continue
         for config in args.configs:
             opts = {**kernel_opts, **parse_config(config)}
-            impls.append(("w4_pallas", config, lambda x, w, o=opts: w4_matmul(
-                x, **w, fmt=fmt, backend="pallas", **o), arrays))  # fmt: skip
+            impls.append((impl, config, lambda x, w, o=opts, b=backend: w4_matmul(
+                x, **w, fmt=fmt, backend=b, **o), arrays))  # fmt: skip
     if "xla_dequant" in args.impls:
         impls.append(("xla_dequant", None,
                       lambda x, w: wf.matmul(x, QuantizedWeight(w, wf, 1)), arrays))  # fmt: skip
@@ -173,7 +176,7 @@ def parse_args(argv):
         "--configs",
         nargs="+",
         default=["default"],
-        help="kernel options per w4_pallas row: default, or num_splits=N,num_stages=N",
+        help="kernel options per kernel row: default, or num_splits=N,num_stages=N",
     )
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     p.add_argument(

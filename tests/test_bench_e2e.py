@@ -235,3 +235,19 @@ def test_quantized_run_measures_against_its_own_stored_bytes(bench):
     # the roofline reads those stored bytes, less the input-table rows a step does not gather
     served = plain.replace(weight_format="int4_g128_sym")
     assert bench.weight_bytes_per_step(served, 3) == stored - 2 * (128256 - 3) * 4096
+
+
+def test_weight_backend_puts_a_weight_only_formats_product_on_a_kernel(bench):
+    """--weight-backend picks the weight-only format's product (the A/B of its kernels);
+    anything but a weight-only format is refused naming the flags."""
+    args = bench.parse_args(
+        ["--out", "/tmp/x.json", "--quant", "q4_1", "--weight-backend", "triton"]
+    )
+    assert bench.weight_backend_format(args).backend == "triton"
+    assert bench.weight_backend_format(args).name == "q4_1"
+    for quant in ("fp8_block", "none"):
+        args = bench.parse_args(
+            ["--out", "/tmp/x.json", "--quant", quant, "--weight-backend", "xla"]
+        )
+        with pytest.raises(SystemExit, match="--weight-backend xla: --quant"):
+            bench.weight_backend_format(args)

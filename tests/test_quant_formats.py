@@ -332,7 +332,7 @@ def test_fp8_formats_multiply_fp8_operands_in_one_dot_general():
 
 
 def test_int8_xla_product_is_a_dot_of_the_stored_values_scaled_after():
-    """int8's XLA product (CPU, and above the kernel's rows on the GPU) reads the int8 values
+    """int8's XLA product ("auto", on a GPU too) reads the int8 values
     themselves, scales applied to the dot's output: XLA's GEMM then converts the int8 weight as
     it loads it instead of reading a dequantized copy (h100/quant_matmul_native.json)."""
     w = np.random.default_rng(0).standard_normal((256, 48)).astype(np.float32)

@@ -22,6 +22,7 @@ from pallas_kernels.matmul import PARTS, dequantize, w4_matmul, w4_matmul_ref
 from pallas_kernels.matmul.reference import BITS
 from pallas_kernels.matmul.w4_decode import DECODERS
 from pallas_kernels.matmul.w4_mgpu import w4_matmul_mgpu
+from pallas_kernels.matmul.w4_triton import w4_matmul_triton
 
 TOL = 1e-2  # relative Frobenius error: the kernel rounds each decoded weight to bf16 once
 
@@ -76,17 +77,72 @@ def test_decoders_give_every_code_the_reference_value(fresh_seed, fmt):
                                err_msg=f"{fmt}: seed {fresh_seed}")  # fmt: skip
 
 
-def check_case(seed: int, fmt: str, m: int, k: int, n: int, **kw) -> None:
+def check_case(seed: int, fmt: str, m: int, k: int, n: int, kernel=w4_matmul_mgpu, **kw) -> None:
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     w = make_weight(rng, fmt, k, n)
-    out = w4_matmul_mgpu(x, **w, fmt=fmt, **kw)
+    out = kernel(x, **w, fmt=fmt, **kw)
     assert out.shape == (m, n) and out.dtype == jnp.bfloat16
     ref = np.asarray(w4_matmul_ref(x, **w, fmt=fmt))
     out = np.asarray(out, np.float32)
     assert np.isfinite(out).all(), f"non-finite output (seed {seed})"
     err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
     assert err < TOL, f"{fmt} m={m} k={k} n={n} {kw}: rel err {err:.2e} (seed {seed})"
+
+
+# ---- The Pallas Triton kernel (w4_triton.py): the same checks. Tokens 1, 5 (rows masked in a
+# 16-row tile), 16 and 33 (a 48-row tile); one split or several (partials summed after); K and N
+# in 128s and in 64s (64-input steps, 64-output blocks: SmolLM2's sizes).
+@pytest.mark.parametrize("fmt", list(PARTS))
+@pytest.mark.parametrize(
+    "m,k,n,splits",
+    [(1, 256, 128, 1), (5, 512, 256, 2), (16, 384, 128, 3), (33, 192, 320, None)],
+)
+def test_triton_kernel_matches_reference_in_interpreter(fresh_seed, fmt, m, k, n, splits):
+    if fmt == "int4_g128_sym" and k % 128:
+        k += 64  # its scale's group spans 128 inputs
+    check_case(fresh_seed, fmt, m, k, n, kernel=w4_matmul_triton, interpret=True,
+               num_splits=splits)  # fmt: skip
+
+
+def test_triton_kernel_refuses_a_split_of_uneven_steps():
+    rng = np.random.default_rng(0)
+    w = make_weight(rng, "q4_1", 384, 128)
+    x = jnp.zeros((2, 384), jnp.bfloat16)
+    with pytest.raises(ValueError, match="num_splits must divide K's 3 steps of 128"):
+        w4_matmul_triton(x, **w, fmt="q4_1", num_splits=2, interpret=True)
+    with pytest.raises(ValueError, match="x must be bf16"):
+        w4_matmul_triton(x.astype(jnp.float32), **w, fmt="q4_1", interpret=True)
+
+
+def test_triton_default_splits_fill_the_sms():
+    """About PROGRAMS_PER_SM programs an SM, at least 2 steps a split, dividing the steps."""
+    from pallas_kernels.matmul.w4_triton import PROGRAMS_PER_SM, default_num_splits
+
+    for steps, blocks in [(112, 32), (32, 112), (9, 15), (1, 8), (28, 7)]:
+        s = default_num_splits(steps, blocks, 132)
+        assert steps % s == 0 and (steps // s >= 2 or s == 1), (steps, blocks, s)
+        others = [t for t in range(1, steps + 1) if steps % t == 0 and steps // t >= 2]
+        assert all(abs(blocks * s - PROGRAMS_PER_SM * 132) <= abs(blocks * t - PROGRAMS_PER_SM * 132)
+                   for t in others), (steps, blocks, s)  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", list(PARTS))
+@pytest.mark.parametrize("m,k,n", [(1, 4096, 512), (64, 576, 960)])
+def test_triton_kernel_lowers_for_cuda(fmt, m, k, n):
+    """Pallas's Triton lowering accepts every format's decode, the pair split of x and the
+    group rows' broadcast, at an 8B-like size and at SmolLM2's (in 64s)."""
+    if fmt == "int4_g128_sym" and k % 128:
+        k = 640
+    sds = jax.ShapeDtypeStruct
+    dec = DECODERS[fmt]
+    parts = {name: sds((n,) if name == dec.output_scale else (k // dec.group, n), dtype)
+             for name, dtype in PARTS[fmt].items()}  # fmt: skip
+    values = sds((k // 2, n), jnp.uint8) if BITS[fmt] == 4 else sds((k, n), jnp.int8)
+    call = lambda x, v, p: w4_matmul_triton(x, v, fmt=fmt, interpret=False, **p)  # noqa: E731
+    text = jax.jit(call).trace(sds((m, k), jnp.bfloat16), values, parts).lower(
+        lowering_platforms=("cuda",)).as_text()  # fmt: skip
+    assert "triton" in text.lower()
 
 
 # Tokens 1, 7 (wgmma's N padded to 8), 9 and 64; one split and two (the parts summed by XLA); a
@@ -186,7 +242,7 @@ def test_arguments_are_validated_by_name():
                   interpret=True)  # fmt: skip
     with pytest.raises(ValueError, match="num_splits must divide"):
         w4_matmul(x, **w, fmt="int4_g128_sym", backend="pallas", interpret=True, num_splits=3)
-    with pytest.raises(ValueError, match="pallas backend only"):
+    with pytest.raises(ValueError, match="apply to the kernels only"):
         w4_matmul(x, **w, fmt="int4_g128_sym", backend="xla", num_stages=2)
 
 
@@ -245,22 +301,27 @@ def test_benchmark_smoke_run_writes_rows_with_provenance(tmp_path):
         assert r["rel_err"] < TOL, r
 
 
+KERNELS = {"mosaic": w4_matmul_mgpu, "triton": w4_matmul_triton}
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", list(KERNELS))
 @pytest.mark.parametrize("fmt", list(PARTS))
 @pytest.mark.parametrize("n,k", [(14336, 4096), (4096, 14336)])
 @pytest.mark.parametrize("m", [1, 16, 64])
-def test_compiled_kernel_on_gpu(fresh_seed, fmt, n, k, m):
+def test_compiled_kernel_on_gpu(fresh_seed, kernel, fmt, n, k, m):
     """The same check, compiled, at Llama-3-8B's FFN shapes (run on the device: `pytest -m gpu`)."""
-    check_case(fresh_seed, fmt, m, k, n, interpret=False)
+    check_case(fresh_seed, fmt, m, k, n, kernel=KERNELS[kernel], interpret=False)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", list(KERNELS))
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536)])
 @pytest.mark.parametrize("m", [1, 64])
-def test_compiled_kernel_at_smollm2_sizes_on_gpu(fresh_seed, fmt, n, k, m):
+def test_compiled_kernel_at_smollm2_sizes_on_gpu(fresh_seed, kernel, fmt, n, k, m):
     """SmolLM2's q/k/v and down products from its GGUF formats: a half K step, a half tile."""
-    check_case(fresh_seed, fmt, m, k, n, interpret=False)
+    check_case(fresh_seed, fmt, m, k, n, kernel=KERNELS[kernel], interpret=False)
 
 
 @pytest.mark.parametrize("fmt", list(PARTS))
@@ -287,17 +348,21 @@ def test_formats_products_run_on_the_kernel_as_their_xla_product(fresh_seed, fmt
             return f.matmul(x, dataclasses.replace(qw, format=f))
 
         want = product("xla")
-        got = product("pallas")
-        assert got.shape == want.shape == (3, 5, *shape[2:])
-        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                                   rtol=2e-2, atol=2e-2 * np.max(np.abs(np.asarray(want, np.float32))),
-                                   err_msg=f"{shape}, seed {fresh_seed}")  # fmt: skip
+        for backend in ("pallas", "triton"):
+            got = product(backend)
+            assert got.shape == want.shape == (3, 5, *shape[2:])
+            np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                       rtol=2e-2, atol=2e-2 * np.max(np.abs(np.asarray(want, np.float32))),
+                                       err_msg=f"{backend}, {shape}, seed {fresh_seed}")  # fmt: skip
         np.testing.assert_array_equal(np.asarray(product("auto")), np.asarray(want))
     with pytest.raises(ValueError, match="pallas backend takes"):
         f = dataclasses.replace(wf, backend="pallas")
         f.matmul(x.astype(jnp.float32), dataclasses.replace(qw, format=f))
-    with pytest.raises(ValueError, match="backend must be one of"):
+    with pytest.raises(ValueError, match="triton backend takes"):
         f = dataclasses.replace(wf, backend="triton")
+        f.matmul(x.astype(jnp.float32), dataclasses.replace(qw, format=f))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        f = dataclasses.replace(wf, backend="cuda")
         f.matmul(x, dataclasses.replace(qw, format=f))
 
 
@@ -319,8 +384,9 @@ def test_products_in_64s_run_on_the_kernel_as_their_xla_product(fresh_seed, fmt)
         return f.matmul(x, QuantizedWeight(f.quantize(w, 1), f, 1))
 
     want = np.asarray(product(fmt, "xla"), np.float32)
-    got = np.asarray(product(fmt, "pallas"), np.float32)
-    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max(),
-                               err_msg=f"{fmt}, seed {fresh_seed}")  # fmt: skip
+    for backend in ("pallas", "triton"):
+        got = np.asarray(product(fmt, backend), np.float32)
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max(),
+                                   err_msg=f"{fmt} on {backend}, seed {fresh_seed}")  # fmt: skip
     with pytest.raises(ValueError, match="pallas backend takes"):
         product("int4_g128_sym", "pallas")

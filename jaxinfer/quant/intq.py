@@ -68,15 +68,16 @@ def group_spec(spec, group: int, dtype, init="ones", scale=1.0):
 # measured range for 4 bits; XLA's product dequantizes the whole weight each call,
 # docs/decisions.md).
 W4_KERNEL_MAX_ROWS = 64
-BACKENDS = ("auto", "pallas", "xla")
+BACKENDS = ("auto", "pallas", "triton", "xla")
 
 
 def w4_kernel_product(fmt: WeightFormat, x: jax.Array, qw: QuantizedWeight,
                       backend: str) -> jax.Array | None:  # fmt: skip
-    """x @ qw on the weight-only kernel (`pallas_kernels.matmul.w4_matmul`, under its interpreter
-    on a CPU) when `backend` picks it, else None (the format's XLA product). "pallas": always, an
-    error where the kernel cannot run it; "auto": bf16 x of at most `W4_KERNEL_MAX_ROWS` tokens on
-    `one_gpu()`, shapes the kernel takes."""
+    """x @ qw on a weight-only kernel (`pallas_kernels.matmul.w4_matmul`, under its interpreter
+    on a CPU) when `backend` picks it, else None (the format's XLA product). "pallas" (the Mosaic
+    GPU kernel) or "triton" (the Pallas Triton one, same limits): always, an error where the
+    kernel cannot run it; "auto": the Mosaic kernel for bf16 x of at most `W4_KERNEL_MAX_ROWS`
+    tokens on `one_gpu()`, shapes the kernel takes."""
     if backend not in BACKENDS:
         raise ValueError(f"{fmt.name}: backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "xla":
@@ -91,8 +92,8 @@ def w4_kernel_product(fmt: WeightFormat, x: jax.Array, qw: QuantizedWeight,
     names = PARTS.get(fmt.name, {})
     fits = (bool(names) and x.dtype == jnp.bfloat16 and 1 <= rows <= MAX_M
             and sizes_fit(fmt.name, k, n))  # fmt: skip
-    if backend == "pallas" and not fits:
-        raise ValueError(f"{fmt.name}: the pallas backend takes the formats {sorted(PARTS)} with "
+    if backend in ("pallas", "triton") and not fits:
+        raise ValueError(f"{fmt.name}: the {backend} backend takes the formats {sorted(PARTS)} with "
                          f"bf16 x of 1..{MAX_M} tokens, K and N multiples of {SIZE_MULTIPLE} "
                          f"(K of {TILE_K} for int4_g128_sym), K >= {TILE_K}; got x {x.dtype} "
                          f"{list(x.shape)}, output {list(out)}")  # fmt: skip
@@ -108,7 +109,7 @@ def w4_kernel_product(fmt: WeightFormat, x: jax.Array, qw: QuantizedWeight,
         # int8's scales [*out] and nvfp4's tensor scale -> [N]; group parts [G, *out] -> [G, N]
         parts[name] = a.reshape(n) if a.shape == out else a.reshape(-1, n)
     y = w4_matmul(x.reshape(rows, k), values.reshape(k * BITS[fmt.name] // 8, n), fmt=fmt.name,
-                  backend="pallas", **parts)  # fmt: skip
+                  backend="triton" if backend == "triton" else "pallas", **parts)  # fmt: skip
     return y.reshape(*lead, *out).astype(x.dtype)
 
 
@@ -121,7 +122,11 @@ def k_major(w: jax.Array, in_dims: int) -> jax.Array:
 class Int8(WeightFormat):
     """int8 values, one fp32 scale per output channel (symmetric, amax/127)."""
 
-    backend: str = "auto"  # the product: `w4_kernel_product`, else XLA's
+    # the product: "auto" is XLA's (below), faster than our kernels at the engine's decode rows
+    # (8-128 on the H200's 8B shapes, 27.9-53.4 us vs the Mosaic kernel's 37.7-58.3 and the
+    # Triton kernel's 27.5-40.7: h200/quant_matmul_int8_rows.json, w4_triton_probe.json);
+    # "pallas" / "triton" put it on a kernel (`w4_kernel_product`)
+    backend: str = "auto"
 
     def part_specs(self, spec) -> dict:
         out, axes = spec.shape[spec.in_dims :], spec.axes[spec.in_dims :]
@@ -139,7 +144,7 @@ class Int8(WeightFormat):
         return qw.arrays["values"].astype(jnp.float32) * qw.arrays["scales"]
 
     def matmul(self, x: jax.Array, qw: QuantizedWeight) -> jax.Array:
-        y = w4_kernel_product(self, x, qw, self.backend)
+        y = None if self.backend == "auto" else w4_kernel_product(self, x, qw, self.backend)
         if y is not None:
             return y
         # the per-output scales after the dot: XLA's GEMM then reads the int8 values as they are

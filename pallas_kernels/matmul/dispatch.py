@@ -1,6 +1,7 @@
 """One entry point for the weight-only matmul (4-bit and 8-bit formats), whatever the backend.
 
 - `pallas`: the Mosaic GPU kernel (`w4_mgpu.py`); on CPU it runs under the GPU interpreter.
+- `triton`: the Pallas Triton kernel (`w4_triton.py`); on CPU it runs under Pallas's interpreter.
 - `xla`: the pure-JAX reference (`reference.py`: dequantize to fp32, one fp32 dot); runs
   anywhere, the oracle in tests.
 - `auto`: `pallas` on a GPU, `xla` elsewhere.
@@ -14,9 +15,10 @@ import jax
 
 from pallas_kernels.matmul.reference import w4_matmul_ref
 from pallas_kernels.matmul.w4_mgpu import check_inputs, w4_matmul_mgpu
+from pallas_kernels.matmul.w4_triton import w4_matmul_triton
 
-BACKENDS = ("auto", "xla", "pallas")
-KERNEL_OPTIONS = ("num_stages", "num_splits", "interpret")
+BACKENDS = ("auto", "xla", "pallas", "triton")
+KERNEL_OPTIONS = ("num_stages", "num_splits", "interpret")  # (both kernels take them)
 
 
 def w4_matmul(
@@ -46,7 +48,9 @@ def w4_matmul(
         backend = "pallas" if platform == "gpu" else "xla"
     if backend == "pallas":
         return w4_matmul_mgpu(x, values, fmt=fmt, device=device, **options, **parts)
+    if backend == "triton":
+        return w4_matmul_triton(x, values, fmt=fmt, device=device, **options, **parts)
     if options:
-        raise ValueError(f"kernel options {sorted(options)} apply to the pallas backend only")
+        raise ValueError(f"kernel options {sorted(options)} apply to the kernels only")
     check_inputs(x, values, fmt, parts)
     return w4_matmul_ref(x, values, fmt=fmt, **parts).astype(x.dtype)

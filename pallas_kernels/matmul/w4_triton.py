@@ -1,0 +1,150 @@
+"""Weight-only 4-bit and 8-bit GEMM for decode-sized batches on Pallas's Triton backend.
+
+y [M, N] = x [M, K] @ dequant(W) [K, N], W in one of `reference.py`'s layouts as stored (no
+re-packing), every format through its `W4Decode` (`w4_decode.py`), like the Mosaic kernel
+(`w4_mgpu.py`). Pallas's Triton backend is deprecated from jax 0.11 on; it is here because it
+measured faster than our Mosaic kernel at the sizes decode runs (H200, 8B shapes, int4 at
+m = 1 and 16: 26.7-28.6 us against 34.4-40.3 and bf16's 34.0-36.1; int8 27.5-32.7 against
+37.7-41.6: experiments/results/h200/w4_triton_probe.json, quant_matmul_int8_rows.json).
+
+How the work is cut
+-------------------
+- A program owns `bn` outputs (128, or 64 where N is not a multiple of 128) and one of
+  `num_splits` equal ranges of K; it loops over K in steps of 128 inputs (64 where K is not a
+  multiple of 128, and for 8 bits), Triton pipelining the loads `num_stages` deep.
+- 4 bits: byte i of a column holds inputs 2i (low nibble) and 2i + 1 (high). A step loads its
+  [step / 2, bn] byte tile once and contracts the low nibbles with x's even inputs and the high
+  ones with its odd inputs (x's step tile split into its pairs in the kernel): two dots, no
+  interleave of the codes.
+- tl.dot needs 16 rows: x's M rows are read masked into a [M padded to 16, step] tile.
+- Per-group parts (`W4Decode.grouped`): a part whose group spans the step or more (int4_g128's
+  scale) multiplies the step's product, row by row; a smaller group's row is broadcast over its
+  inputs and decoded with the codes. An output scale (int8's, nvfp4's tensor scale) multiplies
+  the fp32 sum of the splits' partials [S, M, N], which XLA adds after the kernel.
+
+What limits it (w4_triton_probe.json): int4 and int8 take about the same time, ~2.2e12 weights a
+second, so it is bound by weights, not bytes: the decoded tile's path to the tensor cores.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels import _compat
+from pallas_kernels.matmul.w4_decode import DECODERS, W4Decode
+from pallas_kernels.matmul.w4_mgpu import check_inputs
+
+NUM_STAGES = 3
+PROGRAMS_PER_SM = 4  # split-K aims at about this many programs a streaming multiprocessor
+
+
+def step_inputs(dec: W4Decode, k: int) -> int:
+    """Inputs a K step: 128 for 4 bits where K allows, else 64."""
+    return 128 if dec.bits == 4 and k % 128 == 0 else 64
+
+
+def block_n(n: int) -> int:
+    return 128 if n % 128 == 0 else 64
+
+
+def default_num_splits(k_steps: int, n_blocks: int, sms: int) -> int:
+    """The divisor S of the K steps (at least 2 steps a split) whose grid, n_blocks x S, comes
+    nearest PROGRAMS_PER_SM programs an SM (ties to fewer splits)."""
+    target = PROGRAMS_PER_SM * sms
+    options = [s for s in range(1, k_steps + 1) if k_steps % s == 0 and k_steps // s >= 2] or [1]
+    return min(options, key=lambda s: (abs(n_blocks * s - target), s))
+
+
+def _kernel(x_ref, v_ref, *refs, dec: W4Decode, names, steps, step_k, bn, m, mp):
+    *p_refs, o_ref = refs
+    parts = dict(zip(names, p_refs, strict=True))
+    j, split = pl.program_id(0), pl.program_id(1)
+    cols = pl.ds(j * bn, bn)
+    rows = step_k // 2 if dec.bits == 4 else step_k  # weight rows a step
+    x_mask = lax.broadcasted_iota(jnp.int32, (mp, step_k), 0) < m
+
+    def x_tile(k0):  # [mp, step_k], rows past M read as zeros
+        return plt.load(x_ref.at[pl.ds(0, mp), pl.ds(k0, step_k)], mask=x_mask, other=0)
+
+    def group_rows(step):
+        """Each small-group part's fp32 rows broadcast over this step's weight rows."""
+        out = {}
+        for name, _ in dec.grouped:
+            if name == dec.step_scale:
+                continue
+            per_row = dec.group // (2 if dec.bits == 4 else 1)  # weight rows a group
+            g = rows // per_row
+            raw = parts[name][pl.ds(step * g, g), cols]
+            row = dec.to_f32(name, raw)
+            out[name] = jnp.broadcast_to(row[:, None, :], (g, per_row, bn)).reshape(rows, bn)
+        return out
+
+    def body(i, acc):
+        step = split * steps + i
+        k0 = step * step_k
+        codes = v_ref[pl.ds(step * rows, rows), cols].astype(jnp.int32)
+        grouped = group_rows(step)
+        if dec.bits == 4:
+            lo = dec.value(codes & 15, grouped).astype(x_ref.dtype)
+            hi = dec.value(codes >> 4, grouped).astype(x_ref.dtype)
+            # x's even and odd inputs (tt.split of the pairs: a strided load does not interpret)
+            even, odd = lax.split(x_tile(k0).reshape(mp, rows, 2), (1, 1), axis=2)
+            part = jnp.dot(even.reshape(mp, rows), lo, preferred_element_type=jnp.float32)
+            part += jnp.dot(odd.reshape(mp, rows), hi, preferred_element_type=jnp.float32)
+        else:
+            w = dec.value(codes, grouped).astype(x_ref.dtype)
+            part = jnp.dot(x_tile(k0), w, preferred_element_type=jnp.float32)
+        if dec.step_scale is not None:  # the group spans the step: scale the product
+            name = dec.step_scale
+            part *= dec.to_f32(name, parts[name][pl.ds(k0 // dec.group, 1), cols])
+        return acc + part
+
+    acc = lax.fori_loop(0, steps, body, jnp.zeros((mp, bn), jnp.float32))
+    out_mask = lax.broadcasted_iota(jnp.int32, (mp, bn), 0) < m
+    plt.store(o_ref.at[split, pl.ds(0, mp), cols], acc, mask=out_mask)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "num_splits", "num_stages", "interpret",
+                                             "device"))  # fmt: skip
+def w4_matmul_triton(x: jax.Array, values: jax.Array, *, fmt: str, num_splits: int | None = None,
+                     num_stages: int = NUM_STAGES, interpret: bool | None = None,
+                     device: jax.Device | None = None, **parts: jax.Array) -> jax.Array:  # fmt: skip
+    """x [M, K] bf16 @ the `fmt` weight (`values` and its parts, `reference.py`'s layouts) ->
+    [M, N] bf16. Same argument checks as the Mosaic kernel (`w4_mgpu.check_inputs`).
+    `num_splits` (None: `default_num_splits`) must divide K's steps; `interpret` (None: off a
+    GPU) runs Pallas's interpreter."""
+    check_inputs(x, values, fmt, parts)
+    dec = DECODERS[fmt]
+    m, k = x.shape
+    n = values.shape[1]
+    step_k, bn = step_inputs(dec, k), block_n(n)
+    k_steps = k // step_k
+    if num_splits is None:
+        num_splits = default_num_splits(k_steps, n // bn, _compat.num_sms(device))
+    if num_splits < 1 or k_steps % num_splits:
+        raise ValueError(f"num_splits must divide K's {k_steps} steps of {step_k}, got "
+                         f"{num_splits}")  # fmt: skip
+    if interpret is None:
+        interpret = _compat.default_interpret(device)
+    names = tuple(name for name, _ in dec.grouped)
+    kernel = functools.partial(_kernel, dec=dec, names=names, steps=k_steps // num_splits,
+                               step_k=step_k, bn=bn, m=m, mp=max(16, -(-m // 16) * 16))  # fmt: skip
+    partials = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((num_splits, m, n), jnp.float32),
+        grid=(n // bn, num_splits),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * (2 + len(names)),
+        out_specs=pl.BlockSpec(memory_space=pl.ANY),
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=num_stages),
+        interpret=interpret,
+    )(x, values, *(parts[name] for name in names))
+    y = partials[0] if num_splits == 1 else partials.sum(0)
+    if dec.output_scale is not None:
+        y = y * jnp.asarray(parts[dec.output_scale], jnp.float32)
+    return y.astype(x.dtype)
