@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.engine import engine as engine_module
-from jaxinfer.engine.adaptive import MIN_LIVE, AdaptiveSpeculation
+from jaxinfer.engine.adaptive import MARGIN, MIN_LIVE, AdaptiveSpeculation
 from jaxinfer.engine.compile_counter import compile_count
 from jaxinfer.engine.llm import LLM
 from jaxinfer.engine.request import SamplingParams
@@ -55,7 +55,7 @@ def test_policy_probes_both_paths_then_keeps_the_faster_probing_the_other(fresh_
     rng = np.random.default_rng(fresh_seed)
     for trial in range(30):
         slow = rng.uniform(100, 1000)
-        fast = slow * rng.uniform(1.02, 3)
+        fast = slow * rng.uniform(1.02 + MARGIN, 3)  # (speculation wins beyond the margin)
         spec_pays = bool(rng.integers(2))
         t_spec, t_plain = rng.uniform(0.5, 2.0, 2)  # each path's scan length
         policy = AdaptiveSpeculation(probe_every=int(rng.integers(4, 20)),
@@ -107,6 +107,26 @@ def test_policy_notices_a_shift_in_acceptance_within_a_probe_period(fresh_seed):
         settled = paths[first + 5 : start + 200]
         assert settled.count(not want) <= len(settled) // 16 + 1, (
             f"seed {fresh_seed}: after scan {start}", paths[start : start + 200])  # fmt: skip
+
+
+def test_speculation_within_the_margin_of_plain_does_not_win(fresh_seed):
+    """Speculative scans faster than plain ones by less than MARGIN (what speculating costs
+    outside them) leave the bucket to plain decoding, its mixed steps undrafted, speculation
+    probed every `probe_every` scans; beyond the margin speculation wins."""
+    rng = np.random.default_rng(fresh_seed)
+    plain = rng.uniform(100, 1000)
+    for ratio, wins in ((1 + MARGIN * rng.uniform(0.1, 0.9), False),
+                        (1 + MARGIN * rng.uniform(1.1, 3.0), True)):  # fmt: skip
+        policy = AdaptiveSpeculation()
+        paths = _simulate(policy, 8, 200, lambda i, r=ratio: plain * r, lambda i: plain, rng,
+                          noise=0.0, seconds=(1.0, 1.0))  # fmt: skip
+        where = f"seed {fresh_seed}: speculation at {ratio:.3f}x plain"
+        assert policy.measured_faster(8) is wins, where
+        if wins:
+            assert sum(paths[2:]) > 0.9 * 198, (where, paths)
+        else:
+            assert policy.probe_interval(8) == policy.probe_every, where
+            assert sum(paths[2:]) <= 198 // policy.probe_every + 1, (where, paths)
 
 
 def test_policy_with_no_tokens_yet_probes_at_the_shortest_interval():

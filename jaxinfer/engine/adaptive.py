@@ -6,8 +6,10 @@ Speculation pays while a verification of 1 + gamma rows costs less than the toke
 small batches on a memory-bound device, drafts that are accepted. A large batch (compute-bound)
 or drafts that are rejected turn it into a loss. So the engine measures both paths: per decode
 bucket (the scan's rows), an exponentially weighted mean (EWMA) of each path's output tokens
-per second of scan time, and runs the faster. The slower one gets one scan in every N (a
-probe), so a shift in acceptance (a new workload) is noticed. A bucket starts by probing both.
+per second of scan time, and runs the faster: speculation only where its rate beats plain's by
+`MARGIN`, since what it costs outside the scans (below) is not in them. The slower one gets one
+scan in every N (a probe), so a shift in acceptance (a new workload) is noticed. A bucket starts
+by probing both.
 
 A probe costs what the losing path loses over its own scan: (its scan seconds / the winner's)
 x (1 - its rate / the winner's), in winner scans. N is that over `budget` (1%), at least
@@ -28,6 +30,14 @@ import math
 PROBE_EVERY = 16
 MAX_PROBE_EVERY = 128
 BUDGET = 0.01
+# Speculation wins a bucket only where its scans make tokens at least this much faster than plain
+# ones: speculating has a cost outside the scans. Plain decoding keeps a wave of equal-length
+# requests in step; speculation desynchronises it, and the admissions that follow come one at a
+# time, each a mixed step in which the decode rows advance one token. On the H200 at 64 rows
+# (SmolLM2, h200/speculative_b64_256.json) EAGLE's scans were 1.6% faster than plain's while its
+# mixed steps took 8% of the wall time more (193 against 166): the policy chose speculation in
+# 73% of the scans and lost 19% (speculative_adaptive_b64_256.json).
+MARGIN = 0.10
 # The weight of a path's newest measurement when it also ran the scan before: a scan's rate is
 # noisy (host scheduling, sequences ending inside it); 0.3 follows a change within ~4 scans.
 ALPHA = 0.3
@@ -43,12 +53,15 @@ class AdaptiveSpeculation:
     reports: each dispatch (`dispatched`) and each scan's tokens over its seconds (`record`)."""
 
     def __init__(self, probe_every: int = PROBE_EVERY, alpha: float = ALPHA,
-                 max_probe_every: int = MAX_PROBE_EVERY, budget: float = BUDGET) -> None:  # fmt: skip
-        if probe_every < 2 or max_probe_every < probe_every or not 0 < alpha <= 1 or budget <= 0:
+                 max_probe_every: int = MAX_PROBE_EVERY, budget: float = BUDGET,
+                 margin: float = MARGIN) -> None:  # fmt: skip
+        if (probe_every < 2 or max_probe_every < probe_every or not 0 < alpha <= 1 or budget <= 0
+                or margin < 0):  # fmt: skip
             raise ValueError(f"probe_every={probe_every} must be >= 2 and <= max_probe_every="
-                             f"{max_probe_every}, alpha={alpha} in (0, 1], budget={budget} > 0")  # fmt: skip
+                             f"{max_probe_every}, alpha={alpha} in (0, 1], budget={budget} > 0, "
+                             f"margin={margin} >= 0")  # fmt: skip
         self.probe_every, self.max_probe_every = probe_every, max_probe_every
-        self.alpha, self.budget = alpha, budget
+        self.alpha, self.budget, self.margin = alpha, budget, margin
         self.rate: dict[tuple[int, bool], float] = {}  # (bucket, speculative) -> tokens/s EWMA
         self.seconds: dict[tuple[int, bool], float] = {}  # -> seconds a scan, EWMA
         self._scans: dict[int, int] = {}  # scans dispatched per bucket
@@ -64,7 +77,7 @@ class AdaptiveSpeculation:
         missing = [p for p in (True, False) if (bucket, p) not in self.rate]
         if missing:  # probe each path once, speculation first (one not yet dispatched first)
             return ([p for p in missing if (bucket, p) not in self._last] or missing)[0]
-        best = self.rate[bucket, True] > self.rate[bucket, False]
+        best = self._speculation_wins(bucket)
         since = self._scans[bucket] - self._last[bucket, not best]  # the winner's scans since
         return best if since + 1 < self.probe_interval(bucket) else not best
 
@@ -74,16 +87,21 @@ class AdaptiveSpeculation:
         yet measured on both paths drafts nothing in its mixed steps (a server that admits a
         request every few steps would otherwise verify drafts in every mixed step of a batch
         size where speculation loses, as long as its decode scans were too few to find out)."""
-        spec, plain = self.rate.get((bucket, True)), self.rate.get((bucket, False))
-        return spec is not None and plain is not None and spec > plain
+        measured = all((bucket, p) in self.rate for p in (True, False))
+        return measured and self._speculation_wins(bucket)
+
+    def _speculation_wins(self, bucket: int) -> bool:
+        return self.rate[bucket, True] > (1 + self.margin) * self.rate[bucket, False]
 
     def probe_interval(self, bucket: int) -> int:
-        """N: the losing path of `bucket` runs one scan in N (both paths measured)."""
-        best = self.rate[bucket, True] > self.rate[bucket, False]
+        """N: the losing path of `bucket` runs one scan in N (both paths measured). A plain
+        winner within the margin of speculation's rate gives up no rate to its probes: N is
+        `probe_every` there."""
+        best = self._speculation_wins(bucket)
         win, lose = (bucket, best), (bucket, not best)
         if self.rate[win] <= 0:  # neither path has made a token yet
             return self.probe_every
-        cost = self.seconds[lose] / self.seconds[win] * (1 - self.rate[lose] / self.rate[win])
+        cost = self.seconds[lose] / self.seconds[win] * max(1 - self.rate[lose] / self.rate[win], 0)
         return min(max(self.probe_every, math.ceil(cost / self.budget)), self.max_probe_every)
 
     def dispatched(self, bucket: int, speculative: bool) -> None:
