@@ -116,13 +116,15 @@ def test_triton_kernel_refuses_a_split_of_uneven_steps():
 
 
 def test_triton_default_splits_fill_the_sms():
-    """About PROGRAMS_PER_SM programs an SM, at least 2 steps a split, dividing the steps."""
+    """About PROGRAMS_PER_SM programs an SM, at least 2 steps a split, a power of two dividing
+    the steps; the 8B shapes' splits are the probe's best."""
     from pallas_kernels.matmul.w4_triton import PROGRAMS_PER_SM, default_num_splits
 
-    for steps, blocks in [(112, 32), (32, 112), (9, 15), (1, 8), (28, 7)]:
+    assert default_num_splits(32, 112, 132) == 8 and default_num_splits(112, 32, 132) == 16
+    for steps, blocks in [(112, 32), (32, 112), (9, 15), (1, 8), (28, 7), (96, 3)]:
         s = default_num_splits(steps, blocks, 132)
-        assert steps % s == 0 and (steps // s >= 2 or s == 1), (steps, blocks, s)
-        others = [t for t in range(1, steps + 1) if steps % t == 0 and steps // t >= 2]
+        assert steps % s == 0 and (steps // s >= 2 or s == 1) and s & (s - 1) == 0, (steps, s)
+        others = [t for t in (1, 2, 4, 8, 16, 32, 64) if steps % t == 0 and steps // t >= 2]
         assert all(abs(blocks * s - PROGRAMS_PER_SM * 132) <= abs(blocks * t - PROGRAMS_PER_SM * 132)
                    for t in others), (steps, blocks, s)  # fmt: skip
 
