@@ -7,7 +7,11 @@ the op up outside the profiled range, then profiles exactly one call. The result
 the kernels in launch order with their microseconds and bytes, and their sum.
 
     PYTHONPATH=. python3 experiments/kernel_times.py --out $OUT/w4_kernel_times.json \\
-        --op w4:int4_g128_sym:1:14336:4096 --op fp8_block:64:7168:2048
+        --op w4:int4_g128_sym:1:14336:4096 --op w4_triton:int4_g128_sym:1:14336:4096 \\
+        --op fp8_block:64:7168:2048 [--metric sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active ...]
+
+`w4` is the Mosaic weight-only kernel's product, `w4_triton` the Triton one's. `--metric` adds
+ncu metrics (raw names) to every kernel's row, under `metrics`: where a kernel's time goes.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ METRICS = ("gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.
 
 
 def make_op(spec: str):
-    """(jitted op, its args) for `w4:FMT:M:N:K` or `fp8_block:M:N:K`."""
+    """(jitted op, its args) for `w4:FMT:M:N:K`, `w4_triton:FMT:M:N:K` or `fp8_block:M:N:K`."""
     import jax
     import jax.numpy as jnp
 
@@ -38,14 +42,15 @@ def make_op(spec: str):
     kind, *rest = spec.split(":")
     key = jax.random.key(zlib.crc32(spec.encode()))
     kx, kw = jax.random.split(key)
-    if kind == "w4":
+    if kind in ("w4", "w4_triton"):
         from pallas_kernels.matmul import w4_matmul
 
         fmt, (m, n, k) = rest[0], map(int, rest[1:])
         x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
         w = jax.random.normal(kw, (k, n), jnp.float32) * k**-0.5
         arrays = jax.jit(lambda w: WEIGHT_FORMATS[fmt].quantize(w, 1))(w)
-        return jax.jit(lambda x, a: w4_matmul(x, **a, fmt=fmt, backend="pallas")), (x, arrays)
+        backend = "triton" if kind == "w4_triton" else "pallas"
+        return jax.jit(lambda x, a: w4_matmul(x, **a, fmt=fmt, backend=backend)), (x, arrays)
     if kind == "fp8_block":
         from jaxinfer.quant import QuantizedWeight
         from jaxinfer.quant.fp8 import Fp8Block
@@ -56,7 +61,8 @@ def make_op(spec: str):
         fmt = Fp8Block("fp8_block", backend="pallas")
         a = jax.jit(lambda w: fmt.quantize(w, 1))(w)
         return jax.jit(lambda x, a: fmt.matmul(x, QuantizedWeight(a, fmt, 1))), (x, a)
-    raise ValueError(f"--op {spec!r}: expected w4:FMT:M:N:K or fp8_block:M:N:K")
+    raise ValueError(f"--op {spec!r}: expected w4:FMT:M:N:K, w4_triton:FMT:M:N:K or "
+                     "fp8_block:M:N:K")  # fmt: skip
 
 
 def child(spec: str) -> None:
@@ -73,8 +79,9 @@ def child(spec: str) -> None:
     cudart.cudaProfilerStop()
 
 
-def parse(text: str) -> list[dict]:
-    """ncu's --csv --page raw output -> [{kernel, us, dram_read_MB, dram_write_MB}]."""
+def parse(text: str, extra: tuple[str, ...] = ()) -> list[dict]:
+    """ncu's --csv --page raw output -> [{kernel, us, dram_read_MB, dram_write_MB}], with
+    `metrics` {name: value} for the `extra` metric names (numbers where they read as one)."""
     lines = [ln for ln in text.splitlines() if ln.startswith('"')]
     rows = list(csv.DictReader(io.StringIO("\n".join(lines))))
     out = []
@@ -85,6 +92,10 @@ def parse(text: str) -> list[dict]:
                     "us": float(r["gpu__time_duration.sum"].replace(",", "")) / 1e3,  # ns
                     "dram_read_MB": float(r["dram__bytes_read.sum"].replace(",", "")) / 1e6,
                     "dram_write_MB": float(r["dram__bytes_write.sum"].replace(",", "")) / 1e6})  # fmt: skip
+        if extra:
+            values = {name: r.get(name, "") for name in extra}
+            out[-1]["metrics"] = {name: float(v.replace(",", "")) if _is_number(v) else v
+                                  for name, v in values.items()}  # fmt: skip
     return out
 
 
@@ -100,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path)
     p.add_argument("--op", action="append", default=[])
+    p.add_argument("--metric", action="append", default=[],
+                   help="an extra ncu metric (raw name) for every kernel")  # fmt: skip
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -110,14 +123,15 @@ def main(argv: list[str] | None = None) -> int:
     if not args.out or not args.op:
         p.error("--out and at least one --op are required")
     ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
-    result = {**provenance([sys.executable, *sys.argv]), "metrics": list(METRICS), "ops": []}
+    metrics = [*METRICS, *args.metric]
+    result = {**provenance([sys.executable, *sys.argv]), "metrics": metrics, "ops": []}
     for spec in args.op:
-        cmd = [ncu, "--profile-from-start", "off", "--metrics", ",".join(METRICS), "--csv",
+        cmd = [ncu, "--profile-from-start", "off", "--metrics", ",".join(metrics), "--csv",
                "--page", "raw", "--print-units", "base", sys.executable, __file__, "--child", spec]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540)
         row = {"op": spec}
         try:
-            kernels = parse(proc.stdout)
+            kernels = parse(proc.stdout, tuple(args.metric))
             if not kernels:
                 raise RuntimeError("ncu profiled no kernel")
             row.update(kernels=kernels, total_us=sum(k["us"] for k in kernels))

@@ -31,3 +31,12 @@ def test_a_report_without_kernels_is_empty_and_a_bad_op_names_itself():
     assert kernel_times.parse("==PROF== no kernels were profiled\n") == []
     with pytest.raises(ValueError, match="--op 'gemm:1:2:3'"):
         kernel_times.make_op("gemm:1:2:3")
+
+
+def test_extra_metrics_are_read_per_kernel():
+    report = REPORT.replace('"gpu__time_duration.sum"', '"gpu__time_duration.sum","sm__pipe_fma"')
+    report = report.replace('"nsecond"', '"nsecond","%"').replace('"3,264"', '"3,264","12.5"')
+    report = report.replace('"37,696"', '"37,696","n/a"')
+    rows = kernel_times.parse(report, ("sm__pipe_fma",))
+    assert [r["metrics"] for r in rows] == [{"sm__pipe_fma": 12.5}, {"sm__pipe_fma": "n/a"}]
+    assert "metrics" not in kernel_times.parse(report)[0]
