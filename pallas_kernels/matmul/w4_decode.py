@@ -1,9 +1,10 @@
 """How each weight-only format turns a code and its group's scales into a value, in the kernel.
 
 One `W4Decode` per format is the kernels' only format-specific part (`w4_mgpu` and `w4_triton`
-are each one kernel for all of them, 4-bit and 8-bit). Everything here is elementwise jnp on register arrays: int32 codes
-(0..15 for 4 bits, -128..127 for 8) and fp32 per-group rows already broadcast to the codes'
-shape, so it lowers for Mosaic GPU and runs under the interpreter alike. The arithmetic decodes
+are each one kernel for all of them, 4-bit and 8-bit). Everything here is elementwise jnp on
+register arrays: int32 codes (0..15 for 4 bits, -128..127 for 8) and fp32 per-group rows already
+broadcast to the codes' shape, so it lowers for Mosaic GPU and Triton and runs under the
+interpreters alike. The arithmetic decodes
 are independent of `reference.py`'s table lookups, so the tests compare two ways of reading a
 format.
 """
@@ -50,9 +51,9 @@ _MAGIC = 0x4B000000
 
 def int_value(codes: jax.Array, minus: int = 0) -> jax.Array:
     """fp32 `codes - minus` for int32 codes >= 0 (below 2^23): the codes OR-ed into 2^23's
-    mantissa, then 2^23 + minus subtracted, one integer and one float op, exact. An int-to-float
-    conversion runs at a quarter of the FMA rate on Hopper; this decode made the Triton kernel
-    2-10% faster at m <= 16 (experiments/results/h200/w4_triton_probe.json, f32magic vs cvt)."""
+    mantissa, then 2^23 + minus subtracted: one integer and one float op, exact, no int-to-float
+    conversion. It made the Triton kernel 2-10% faster at m <= 16 than conversions did
+    (experiments/results/h200/w4_triton_probe.json, f32magic vs cvt)."""
     bits = codes | _MAGIC
     return lax.bitcast_convert_type(bits, jnp.float32) - jnp.float32(2**23 + minus)
 
