@@ -166,6 +166,8 @@ def variant_matmul(x, values, *, fmt, num_splits=None, num_stages=3, num_warps=4
         raise ValueError(f"variant asm={asm} fma={fma} bn={bn}: asm takes int4_g128_sym, fma "
                          f"one row, bn must divide N; got {fmt}, m={m}, n={n}")  # fmt: skip
     step_k = 128 if dec.bits == 4 else 64
+    if k % step_k:
+        raise ValueError(f"variant: K must be a multiple of {step_k} for {fmt}, got {k}")
     k_steps = k // step_k
     if num_splits is None:
         num_splits = default_num_splits(k_steps, n // bn, _compat.num_sms(None))

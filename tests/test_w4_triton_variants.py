@@ -71,6 +71,9 @@ def test_bad_variant_options_name_themselves():
     with pytest.raises(ValueError, match="fma one row"):
         variants.variant_matmul(x, jnp.zeros((512, 256), jnp.int8), scales=jnp.ones(256),
                                 fmt="int8", fma=True)  # fmt: skip
+    with pytest.raises(ValueError, match="multiple of 128 for int4_g128_sym, got 576"):
+        variants.variant_matmul(jnp.zeros((1, 576), jnp.bfloat16), jnp.zeros((288, 256), jnp.uint8),
+                                scales=jnp.ones((4, 256)), fmt="int4_g128_sym")  # fmt: skip
     with pytest.raises(ValueError, match="'asm=yes'"):
         variants.parse_options("trans=1,asm=yes")
     assert variants.parse_options("trans=1,num_warps=8") == {"trans": True, "num_warps": 8}
