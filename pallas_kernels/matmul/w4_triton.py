@@ -22,8 +22,18 @@ How the work is cut
   inputs and decoded with the codes. An output scale (int8's, nvfp4's tensor scale) multiplies
   the fp32 sum of the splits' partials [S, M, N], which XLA adds after the kernel.
 
-What limits it (w4_triton_probe.json): int4 and int8 take about the same time, ~2.2e12 weights a
-second, so it is bound by weights, not bytes: the decoded tile's path to the tensor cores.
+- int4_g128_sym's nibbles become bf16 (q - 8) by inline PTX, two a 32-bit register (`PTX_MINUS`,
+  `ptx_nibbles`): a byte permute puts two bytes 16 bits apart, one lop3 ORs their nibbles into
+  bf16 128.0's mantissa, one bf16x2 fma subtracts 136; exact, about 1.5 instructions a weight
+  against about 5 for `W4Decode.value`'s fp32 arithmetic. 13-17% faster on the H200's 8B shapes
+  at m = 1 and 16 (int4 m = 1, 14336 x 4096: 23.1 us against 26.8; bf16 34.8:
+  experiments/results/h200/w4_triton_variants.json). Inline PTX has no interpreter: under it the
+  kernel decodes with `value`.
+
+What limits it (w4_triton_probe.json, w4_triton_variants.json): int4 and int8 take about the
+same time, ~2.2e12 weights a second (2.5e12 with the PTX decode), bound by weights, not bytes.
+Taking the weight as the dot's first operand (y^T = W^T x^T) was 15-25% slower; at m = 1,
+fp32 products accumulated on the CUDA cores (no MMA) were slower for int4 and int8.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
@@ -45,6 +56,34 @@ NUM_STAGES = 3
 # (H200 probe, int4 at m = 1: 14336 x 4096 best at 8 splits of 112 blocks, 4096 x 14336 at 8-16
 # of 32; 7 or 14 splits 8-11% slower than 8 or 16: w4_triton_probe.json)
 PROGRAMS_PER_SM = 6
+
+
+# formats whose value is (code - c), no grouped row, decoded by `ptx_nibbles`: {format: c}
+PTX_MINUS = {"int4_g128_sym": 8}
+
+
+def _ptx_nibbles(shift: int, minus: int) -> str:
+    """PTX: the 4 bytes of $2 -> their nibbles at bit `shift` (0: low, 4: high) minus `minus`,
+    as 4 bf16 in $0 (bytes 0, 1) and $1 (bytes 2, 3). prmt puts two bytes 16 bits apart; lop3
+    (lut 0xEA: a & b | c) makes (t & 0x000F000F) | 0x43004300, bf16 128 + q twice; the fma
+    adds -(128 + minus) to each half, exactly (both small integers)."""
+    neg = int(np.array(-(128 + minus), np.float32).view(np.uint32)) >> 16
+    shr = f"shr.b32 t0, t0, {shift};\nshr.b32 t1, t1, {shift};\n" if shift else ""
+    return ("{\n.reg .b32 z, t0, t1, one, neg;\nmov.b32 z, 0;\nmov.b32 one, 0x3F803F80;\n"
+            f"mov.b32 neg, {neg << 16 | neg:#010x};\nprmt.b32 t0, $2, z, 0x4140;\n"
+            "prmt.b32 t1, $2, z, 0x4342;\n" + shr
+            + "lop3.b32 t0, t0, 0x000F000F, 0x43004300, 0xEA;\n"
+            "lop3.b32 t1, t1, 0x000F000F, 0x43004300, 0xEA;\n"
+            "fma.rn.bf16x2 $0, t0, one, neg;\nfma.rn.bf16x2 $1, t1, one, neg;\n}")  # fmt: skip
+
+
+def ptx_nibbles(raw: jax.Array, minus: int) -> tuple[jax.Array, jax.Array]:
+    """uint8 bytes -> (low nibble - minus, high nibble - minus) as bf16, 4 bytes an inline-asm
+    instance; one op per half, since Pallas's lowering of the primitive takes one result."""
+    sd = jax.ShapeDtypeStruct(raw.shape, jnp.bfloat16)
+    return tuple(plt.elementwise_inline_asm(_ptx_nibbles(s, minus), args=[raw], pack=4,
+                                            constraints="=r,=r,r", result_shape_dtypes=[sd])[0]
+                 for s in (0, 4))  # fmt: skip
 
 
 def step_inputs(dec: W4Decode, k: int) -> int:
@@ -65,7 +104,7 @@ def default_num_splits(k_steps: int, n_blocks: int, sms: int) -> int:
     return min(options, key=lambda s: (abs(n_blocks * s - target), s))
 
 
-def _kernel(x_ref, v_ref, *refs, dec: W4Decode, names, steps, step_k, bn, m, mp):
+def _kernel(x_ref, v_ref, *refs, dec: W4Decode, names, steps, step_k, bn, m, mp, ptx_minus):
     *p_refs, o_ref = refs
     parts = dict(zip(names, p_refs, strict=True))
     j, split = pl.program_id(0), pl.program_id(1)
@@ -92,11 +131,15 @@ def _kernel(x_ref, v_ref, *refs, dec: W4Decode, names, steps, step_k, bn, m, mp)
     def body(i, acc):
         step = split * steps + i
         k0 = step * step_k
-        codes = v_ref[pl.ds(step * rows, rows), cols].astype(jnp.int32)
+        raw = v_ref[pl.ds(step * rows, rows), cols]
+        codes = raw.astype(jnp.int32)
         grouped = group_rows(step)
         if dec.bits == 4:
-            lo = dec.value(codes & 15, grouped).astype(x_ref.dtype)
-            hi = dec.value(codes >> 4, grouped).astype(x_ref.dtype)
+            if ptx_minus is not None:
+                lo, hi = ptx_nibbles(raw, ptx_minus)
+            else:
+                lo = dec.value(codes & 15, grouped).astype(x_ref.dtype)
+                hi = dec.value(codes >> 4, grouped).astype(x_ref.dtype)
             # x's even and odd inputs (tt.split of the pairs: a strided load does not interpret)
             even, odd = lax.split(x_tile(k0).reshape(mp, rows, 2), (1, 1), axis=2)
             part = jnp.dot(even.reshape(mp, rows), lo, preferred_element_type=jnp.float32)
@@ -138,7 +181,8 @@ def w4_matmul_triton(x: jax.Array, values: jax.Array, *, fmt: str, num_splits: i
         interpret = _compat.default_interpret(device)
     names = tuple(name for name, _ in dec.grouped)
     kernel = functools.partial(_kernel, dec=dec, names=names, steps=k_steps // num_splits,
-                               step_k=step_k, bn=bn, m=m, mp=max(16, -(-m // 16) * 16))  # fmt: skip
+                               step_k=step_k, bn=bn, m=m, mp=max(16, -(-m // 16) * 16),
+                               ptx_minus=None if interpret else PTX_MINUS.get(fmt))  # fmt: skip
     partials = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((num_splits, m, n), jnp.float32),
