@@ -10,8 +10,7 @@ the kernels in launch order with their microseconds and bytes, and their sum.
         --op w4:int4_g128_sym:1:14336:4096 --op w4_triton:int4_g128_sym:1:14336:4096 \\
         --op fp8_block:64:7168:2048 [--metric sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active ...]
 
-`w4` is the Mosaic weight-only kernel's product, `w4_triton` the Triton one's, `w4_variant`
-experiments/w4_triton_variants.py's under its options (`w4_variant:int4_g128_sym:16:14336:4096:trans=1,asm=1`). `--metric` adds
+`w4` is the Mosaic weight-only kernel's product, `w4_triton` the Triton one's. `--metric` adds
 ncu metrics (raw names) to every kernel's row, under `metrics`: where a kernel's time goes.
 """
 
@@ -43,14 +42,6 @@ def make_op(spec: str):
     kind, *rest = spec.split(":")
     key = jax.random.key(zlib.crc32(spec.encode()))
     kx, kw = jax.random.split(key)
-    if kind == "w4_variant":  # experiments/w4_triton_variants.py's kernel under its options
-        from experiments.w4_triton_variants import parse_options, variant_matmul
-
-        fmt, (m, n, k), opts = rest[0], map(int, rest[1:4]), parse_options(":".join(rest[4:]))
-        x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
-        w = jax.random.normal(kw, (k, n), jnp.float32) * k**-0.5
-        arrays = jax.jit(lambda w: WEIGHT_FORMATS[fmt].quantize(w, 1))(w)
-        return jax.jit(lambda x, a: variant_matmul(x, **a, fmt=fmt, **opts)), (x, arrays)
     if kind in ("w4", "w4_triton"):
         from pallas_kernels.matmul import w4_matmul
 
@@ -70,8 +61,8 @@ def make_op(spec: str):
         fmt = Fp8Block("fp8_block", backend="pallas")
         a = jax.jit(lambda w: fmt.quantize(w, 1))(w)
         return jax.jit(lambda x, a: fmt.matmul(x, QuantizedWeight(a, fmt, 1))), (x, a)
-    raise ValueError(f"--op {spec!r}: expected w4:FMT:M:N:K, w4_triton:FMT:M:N:K, "
-                     "w4_variant:FMT:M:N:K[:OPTS] or fp8_block:M:N:K")  # fmt: skip
+    raise ValueError(f"--op {spec!r}: expected w4:FMT:M:N:K, w4_triton:FMT:M:N:K or "
+                     "fp8_block:M:N:K")  # fmt: skip
 
 
 def child(spec: str) -> None:
