@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
 from jaxinfer.engine.llm import LLM
 from jaxinfer.engine.request import SamplingParams
@@ -225,15 +226,23 @@ def test_unrolled_training_steps_see_what_drafting_sees(fresh_seed, feature_laye
     hidden = jnp.asarray(rng.standard_normal((2, n, width)), jnp.float32)
     gs = head_forward_unrolled(head, shared, cfg, hidden, tokens, steps)
 
-    def dense(feats, toks):
-        pos = jnp.broadcast_to(jnp.arange(toks.shape[1]), toks.shape)
+    @jax.jit
+    def padded_last(feats, length):
+        pos = jnp.broadcast_to(jnp.arange(n), tokens.shape)
         attend = lambda q, k, v, carry, layer, kind: (causal_attention(q, k, v), carry)  # noqa: E731
-        return head_forward(head, shared, cfg, feats, toks, pos, attend, None)[0]
+        out = head_forward(head, shared, cfg, feats, tokens, pos, attend, None)[0]
+        return lax.dynamic_index_in_dim(out, length - 1, axis=1, keepdims=False)
+
+    def dense_last(feats, length):
+        """The head's causal forward over the first `length` positions, at the last of them:
+        `feats` zero-padded to n and all n tokens go in, which causal attention keeps out of the
+        positions before (one shape, one compile)."""
+        return padded_last(jnp.pad(feats, ((0, 0), (0, n - length), (0, 0))), length)
 
     for c in range(n - steps + 1):
         feats = true_features(head, cfg, shifted_features(hidden))[:, : c + 1]
         for s in range(1, steps + 1):
-            want = dense(feats, tokens[:, : c + s])[:, -1]
+            want = dense_last(feats, c + s)
             np.testing.assert_allclose(np.asarray(gs[s - 1][:, c + s - 1]), np.asarray(want),
                                        rtol=1e-5, atol=1e-5,
                                        err_msg=f"chain at {c}, step {s}; seed {fresh_seed}")  # fmt: skip
