@@ -64,9 +64,10 @@ def group_spec(spec, group: int, dtype, init="ones", scale=1.0):
                                scale=scale, in_dims=0)  # fmt: skip
 
 
-# The weight-only formats' "auto" backend: the Mosaic GPU kernel up to this many tokens (its
-# measured range for 4 bits; XLA's product dequantizes the whole weight each call,
-# docs/decisions.md).
+# The weight-only formats' "auto" backend: the Triton kernel up to this many tokens (H100, 8B
+# FFN shapes: int4 0.56-0.62x bf16's dot at m <= 16, 0.84-1.05x at 64, where XLA's product,
+# which dequantizes the whole weight each call, is slower still, and the Mosaic kernel too:
+# h100/quant_matmul_triton.json, h200/quant_matmul.json; docs/decisions.md).
 W4_KERNEL_MAX_ROWS = 64
 BACKENDS = ("auto", "pallas", "triton", "xla")
 
@@ -76,7 +77,7 @@ def w4_kernel_product(fmt: WeightFormat, x: jax.Array, qw: QuantizedWeight,
     """x @ qw on a weight-only kernel (`pallas_kernels.matmul.w4_matmul`, under its interpreter
     on a CPU) when `backend` picks it, else None (the format's XLA product). "pallas" (the Mosaic
     GPU kernel) or "triton" (the Pallas Triton one, same limits): always, an error where the
-    kernel cannot run it; "auto": the Mosaic kernel for bf16 x of at most `W4_KERNEL_MAX_ROWS`
+    kernel cannot run it; "auto": the Triton kernel for bf16 x of at most `W4_KERNEL_MAX_ROWS`
     tokens on `one_gpu()`, shapes the kernel takes."""
     if backend not in BACKENDS:
         raise ValueError(f"{fmt.name}: backend must be one of {BACKENDS}, got {backend!r}")
@@ -109,7 +110,7 @@ def w4_kernel_product(fmt: WeightFormat, x: jax.Array, qw: QuantizedWeight,
         # int8's scales [*out] and nvfp4's tensor scale -> [N]; group parts [G, *out] -> [G, N]
         parts[name] = a.reshape(n) if a.shape == out else a.reshape(-1, n)
     y = w4_matmul(x.reshape(rows, k), values.reshape(k * BITS[fmt.name] // 8, n), fmt=fmt.name,
-                  backend="triton" if backend == "triton" else "pallas", **parts)  # fmt: skip
+                  backend="pallas" if backend == "pallas" else "triton", **parts)  # fmt: skip
     return y.reshape(*lead, *out).astype(x.dtype)
 
 
