@@ -329,6 +329,24 @@ def test_compiled_kernel_at_smollm2_sizes_on_gpu(fresh_seed, kernel, fmt, n, k, 
     check_case(fresh_seed, fmt, m, k, n, kernel=KERNELS[kernel], interpret=False)
 
 
+@pytest.mark.parametrize("backend", ["pallas", "triton"])
+def test_a_forced_kernel_leaves_steps_above_its_rows_to_xla(fresh_seed, backend):
+    """A step of more tokens than the kernels take (a prefill: `bench_e2e.py --weight-backend`
+    forces every product of the run) gets the format's XLA product, bit for bit, not an error."""
+    import dataclasses
+
+    from jaxinfer.quant import WEIGHT_FORMATS, QuantizedWeight
+    from pallas_kernels.matmul.w4_mgpu import MAX_M
+
+    rng = np.random.default_rng(fresh_seed)
+    x = jnp.asarray(rng.standard_normal((MAX_M + 1, 128)), jnp.bfloat16)
+    wf = WEIGHT_FORMATS["q4_1"]
+    qw = QuantizedWeight(wf.quantize(jnp.asarray(rng.standard_normal((128, 64)), jnp.float32), 1),
+                         wf, 1)  # fmt: skip
+    got, want = (dataclasses.replace(wf, backend=b).matmul(x, qw) for b in (backend, "xla"))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"seed {fresh_seed}")
+
+
 @pytest.mark.parametrize("fmt", list(PARTS))
 def test_formats_products_run_on_the_kernel_as_their_xla_product(fresh_seed, fmt):
     """jaxinfer's 4-bit formats wired to the kernel (`intq.w4_kernel_product`): a weight with two

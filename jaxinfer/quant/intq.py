@@ -75,10 +75,11 @@ BACKENDS = ("auto", "pallas", "triton", "xla")
 def w4_kernel_product(fmt: WeightFormat, x: jax.Array, qw: QuantizedWeight,
                       backend: str) -> jax.Array | None:  # fmt: skip
     """x @ qw on a weight-only kernel (`pallas_kernels.matmul.w4_matmul`, under its interpreter
-    on a CPU) when `backend` picks it, else None (the format's XLA product). "pallas" (the Mosaic
-    GPU kernel) or "triton" (the Pallas Triton one, same limits): always, an error where the
-    kernel cannot run it; "auto": the Triton kernel for bf16 x of at most `W4_KERNEL_MAX_ROWS`
-    tokens on `one_gpu()`, shapes the kernel takes."""
+    on a CPU) when `backend` picks it, else None (the format's XLA product). "triton" (the Pallas
+    Triton kernel) or "pallas" (the Mosaic GPU one, same limits): every product of at most the
+    kernels' `MAX_M` tokens, an error where the kernel cannot run it (x's dtype, the sizes); more
+    tokens (a prefill step) take XLA's product. "auto": the Triton kernel for bf16 x of at most
+    `W4_KERNEL_MAX_ROWS` tokens on `one_gpu()`, shapes the kernel takes."""
     if backend not in BACKENDS:
         raise ValueError(f"{fmt.name}: backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "xla":
@@ -91,14 +92,15 @@ def w4_kernel_product(fmt: WeightFormat, x: jax.Array, qw: QuantizedWeight,
     k, n = math.prod(x.shape[x.ndim - qw.in_dims :]), math.prod(out)
     rows = math.prod(lead)
     names = PARTS.get(fmt.name, {})
-    fits = (bool(names) and x.dtype == jnp.bfloat16 and 1 <= rows <= MAX_M
-            and sizes_fit(fmt.name, k, n))  # fmt: skip
+    fits = bool(names) and x.dtype == jnp.bfloat16 and sizes_fit(fmt.name, k, n)
+    if not 1 <= rows <= (MAX_M if backend != "auto" else W4_KERNEL_MAX_ROWS):
+        return None
     if backend in ("pallas", "triton") and not fits:
         raise ValueError(f"{fmt.name}: the {backend} backend takes the formats {sorted(PARTS)} with "
-                         f"bf16 x of 1..{MAX_M} tokens, K and N multiples of {SIZE_MULTIPLE} "
-                         f"(K of {TILE_K} for int4_g128_sym), K >= {TILE_K}; got x {x.dtype} "
-                         f"{list(x.shape)}, output {list(out)}")  # fmt: skip
-    if backend == "auto" and not (fits and rows <= W4_KERNEL_MAX_ROWS and one_gpu()):
+                         f"bf16 x, K and N multiples of {SIZE_MULTIPLE} (K of {TILE_K} for "
+                         f"int4_g128_sym), K >= {TILE_K}; got x {x.dtype} {list(x.shape)}, "
+                         f"output {list(out)}")  # fmt: skip
+    if backend == "auto" and not (fits and one_gpu()):
         return None
     from pallas_kernels.matmul import w4_matmul
 
