@@ -291,6 +291,27 @@ def _start_run(out: Path, overrides: list[str]) -> subprocess.Popen:
                             stderr=subprocess.PIPE)  # fmt: skip
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # (the drop)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_whose_exception_a_finalizer_drops_still_stops_the_run(sig):
+    """A handler runs between any two bytecodes: inside a finalizer (jax's gc callback is one)
+    its `Signalled` is printed and dropped (a CI run once finished with rc 0 after SIGINT). The
+    run loop's `raise_caught_signal` raises it again; outside `stop_on_signals` nothing is left."""
+
+    class Finalized:
+        def __del__(self):
+            signal.raise_signal(sig)  # the handler raises here, inside the finalizer
+
+    with runs.stop_on_signals():
+        runs.raise_caught_signal()  # nothing caught yet
+        obj = Finalized()
+        del obj  # "Exception ignored in ... __del__": the Signalled is dropped
+        with pytest.raises(runs.Signalled) as e:
+            runs.raise_caught_signal()
+        assert e.value.signum == sig
+    runs.raise_caught_signal()  # the context cleared it
+
+
 @pytest.mark.parametrize(
     ("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"]
 )

@@ -93,6 +93,10 @@ class RunInterrupted(KeyboardInterrupt):
             os._exit(self.exit_code)
 
 
+# signals `stop_on_signals`' handler raised that no run has taken yet (`raise_caught_signal`)
+_caught: list[int] = []
+
+
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[None]:
     """Inside, SIGINT and SIGTERM raise `Signalled` in the main thread (SIGTERM would otherwise
@@ -102,14 +106,25 @@ def stop_on_signals() -> Iterator[None]:
         return
 
     def handler(signum: int, frame) -> None:
+        _caught.append(signum)
         raise Signalled(signum)
 
+    _caught.clear()
     previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+        _caught.clear()
+
+
+def raise_caught_signal() -> None:
+    """`Signalled` again for a signal whose handler's exception was lost: a handler runs between
+    any two bytecodes, also inside a gc or finalizer callback (jax has one), where Python prints
+    an exception and drops it. The run loop calls this, so such a signal still stops the run."""
+    if _caught:
+        raise Signalled(_caught[-1])
 
 
 @dataclass
@@ -307,12 +322,14 @@ def run_experiment(rc: RunConfig, *, show_progress: bool = True, console: Consol
             task = bar.add_task("warm-up", total=None)
             warmup_s = _warm_up(engine, lambda done, total: bar.update(task, completed=done,
                                                                        total=total))  # fmt: skip
+        raise_caught_signal()
         phase = "serving"
         _serve(rc, engine, workload, tables, show_progress=show_progress, console=console)
         rows, steps = tables.finish()
         metrics = _metrics(rc, env, rows, steps, engine, warmup_s, len(workload))
         _write_json(out / "metrics.json", metrics)
     except KeyboardInterrupt as e:
+        _caught.clear()  # taken
         signum = getattr(e, "signum", signal.SIGINT)
         name = signal.Signals(signum).name
         if phase != "serving":
@@ -377,6 +394,7 @@ def _serve(rc: RunConfig, engine: Engine, workload, tables: TableAppender, *,
     with Progress(*columns, console=console, disable=not show_progress) as progress:
         task = progress.add_task("requests", total=len(workload))
         while pending or engine.has_unfinished():
+            raise_caught_signal()
             now = engine.clock() - t0
             finished = []
             while pending and pending[0].arrival_time <= now:
@@ -397,6 +415,7 @@ def _serve(rc: RunConfig, engine: Engine, workload, tables: TableAppender, *,
                 tables.flush()
                 next_flush = now + min(MAX_FLUSH_INTERVAL_S, max(FIRST_FLUSH_S, now))
             progress.update(task, completed=tables.num_requests)
+    raise_caught_signal()
     _take_rest(engine, tables)
 
 
