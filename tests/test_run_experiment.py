@@ -293,23 +293,34 @@ def _start_run(out: Path, overrides: list[str]) -> subprocess.Popen:
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # (the drop)
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_signal_whose_exception_a_finalizer_drops_still_stops_the_run(sig):
+def test_a_signal_whose_exception_a_finalizer_drops_still_stops_the_run(tmp_path, monkeypatch, sig):
     """A handler runs between any two bytecodes: inside a finalizer (jax's gc callback is one)
     its `Signalled` is printed and dropped (a CI run once finished with rc 0 after SIGINT). The
-    run loop's `raise_caught_signal` raises it again; outside `stop_on_signals` nothing is left."""
+    signal still stops the run (the serving loop's `raise_caught_signal`), which keeps its
+    finished part; outside `stop_on_signals` nothing is left."""
 
     class Finalized:
         def __del__(self):
             signal.raise_signal(sig)  # the handler raises here, inside the finalizer
 
+    step, calls = Engine.step, []
+
+    def step_dropping_a_signal(engine):
+        calls.append(1)
+        if len(calls) == 3:
+            obj = Finalized()
+            del obj  # "Exception ignored in ... __del__": the Signalled is dropped
+        return step(engine)
+
+    monkeypatch.setattr(Engine, "step", step_dropping_a_signal)
+    overrides = [f"out_dir={tmp_path}", "workload.num_requests=10", "workload.arrival.rate=100"]
     with runs.stop_on_signals():
-        runs.raise_caught_signal()  # nothing caught yet
-        obj = Finalized()
-        del obj  # "Exception ignored in ... __del__": the Signalled is dropped
-        with pytest.raises(runs.Signalled) as e:
-            runs.raise_caught_signal()
-        assert e.value.signum == sig
-    runs.raise_caught_signal()  # the context cleared it
+        with pytest.raises(runs.RunInterrupted, match=f"interrupted by {sig.name} after") as e:
+            run_experiment(load_run_config(QUICKSTART, [*TINY, *overrides]),
+                           show_progress=False, console=QUIET)  # fmt: skip
+        assert e.value.signum == sig and len(calls) == 3, len(calls)
+        runs.raise_caught_signal()  # the run took it
+    assert json.loads((tmp_path / "metrics.json").read_text())["interrupted"] == sig.name
 
 
 @pytest.mark.parametrize(
