@@ -22,7 +22,7 @@ from pallas_kernels.matmul import PARTS, dequantize, w4_matmul, w4_matmul_ref
 from pallas_kernels.matmul.reference import BITS
 from pallas_kernels.matmul.w4_decode import DECODERS
 from pallas_kernels.matmul.w4_mgpu import w4_matmul_mgpu
-from pallas_kernels.matmul.w4_triton import PTX_MINUS, w4_matmul_triton
+from pallas_kernels.matmul.w4_triton import PTX_E2M1, PTX_MINUS, w4_matmul_triton
 
 TOL = 1e-2  # relative Frobenius error: the kernel rounds each decoded weight to bf16 once
 
@@ -145,9 +145,10 @@ def test_triton_kernel_lowers_for_cuda(fmt, m, k, n):
     text = jax.jit(call).trace(sds((m, k), jnp.bfloat16), values, parts).lower(
         lowering_platforms=("cuda",)).as_text()  # fmt: skip
     assert "triton" in text.lower()
-    # int4_g128_sym decodes by inline PTX on a GPU (no interpreter for it: the CPU tests run
-    # `W4Decode.value`; the -m gpu cases compare the PTX decode with the reference)
-    assert ("prmt.b32" in text and "fma.rn.bf16x2" in text) == (fmt in PTX_MINUS), fmt
+    # int4_g128_sym, nvfp4 and mxfp4 decode by inline PTX on a GPU (no interpreter for it: the
+    # CPU tests run `W4Decode.value`; the -m gpu cases compare the PTX decode with the reference)
+    ptx = fmt in PTX_MINUS or fmt in PTX_E2M1
+    assert ("prmt.b32" in text and "fma.rn.bf16x2" in text) == ptx, fmt
 
 
 # Tokens 1, 7 (wgmma's N padded to 8), 9 and 64; one split and two (the parts summed by XLA); a

@@ -86,6 +86,35 @@ def ptx_nibbles(raw: jax.Array, minus: int) -> tuple[jax.Array, jax.Array]:
                  for s in (0, 4))  # fmt: skip
 
 
+# E2M1 formats decoded by `ptx_e2m1`: {format: its group-scale part}
+PTX_E2M1 = {"nvfp4": "block_scales", "mxfp4": "scales"}
+
+
+def _ptx_e2m1(low: bool) -> str:
+    """PTX: the 4 bytes of $2 -> the E2M1 values of their low (or high) nibbles times the bf16
+    scales $3 (bytes 0, 1) and $4 (bytes 2, 3), as 4 bf16 in $0 and $1. prmt puts two bytes at
+    bits 8 and 24 (the low nibbles shifted up 4 more), so each code's sign bit is a bf16 sign bit;
+    its 3 magnitude bits shifted down 6 are a bf16's exponent's low 2 bits and its mantissa's top
+    bit: 2^-126 times the E2M1 value (e = 0, 0.5, is a bf16 subnormal), exact. Two bf16x2 fma
+    multiply by 2^126 and by the scale, each exact where the weight is a bf16 (E2M1's 2
+    significant bits times an e4m3 or a power of two)."""
+    shl = "shl.b32 q0, q0, 4;\nshl.b32 q1, q1, 4;\n" if low else ""
+    ops = "".join(f"shr.b32 t{i}, q{i}, 6;\nand.b32 t{i}, t{i}, 0x01C001C0;\n"
+                  f"lop3.b32 t{i}, q{i}, 0x80008000, t{i}, 0xEA;\n"  # a & b | c
+                  f"fma.rn.bf16x2 t{i}, t{i}, k, z;\nfma.rn.bf16x2 ${i}, t{i}, ${3 + i}, z;\n"
+                  for i in (0, 1))  # fmt: skip
+    return ("{\n.reg .b32 z, k, q0, q1, t0, t1;\nmov.b32 z, 0;\nmov.b32 k, 0x7E807E80;\n"
+            "prmt.b32 q0, $2, z, 0x1404;\nprmt.b32 q1, $2, z, 0x3424;\n" + shl + ops + "}")  # fmt: skip
+
+
+def ptx_e2m1(raw: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """uint8 bytes and their bf16 group scales -> (low nibble's weight, high nibble's) as bf16."""
+    sd = jax.ShapeDtypeStruct(raw.shape, jnp.bfloat16)
+    return tuple(plt.elementwise_inline_asm(_ptx_e2m1(low), args=[raw, scale], pack=4,
+                                            constraints="=r,=r,r,r,r", result_shape_dtypes=[sd])[0]
+                 for low in (True, False))  # fmt: skip
+
+
 def step_inputs(dec: W4Decode, k: int) -> int:
     """Inputs a K step: 128 for 4 bits where K allows, else 64."""
     return 128 if dec.bits == 4 and k % 128 == 0 else 64
@@ -104,7 +133,7 @@ def default_num_splits(k_steps: int, n_blocks: int, sms: int) -> int:
     return min(options, key=lambda s: (abs(n_blocks * s - target), s))
 
 
-def _kernel(x_ref, v_ref, *refs, dec: W4Decode, names, steps, step_k, bn, m, mp, ptx_minus):
+def _kernel(x_ref, v_ref, *refs, dec: W4Decode, names, steps, step_k, bn, m, mp, ptx):
     *p_refs, o_ref = refs
     parts = dict(zip(names, p_refs, strict=True))
     j, split = pl.program_id(0), pl.program_id(1)
@@ -125,6 +154,8 @@ def _kernel(x_ref, v_ref, *refs, dec: W4Decode, names, steps, step_k, bn, m, mp,
             g = rows // per_row
             raw = parts[name][pl.ds(step * g, g), cols]
             row = dec.to_f32(name, raw)
+            if ptx == "e2m1":  # the scale itself in bf16 (to_f32 halves it for `value`'s 2x)
+                row = (2 * row).astype(jnp.bfloat16)
             out[name] = jnp.broadcast_to(row[:, None, :], (g, per_row, bn)).reshape(rows, bn)
         return out
 
@@ -135,8 +166,10 @@ def _kernel(x_ref, v_ref, *refs, dec: W4Decode, names, steps, step_k, bn, m, mp,
         codes = raw.astype(jnp.int32)
         grouped = group_rows(step)
         if dec.bits == 4:
-            if ptx_minus is not None:
-                lo, hi = ptx_nibbles(raw, ptx_minus)
+            if ptx == "minus":
+                lo, hi = ptx_nibbles(raw, PTX_MINUS[dec.name])
+            elif ptx == "e2m1":
+                lo, hi = ptx_e2m1(raw, grouped[PTX_E2M1[dec.name]])
             else:
                 lo = dec.value(codes & 15, grouped).astype(x_ref.dtype)
                 hi = dec.value(codes >> 4, grouped).astype(x_ref.dtype)
@@ -155,6 +188,11 @@ def _kernel(x_ref, v_ref, *refs, dec: W4Decode, names, steps, step_k, bn, m, mp,
     acc = lax.fori_loop(0, steps, body, jnp.zeros((mp, bn), jnp.float32))
     out_mask = lax.broadcasted_iota(jnp.int32, (mp, bn), 0) < m
     plt.store(o_ref.at[split, pl.ds(0, mp), cols], acc, mask=out_mask)
+
+
+def _ptx_kind(fmt: str) -> str | None:
+    """Which inline-PTX decode `fmt` takes on a GPU ("minus", "e2m1"), None: `W4Decode.value`."""
+    return "minus" if fmt in PTX_MINUS else "e2m1" if fmt in PTX_E2M1 else None
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "num_splits", "num_stages", "interpret",
@@ -182,7 +220,7 @@ def w4_matmul_triton(x: jax.Array, values: jax.Array, *, fmt: str, num_splits: i
     names = tuple(name for name, _ in dec.grouped)
     kernel = functools.partial(_kernel, dec=dec, names=names, steps=k_steps // num_splits,
                                step_k=step_k, bn=bn, m=m, mp=max(16, -(-m // 16) * 16),
-                               ptx_minus=None if interpret else PTX_MINUS.get(fmt))  # fmt: skip
+                               ptx=None if interpret else _ptx_kind(fmt))  # fmt: skip
     partials = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((num_splits, m, n), jnp.float32),
