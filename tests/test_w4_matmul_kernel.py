@@ -129,6 +129,22 @@ def test_triton_default_splits_fill_the_sms():
                    for t in others), (steps, blocks, s)  # fmt: skip
 
 
+def test_triton_splits_are_capped_by_their_partials_bytes_but_fill_every_sm():
+    """More rows make split-K's fp32 partials (S x M x N) grow: the cap keeps them within a
+    quarter of the weight's bytes, unless that leaves an SM without a program."""
+    from pallas_kernels.matmul.w4_triton import default_num_splits, max_splits_for
+
+    assert [max_splits_for(m, 4096, 4) for m in (1, 16, 32, 64)] == [128, 8, 4, 2]
+    assert max_splits_for(64, 4096, 8) == 4 and max_splits_for(4096, 64, 4) == 1
+    # 14336 x 4096 (112 blocks of 128 outputs, 32 steps): 8 splits uncapped, 2 at m = 64
+    assert default_num_splits(32, 112, 132, max_splits_for(1, 4096, 4)) == 8
+    assert default_num_splits(32, 112, 132, max_splits_for(64, 4096, 4)) == 2
+    # 4096 x 14336 (32 blocks): a cap of 7 -> 4 splits, 128 programs < 132 SMs -> 8
+    assert default_num_splits(112, 32, 132, max_splits_for(64, 14336, 4)) == 8
+    # nothing under the cap fills the SMs and nothing does at all: the uncapped choice
+    assert default_num_splits(4, 3, 132, 1) == default_num_splits(4, 3, 132) == 2
+
+
 @pytest.mark.parametrize("fmt", list(PARTS))
 @pytest.mark.parametrize("m,k,n", [(1, 4096, 512), (64, 576, 960)])
 def test_triton_kernel_lowers_for_cuda(fmt, m, k, n):

@@ -124,13 +124,30 @@ def block_n(n: int) -> int:
     return 128 if n % 128 == 0 else 64
 
 
-def default_num_splits(k_steps: int, n_blocks: int, sms: int) -> int:
+def default_num_splits(k_steps: int, n_blocks: int, sms: int, max_splits: int | None = None) -> int:
     """The power-of-two divisor S of the K steps (at least 2 steps a split) whose grid,
-    n_blocks x S, comes nearest PROGRAMS_PER_SM programs an SM (ties to fewer splits)."""
+    n_blocks x S, comes nearest PROGRAMS_PER_SM programs an SM (ties to fewer splits), among
+    those of at most `max_splits` (None: no cap) -- unless that leaves fewer programs than SMs:
+    then the fewest splits that give every SM one."""
     target = PROGRAMS_PER_SM * sms
     options = [1 << i for i in range(k_steps.bit_length())
                if k_steps % (1 << i) == 0 and k_steps >> i >= 2] or [1]  # fmt: skip
-    return min(options, key=lambda s: (abs(n_blocks * s - target), s))
+    near = lambda s: (abs(n_blocks * s - target), s)  # noqa: E731
+    best = min(options, key=near)
+    if max_splits is None or best <= max_splits:
+        return best
+    capped = min((s for s in options if s <= max_splits), key=near, default=options[0])
+    if n_blocks * capped >= sms:
+        return capped
+    return min((s for s in options if n_blocks * s >= sms), default=best)
+
+
+def max_splits_for(m: int, k: int, bits: int) -> int:
+    """Splits whose fp32 partials (S x M x N, written by the kernel, read by XLA's sum) stay within
+    a quarter of the weight's bytes (K x bits / 8 a column): at m = 64 on the 8B shapes the
+    partials of 8 splits were as large as the weight, and 2 splits were 21% faster (H100,
+    experiments/results/h100/quant_matmul_splits.json)."""
+    return max(1, k * bits // 8 // (16 * m))
 
 
 def _kernel(x_ref, v_ref, *refs, dec: W4Decode, names, steps, step_k, bn, m, mp, ptx):
@@ -211,7 +228,8 @@ def w4_matmul_triton(x: jax.Array, values: jax.Array, *, fmt: str, num_splits: i
     step_k, bn = step_inputs(dec, k), block_n(n)
     k_steps = k // step_k
     if num_splits is None:
-        num_splits = default_num_splits(k_steps, n // bn, _compat.num_sms(device))
+        num_splits = default_num_splits(k_steps, n // bn, _compat.num_sms(device),
+                                        max_splits_for(m, k, dec.bits))  # fmt: skip
     if num_splits < 1 or k_steps % num_splits:
         raise ValueError(f"num_splits must divide K's {k_steps} steps of {step_k}, got "
                          f"{num_splits}")  # fmt: skip
