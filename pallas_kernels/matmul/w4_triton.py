@@ -29,6 +29,13 @@ How the work is cut
   at m = 1 and 16 (int4 m = 1, 14336 x 4096: 23.1 us against 26.8; bf16 34.8:
   experiments/results/h200/w4_triton_variants.json). Inline PTX has no interpreter: under it the
   kernel decodes with `value`.
+- nvfp4's and mxfp4's E2M1 codes by inline PTX too (`PTX_E2M1`, `ptx_e2m1`): a code's sign and
+  3 magnitude bits placed in a bf16 (sign at 15, magnitude at 6-8) are 2^-126 times its value;
+  two bf16x2 fma multiply by 2^126 and by the group scale (bf16, exact). They take int4's time
+  (H100, m = 1: 25.5-26.7 us against 40-42 with `value`:
+  experiments/results/h100/quant_matmul_e2m1.json).
+- Split-K's fp32 partials grow with M: `max_splits_for` keeps them within a quarter of the
+  weight's bytes (unless an SM would go without a program).
 
 What limits it (w4_triton_probe.json, w4_triton_variants.json): int4 and int8 take about the
 same time, ~2.2e12 weights a second (2.5e12 with the PTX decode), bound by weights, not bytes.
