@@ -247,10 +247,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     metavar="FORMAT", help="engine.quant.weights: the layers' linear weights in "
                     f"this format (none, {', '.join(sorted(WEIGHT_FORMATS))}); the transformers "
                     "baseline stays plain")  # fmt: skip
-    ap.add_argument("--weight-backend", default="auto", choices=["auto", "pallas", "triton", "xla"],
+    ap.add_argument("--weight-backend", default="auto", choices=["auto", "triton", "xla"],
                     help="the --quant weight-only format's product (jaxinfer.quant.intq): auto "
-                         "(the Triton kernel up to 64 tokens), the Mosaic kernel (pallas) or the "
-                         "Triton kernel up to 128 tokens, or XLA's; XLA's for larger steps")  # fmt: skip
+                         "(the Triton kernel up to 64 tokens), the kernel up to 128 tokens "
+                         "(triton), or XLA's; XLA's for larger steps")  # fmt: skip
     ap.add_argument("--num-draft-tokens", type=int, default=0, metavar="G",
                     help="speculative verification cost: n-gram drafts of G tokens, so each decode "
                          "row's step is a verification round of 1 + G rows per sequence")  # fmt: skip

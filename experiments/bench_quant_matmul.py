@@ -1,10 +1,9 @@
-"""Weight-only (4-bit and 8-bit) matmul on the GPU: our Mosaic GPU kernel against XLA's bf16 dot
+"""Weight-only (4-bit and 8-bit) matmul on the GPU: our Triton kernel against XLA's bf16 dot
 and XLA's in-graph dequantization (the format's own XLA `matmul` from jaxinfer.quant), at decode
 batch sizes.
 
-Rows per (format, m, n, k): `w4_pallas` (pallas_kernels.matmul.w4_matmul's Mosaic GPU kernel,
-every format), `w4_triton` (its Pallas Triton kernel),
-`xla_dequant` (jaxinfer's format `matmul` with its XLA backend: dequantize in the graph, then a
+Rows per (format, m, n, k): `w4_triton` (pallas_kernels.matmul.w4_matmul's Pallas Triton
+kernel, every format), `xla_dequant` (jaxinfer's format `matmul` with its XLA backend: dequantize in the graph, then a
 bf16 dot; int8: a dot of its values, scaled after), and once per shape `xla_bf16` (a plain bf16
 dot of the dequantized weight). XLA does not convert an int4 weight inside its GEMM (it writes
 the bf16 weight first; experiments/results/h100/quant_matmul_native.json, whose products were
@@ -17,7 +16,7 @@ every row.
     PYTHONPATH=. python3 experiments/bench_quant_matmul.py --out $OUT/quant_matmul.json
     python experiments/bench_quant_matmul.py --smoke --out /tmp/qm.json   # CPU, interpreter
 
-`--configs` times the kernels under each set of their options (`default`, or e.g.
+`--configs` times the kernel under each set of its options (`default`, or e.g.
 `num_splits=4,num_stages=3`; a kernel row per config, its `config` field naming it);
 `--impls` picks which impls run; `--shapes 14336:4096` picks (n, k).
 """
@@ -44,7 +43,7 @@ from pallas_kernels.matmul import FORMATS, w4_matmul, w4_matmul_ref
 
 SHAPES = ((14336, 4096), (4096, 14336))  # (n, k): Llama-3-8B's up/gate and down projections
 MS = (1, 16, 64)
-IMPLS = ("w4_pallas", "w4_triton", "xla_dequant", "xla_bf16")
+IMPLS = ("w4_triton", "xla_dequant", "xla_bf16")
 SMOKE = dict(shapes=((128, 256),), ms=(1,))
 TIMING_METHOD = (
     "one jitted lax.fori_loop of N iterations (N traced, so one compile) around the op; each "
@@ -136,13 +135,10 @@ def bench_case(fmt, m, n, k, args, *, with_bf16: bool, interpret: bool) -> list[
     wf = dataclasses.replace(WEIGHT_FORMATS[fmt], backend="xla")  # "auto" picks the kernel
     kernel_opts = {"interpret": True} if interpret else {}
     impls = []  # (impl, config, op, weight arrays)
-    for impl, backend in (("w4_pallas", "pallas"), ("w4_triton", "triton")):
-        if impl not in args.impls:
-            continue
-        for config in args.configs:
-            opts = {**kernel_opts, **parse_config(config)}
-            impls.append((impl, config, lambda x, w, o=opts, b=backend: w4_matmul(
-                x, **w, fmt=fmt, backend=b, **o), arrays))  # fmt: skip
+    for config in args.configs if "w4_triton" in args.impls else ():
+        opts = {**kernel_opts, **parse_config(config)}
+        impls.append(("w4_triton", config, lambda x, w, o=opts: w4_matmul(
+            x, **w, fmt=fmt, backend="triton", **o), arrays))  # fmt: skip
     if "xla_dequant" in args.impls:
         impls.append(("xla_dequant", None,
                       lambda x, w: wf.matmul(x, QuantizedWeight(w, wf, 1)), arrays))  # fmt: skip

@@ -1,5 +1,5 @@
 """Each GPU kernel's own time in one call of a quantized matmul, from Nsight Compute: which part
-of a `w4_pallas` / `fp8_block_pallas` row's time is the Mosaic kernel and which is the XLA ops
+of a `w4_triton` / `fp8_block_pallas` row's time is the kernel and which is the XLA ops
 around it (padding, the even/odd split of x, split-K sums, casts, activation quantization).
 
 The script runs itself under `ncu` (one metric pass per kernel: duration and DRAM bytes), warms
@@ -7,10 +7,10 @@ the op up outside the profiled range, then profiles exactly one call. The result
 the kernels in launch order with their microseconds and bytes, and their sum.
 
     PYTHONPATH=. python3 experiments/kernel_times.py --out $OUT/w4_kernel_times.json \\
-        --op w4:int4_g128_sym:1:14336:4096 --op w4_triton:int4_g128_sym:1:14336:4096 \\
+        --op w4_triton:int4_g128_sym:1:14336:4096 \\
         --op fp8_block:64:7168:2048 [--metric sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active ...]
 
-`w4` is the Mosaic weight-only kernel's product, `w4_triton` the Triton one's. `--metric` adds
+`w4_triton` is the weight-only kernel's product (pallas_kernels.matmul.w4_matmul). `--metric` adds
 ncu metrics (raw names) to every kernel's row, under `metrics`: where a kernel's time goes.
 """
 
@@ -33,7 +33,7 @@ METRICS = ("gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.
 
 
 def make_op(spec: str):
-    """(jitted op, its args) for `w4:FMT:M:N:K`, `w4_triton:FMT:M:N:K` or `fp8_block:M:N:K`."""
+    """(jitted op, its args) for `w4_triton:FMT:M:N:K` or `fp8_block:M:N:K`."""
     import jax
     import jax.numpy as jnp
 
@@ -42,15 +42,14 @@ def make_op(spec: str):
     kind, *rest = spec.split(":")
     key = jax.random.key(zlib.crc32(spec.encode()))
     kx, kw = jax.random.split(key)
-    if kind in ("w4", "w4_triton"):
+    if kind == "w4_triton":
         from pallas_kernels.matmul import w4_matmul
 
         fmt, (m, n, k) = rest[0], map(int, rest[1:])
         x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
         w = jax.random.normal(kw, (k, n), jnp.float32) * k**-0.5
         arrays = jax.jit(lambda w: WEIGHT_FORMATS[fmt].quantize(w, 1))(w)
-        backend = "triton" if kind == "w4_triton" else "pallas"
-        return jax.jit(lambda x, a: w4_matmul(x, **a, fmt=fmt, backend=backend)), (x, arrays)
+        return jax.jit(lambda x, a: w4_matmul(x, **a, fmt=fmt, backend="triton")), (x, arrays)
     if kind == "fp8_block":
         from jaxinfer.quant import QuantizedWeight
         from jaxinfer.quant.fp8 import Fp8Block
@@ -61,8 +60,7 @@ def make_op(spec: str):
         fmt = Fp8Block("fp8_block", backend="pallas")
         a = jax.jit(lambda w: fmt.quantize(w, 1))(w)
         return jax.jit(lambda x, a: fmt.matmul(x, QuantizedWeight(a, fmt, 1))), (x, a)
-    raise ValueError(f"--op {spec!r}: expected w4:FMT:M:N:K, w4_triton:FMT:M:N:K or "
-                     "fp8_block:M:N:K")  # fmt: skip
+    raise ValueError(f"--op {spec!r}: expected w4_triton:FMT:M:N:K or fp8_block:M:N:K")
 
 
 def child(spec: str) -> None:

@@ -1,12 +1,11 @@
-"""The Mosaic GPU weight-only matmul (4-bit and 8-bit formats) against the fp32 reference.
+"""The weight-only matmul kernel (Pallas Triton; 4-bit and 8-bit formats) against the fp32
+reference.
 
-On CPU the kernel runs under jax's GPU interpreter (its semantics: TMA copies, the stage ring,
-split-K, the even/odd split of x for 4 bits, the two int8 tiles a step for 8, each format's
-arithmetic decode) on tiny shapes with fresh
-random codes and scales; lowering for CUDA checks its register layouts and shared-memory plan
-(`lower(lowering_platforms=("cuda",))`, no GPU needed); the `-m gpu` tests run it compiled at
-Llama-3-8B shapes. The interpreter runs the pipeline sequentially, so only the GPU run checks the
-ordering of a stage's refill against its readers.
+On CPU the kernel runs under Pallas's interpreter (its semantics: the K steps and split-K, the
+even/odd split of x for 4 bits, each format's arithmetic decode, rows masked into a 16-row tile)
+on tiny shapes with fresh random codes and scales; lowering for CUDA checks that Triton takes
+every format's decode and the inline-PTX decodes are in place (no GPU needed); the `-m gpu`
+tests run it compiled at Llama-3-8B and SmolLM2 shapes, the only check of the PTX decodes.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ import pytest
 from pallas_kernels.matmul import PARTS, dequantize, w4_matmul, w4_matmul_ref
 from pallas_kernels.matmul.reference import BITS
 from pallas_kernels.matmul.w4_decode import DECODERS
-from pallas_kernels.matmul.w4_mgpu import w4_matmul_mgpu
 from pallas_kernels.matmul.w4_triton import PTX_E2M1, PTX_MINUS, w4_matmul_triton
 
 TOL = 1e-2  # relative Frobenius error: the kernel rounds each decoded weight to bf16 once
@@ -77,11 +75,11 @@ def test_decoders_give_every_code_the_reference_value(fresh_seed, fmt):
                                err_msg=f"{fmt}: seed {fresh_seed}")  # fmt: skip
 
 
-def check_case(seed: int, fmt: str, m: int, k: int, n: int, kernel=w4_matmul_mgpu, **kw) -> None:
+def check_case(seed: int, fmt: str, m: int, k: int, n: int, **kw) -> None:
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     w = make_weight(rng, fmt, k, n)
-    out = kernel(x, **w, fmt=fmt, **kw)
+    out = w4_matmul_triton(x, **w, fmt=fmt, **kw)
     assert out.shape == (m, n) and out.dtype == jnp.bfloat16
     ref = np.asarray(w4_matmul_ref(x, **w, fmt=fmt))
     out = np.asarray(out, np.float32)
@@ -90,7 +88,7 @@ def check_case(seed: int, fmt: str, m: int, k: int, n: int, kernel=w4_matmul_mgp
     assert err < TOL, f"{fmt} m={m} k={k} n={n} {kw}: rel err {err:.2e} (seed {seed})"
 
 
-# ---- The Pallas Triton kernel (w4_triton.py): the same checks. Tokens 1, 5 (rows masked in a
+# Tokens 1, 5 (rows masked in a
 # 16-row tile), 16 and 33 (a 48-row tile); one split or several (partials summed after); K and N
 # in 128s and in 64s (64-input steps, 64-output blocks: SmolLM2's sizes).
 @pytest.mark.parametrize("fmt", list(PARTS))
@@ -101,8 +99,7 @@ def check_case(seed: int, fmt: str, m: int, k: int, n: int, kernel=w4_matmul_mgp
 def test_triton_kernel_matches_reference_in_interpreter(fresh_seed, fmt, m, k, n, splits):
     if fmt == "int4_g128_sym" and k % 128:
         k += 64  # its scale's group spans 128 inputs
-    check_case(fresh_seed, fmt, m, k, n, kernel=w4_matmul_triton, interpret=True,
-               num_splits=splits)  # fmt: skip
+    check_case(fresh_seed, fmt, m, k, n, interpret=True, num_splits=splits)
 
 
 def test_triton_kernel_refuses_a_split_of_uneven_steps():
@@ -146,7 +143,7 @@ def test_triton_splits_are_capped_by_their_partials_bytes_but_fill_every_sm():
 
 
 @pytest.mark.parametrize("fmt", list(PARTS))
-@pytest.mark.parametrize("m,k,n", [(1, 4096, 512), (64, 576, 960)])
+@pytest.mark.parametrize("m,k,n", [(1, 4096, 512), (64, 576, 960), (128, 1024, 256)])
 def test_triton_kernel_lowers_for_cuda(fmt, m, k, n):
     """Pallas's Triton lowering accepts every format's decode, the pair split of x and the
     group rows' broadcast, at an 8B-like size and at SmolLM2's (in 64s)."""
@@ -165,52 +162,6 @@ def test_triton_kernel_lowers_for_cuda(fmt, m, k, n):
     # CPU tests run `W4Decode.value`; the -m gpu cases compare the PTX decode with the reference)
     ptx = fmt in PTX_MINUS or fmt in PTX_E2M1
     assert ("prmt.b32" in text and "fma.rn.bf16x2" in text) == ptx, fmt
-
-
-# Tokens 1, 7 (wgmma's N padded to 8), 9 and 64; one split and two (the parts summed by XLA); a
-# 4-step K loop through 2 stages refills every slot; fewer persistent programs than tiles carry
-# the stage ring on across a program's tiles (4 tiles of 2 steps on 3 programs, 3 stages).
-@pytest.mark.parametrize(
-    "m,k,n,kw",
-    [
-        (1, 256, 128, dict(num_splits=1)),
-        (7, 256, 128, dict(num_splits=2)),
-        (64, 512, 128, dict(num_splits=1, num_stages=2)),
-        (9, 512, 256, dict(num_splits=2, num_stages=3, num_programs=3)),
-    ],
-)
-def test_int4_g128_matches_reference_in_interpreter(fresh_seed, m, k, n, kw):
-    check_case(fresh_seed, "int4_g128_sym", m, k, n, interpret=True, **kw)
-
-
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "q4_1", "int8", "q8_0"])
-def test_other_formats_share_the_kernel_and_match_reference(fresh_seed, fmt):
-    check_case(fresh_seed, fmt, 5, 256, 128, interpret=True, num_splits=1)
-
-
-# 8 bits: two int8 tiles a step, q8_0's group rows per half; split-K and a ring carried across
-# tiles (as for int4 above).
-@pytest.mark.parametrize("fmt", ["int8", "q8_0"])
-def test_8bit_formats_split_and_carry_the_ring_in_interpreter(fresh_seed, fmt):
-    check_case(fresh_seed, fmt, 9, 512, 256, interpret=True, num_splits=2, num_stages=3,
-               num_programs=3)  # fmt: skip
-
-
-# K and N multiples of 64 but not 128 (SmolLM2's 576 and 960): the last K step re-reads 64
-# inputs against zeros, the last tile's second consumer repeats the first's outputs; with split-K
-# (3 steps, 3 splits: the half step is a split of its own) and the ring carried across tiles.
-@pytest.mark.parametrize(
-    "fmt,m,k,n,kw",
-    [
-        ("q4_1", 3, 192, 192, dict(num_splits=1)),
-        ("q8_0", 5, 320, 64, dict(num_splits=3, num_stages=2)),
-        ("int8", 9, 192, 320, dict(num_splits=1, num_stages=2, num_programs=2)),
-        ("nvfp4", 2, 320, 192, dict(num_splits=1)),
-        ("mxfp4", 1, 192, 64, dict(num_splits=2)),
-    ],
-)
-def test_sizes_in_64s_take_a_half_step_and_a_half_tile(fresh_seed, fmt, m, k, n, kw):
-    check_case(fresh_seed, fmt, m, k, n, interpret=True, **kw)
 
 
 @pytest.mark.parametrize("fmt", list(PARTS))
@@ -252,19 +203,19 @@ def test_arguments_are_validated_by_name():
     for change, message in bad:
         args = dict(x=x, fmt="int4_g128_sym", **w) | change
         with pytest.raises(ValueError, match=re.escape(message)):
-            w4_matmul(**args, backend="pallas", interpret=True)
+            w4_matmul(**args, backend="triton", interpret=True)
     nv = make_weight(rng, "nvfp4", 256, 128) | {"tensor_scale": jnp.ones(32, jnp.float32)}
     with pytest.raises(ValueError, match=re.escape("tensor_scale must be float32 [] or [128]")):
-        w4_matmul(x, **nv, fmt="nvfp4", backend="pallas", interpret=True)
+        w4_matmul(x, **nv, fmt="nvfp4", backend="triton", interpret=True)
     i8 = make_weight(rng, "int8", 256, 128)
     with pytest.raises(ValueError, match=re.escape("values must be int8 [K, N] for fmt 'int8'")):
-        w4_matmul(x, **(i8 | {"values": w["values"]}), fmt="int8", backend="pallas", interpret=True)
+        w4_matmul(x, **(i8 | {"values": w["values"]}), fmt="int8", backend="triton", interpret=True)
     with pytest.raises(ValueError, match=re.escape("scales must be float32 [] or [128]")):
-        w4_matmul(x, **(i8 | {"scales": w["scales"]}), fmt="int8", backend="pallas",
+        w4_matmul(x, **(i8 | {"scales": w["scales"]}), fmt="int8", backend="triton",
                   interpret=True)  # fmt: skip
     with pytest.raises(ValueError, match="num_splits must divide"):
-        w4_matmul(x, **w, fmt="int4_g128_sym", backend="pallas", interpret=True, num_splits=3)
-    with pytest.raises(ValueError, match="apply to the kernels only"):
+        w4_matmul(x, **w, fmt="int4_g128_sym", backend="triton", interpret=True, num_splits=3)
+    with pytest.raises(ValueError, match="apply to the kernel only"):
         w4_matmul(x, **w, fmt="int4_g128_sym", backend="xla", num_stages=2)
 
 
@@ -275,34 +226,6 @@ def test_dispatcher_picks_xla_on_cpu_and_matches_reference(fresh_seed):
     out = w4_matmul(x, **w, fmt="q4_1")
     ref = w4_matmul_ref(x, **w, fmt="q4_1").astype(jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref), err_msg=f"seed {fresh_seed}")
-
-
-def lower_for_cuda(fmt: str, m: int, k: int = 1024, n: int = 256, **kw) -> str:
-    sds = jax.ShapeDtypeStruct
-    dec = DECODERS[fmt]
-    parts = {name: sds((n,) if name == dec.output_scale else (k // dec.group, n), dt)
-             for name, dt in PARTS[fmt].items()}  # fmt: skip
-
-    def call(x, values, parts):
-        return w4_matmul_mgpu(x, values, fmt=fmt, interpret=False, **kw, **parts)
-
-    values = sds((k // 2, n), jnp.uint8) if BITS[fmt] == 4 else sds((k, n), jnp.int8)
-    args = (sds((m, k), jnp.bfloat16), values, parts)
-    return jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
-@pytest.mark.parametrize("fmt,m", [("int4_g128_sym", 128), ("nvfp4", 1), ("mxfp4", 16),
-                                   ("q4_1", 64), ("int8", 8), ("q8_0", 32)])  # fmt: skip
-def test_kernel_lowers_for_cuda(fmt, m):
-    """Mosaic's register layouts (the transposed uint8 load, its relayout to WGMMA, the per-group
-    rows) and shared-memory plan are accepted for every format and batch size class."""
-    assert "mosaic_gpu" in lower_for_cuda(fmt, m)
-
-
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
-def test_kernel_lowers_for_cuda_at_smollm2_sizes(fmt):
-    """SmolLM2's q/k/v product (K 576, N 960: a half step and a half tile)."""
-    assert "mosaic_gpu" in lower_for_cuda(fmt, 1, k=576, n=960)
 
 
 def test_benchmark_smoke_run_writes_rows_with_provenance(tmp_path):
@@ -323,44 +246,38 @@ def test_benchmark_smoke_run_writes_rows_with_provenance(tmp_path):
         assert r["rel_err"] < TOL, r
 
 
-KERNELS = {"mosaic": w4_matmul_mgpu, "triton": w4_matmul_triton}
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", list(KERNELS))
 @pytest.mark.parametrize("fmt", list(PARTS))
 @pytest.mark.parametrize("n,k", [(14336, 4096), (4096, 14336)])
 @pytest.mark.parametrize("m", [1, 16, 64])
-def test_compiled_kernel_on_gpu(fresh_seed, kernel, fmt, n, k, m):
+def test_compiled_kernel_on_gpu(fresh_seed, fmt, n, k, m):
     """The same check, compiled, at Llama-3-8B's FFN shapes (run on the device: `pytest -m gpu`)."""
-    check_case(fresh_seed, fmt, m, k, n, kernel=KERNELS[kernel], interpret=False)
+    check_case(fresh_seed, fmt, m, k, n, interpret=False)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", list(KERNELS))
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536)])
 @pytest.mark.parametrize("m", [1, 64])
-def test_compiled_kernel_at_smollm2_sizes_on_gpu(fresh_seed, kernel, fmt, n, k, m):
-    """SmolLM2's q/k/v and down products from its GGUF formats: a half K step, a half tile."""
-    check_case(fresh_seed, fmt, m, k, n, kernel=KERNELS[kernel], interpret=False)
+def test_compiled_kernel_at_smollm2_sizes_on_gpu(fresh_seed, fmt, n, k, m):
+    """SmolLM2's q/k/v and down products from its GGUF formats: 64-input steps, 64-output blocks."""
+    check_case(fresh_seed, fmt, m, k, n, interpret=False)
 
 
-@pytest.mark.parametrize("backend", ["pallas", "triton"])
-def test_a_forced_kernel_leaves_steps_above_its_rows_to_xla(fresh_seed, backend):
-    """A step of more tokens than the kernels take (a prefill: `bench_e2e.py --weight-backend`
+def test_a_forced_kernel_leaves_steps_above_its_rows_to_xla(fresh_seed):
+    """A step of more tokens than the kernel takes (a prefill: `bench_e2e.py --weight-backend`
     forces every product of the run) gets the format's XLA product, bit for bit, not an error."""
     import dataclasses
 
     from jaxinfer.quant import WEIGHT_FORMATS, QuantizedWeight
-    from pallas_kernels.matmul.w4_mgpu import MAX_M
+    from pallas_kernels.matmul.w4_triton import MAX_M
 
     rng = np.random.default_rng(fresh_seed)
     x = jnp.asarray(rng.standard_normal((MAX_M + 1, 128)), jnp.bfloat16)
     wf = WEIGHT_FORMATS["q4_1"]
     qw = QuantizedWeight(wf.quantize(jnp.asarray(rng.standard_normal((128, 64)), jnp.float32), 1),
                          wf, 1)  # fmt: skip
-    got, want = (dataclasses.replace(wf, backend=b).matmul(x, qw) for b in (backend, "xla"))
+    got, want = (dataclasses.replace(wf, backend=b).matmul(x, qw) for b in ("triton", "xla"))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"seed {fresh_seed}")
 
 
@@ -388,16 +305,12 @@ def test_formats_products_run_on_the_kernel_as_their_xla_product(fresh_seed, fmt
             return f.matmul(x, dataclasses.replace(qw, format=f))
 
         want = product("xla")
-        for backend in ("pallas", "triton"):
-            got = product(backend)
-            assert got.shape == want.shape == (3, 5, *shape[2:])
-            np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                                       rtol=2e-2, atol=2e-2 * np.max(np.abs(np.asarray(want, np.float32))),
-                                       err_msg=f"{backend}, {shape}, seed {fresh_seed}")  # fmt: skip
+        got = product("triton")
+        assert got.shape == want.shape == (3, 5, *shape[2:])
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                   rtol=2e-2, atol=2e-2 * np.max(np.abs(np.asarray(want, np.float32))),
+                                   err_msg=f"{shape}, seed {fresh_seed}")  # fmt: skip
         np.testing.assert_array_equal(np.asarray(product("auto")), np.asarray(want))
-    with pytest.raises(ValueError, match="pallas backend takes"):
-        f = dataclasses.replace(wf, backend="pallas")
-        f.matmul(x.astype(jnp.float32), dataclasses.replace(qw, format=f))
     with pytest.raises(ValueError, match="triton backend takes"):
         f = dataclasses.replace(wf, backend="triton")
         f.matmul(x.astype(jnp.float32), dataclasses.replace(qw, format=f))
@@ -424,9 +337,8 @@ def test_products_in_64s_run_on_the_kernel_as_their_xla_product(fresh_seed, fmt)
         return f.matmul(x, QuantizedWeight(f.quantize(w, 1), f, 1))
 
     want = np.asarray(product(fmt, "xla"), np.float32)
-    for backend in ("pallas", "triton"):
-        got = np.asarray(product(fmt, backend), np.float32)
-        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max(),
-                                   err_msg=f"{fmt} on {backend}, seed {fresh_seed}")  # fmt: skip
-    with pytest.raises(ValueError, match="pallas backend takes"):
-        product("int4_g128_sym", "pallas")
+    got = np.asarray(product(fmt, "triton"), np.float32)
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max(),
+                               err_msg=f"{fmt}, seed {fresh_seed}")  # fmt: skip
+    with pytest.raises(ValueError, match="triton backend takes"):
+        product("int4_g128_sym", "triton")

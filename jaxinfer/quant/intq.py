@@ -11,10 +11,11 @@ A weight [*in, *out] with K = prod(in) (the flattened input, row-major like HF's
 G = ceil(K/128) groups of 128 consecutive inputs (the last one may be partial); the groups lie
 along the input, so fused outputs (q/k/v, gate/up) never share a scale. Rounding is to nearest,
 ties to even. Nibble order (`pack_nibbles`): byte i of the packed axis holds input 2i in its low
-nibble and input 2i+1 in its high nibble. The products of int8 and int4_g128_sym (and of nvfp4,
-mxfp4, q4_1 and q8_0) run on the weight-only Mosaic GPU kernel at decode sizes on one GPU
-(`w4_kernel_product`); elsewhere int8 runs a dot of its values in the activation's dtype scaled
-after, the others dequantize in the graph to the activation's dtype and run a plain dot.
+nibble and input 2i+1 in its high nibble. The products of int4_g128_sym (and of nvfp4,
+mxfp4, q4_1 and q8_0) run on the weight-only Triton kernel at decode sizes on one GPU
+(`w4_kernel_product`; int8's only with backend "triton"); elsewhere int8 runs a dot of its
+values in the activation's dtype scaled after, the others dequantize in the graph to the
+activation's dtype and run a plain dot.
 """
 
 from __future__ import annotations
@@ -65,27 +66,27 @@ def group_spec(spec, group: int, dtype, init="ones", scale=1.0):
 
 
 # The weight-only formats' "auto" backend: the Triton kernel up to this many tokens (H100, 8B
-# FFN shapes: int4 0.56-0.62x bf16's dot at m <= 16, 0.84-1.05x at 64, where XLA's product,
-# which dequantizes the whole weight each call, is slower still, and the Mosaic kernel too:
-# h100/quant_matmul_triton.json, h200/quant_matmul.json; docs/decisions.md).
+# shapes: int4 0.56-0.62x bf16's dot at m <= 16, 0.8x at 64, where XLA's product, which
+# dequantizes the whole weight each call, is slower still: h100/quant_matmul_e2m1.json,
+# quant_matmul_m32_64_configs.json; docs/decisions.md).
 W4_KERNEL_MAX_ROWS = 64
-BACKENDS = ("auto", "pallas", "triton", "xla")
+BACKENDS = ("auto", "triton", "xla")
 
 
 def w4_kernel_product(fmt: WeightFormat, x: jax.Array, qw: QuantizedWeight,
                       backend: str) -> jax.Array | None:  # fmt: skip
     """x @ qw on a weight-only kernel (`pallas_kernels.matmul.w4_matmul`, under its interpreter
     on a CPU) when `backend` picks it, else None (the format's XLA product). "triton" (the Pallas
-    Triton kernel) or "pallas" (the Mosaic GPU one, same limits): every product of at most the
-    kernels' `MAX_M` tokens, an error where the kernel cannot run it (x's dtype, the sizes); more
-    tokens (a prefill step) take XLA's product. "auto": the Triton kernel for bf16 x of at most
-    `W4_KERNEL_MAX_ROWS` tokens on `one_gpu()`, shapes the kernel takes."""
+    Triton kernel): every product of at most the kernel's `MAX_M` tokens, an error where the
+    kernel cannot run it (x's dtype, the sizes); more tokens (a prefill step) take XLA's
+    product. "auto": the kernel for bf16 x of at most `W4_KERNEL_MAX_ROWS` tokens on
+    `one_gpu()`, shapes the kernel takes."""
     if backend not in BACKENDS:
         raise ValueError(f"{fmt.name}: backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "xla":
         return None
     from pallas_kernels.matmul.reference import BITS, PARTS
-    from pallas_kernels.matmul.w4_mgpu import MAX_M, SIZE_MULTIPLE, TILE_K, sizes_fit
+    from pallas_kernels.matmul.w4_triton import MAX_M, SIZE_MULTIPLE, TILE_K, sizes_fit
 
     values = qw.arrays["values"]  # 4 bits: [*in[:-1], in[-1]/2, *out]; 8 bits: [*in, *out]
     lead, out = x.shape[: x.ndim - qw.in_dims], values.shape[qw.in_dims :]
@@ -93,9 +94,9 @@ def w4_kernel_product(fmt: WeightFormat, x: jax.Array, qw: QuantizedWeight,
     rows = math.prod(lead)
     names = PARTS.get(fmt.name, {})
     fits = bool(names) and x.dtype == jnp.bfloat16 and sizes_fit(fmt.name, k, n)
-    if not 1 <= rows <= (MAX_M if backend != "auto" else W4_KERNEL_MAX_ROWS):
+    if not 1 <= rows <= (MAX_M if backend == "triton" else W4_KERNEL_MAX_ROWS):
         return None
-    if backend in ("pallas", "triton") and not fits:
+    if backend == "triton" and not fits:
         raise ValueError(f"{fmt.name}: the {backend} backend takes the formats {sorted(PARTS)} with "
                          f"bf16 x, K and N multiples of {SIZE_MULTIPLE} (K of {TILE_K} for "
                          f"int4_g128_sym), K >= {TILE_K}; got x {x.dtype} {list(x.shape)}, "
@@ -112,7 +113,7 @@ def w4_kernel_product(fmt: WeightFormat, x: jax.Array, qw: QuantizedWeight,
         # int8's scales [*out] and nvfp4's tensor scale -> [N]; group parts [G, *out] -> [G, N]
         parts[name] = a.reshape(n) if a.shape == out else a.reshape(-1, n)
     y = w4_matmul(x.reshape(rows, k), values.reshape(k * BITS[fmt.name] // 8, n), fmt=fmt.name,
-                  backend="pallas" if backend == "pallas" else "triton", **parts)  # fmt: skip
+                  backend="triton", **parts)  # fmt: skip
     return y.reshape(*lead, *out).astype(x.dtype)
 
 
@@ -125,10 +126,10 @@ def k_major(w: jax.Array, in_dims: int) -> jax.Array:
 class Int8(WeightFormat):
     """int8 values, one fp32 scale per output channel (symmetric, amax/127)."""
 
-    # the product: "auto" is XLA's (below), faster than our kernels at the engine's decode rows
-    # (8-128 on the H200's 8B shapes, 27.9-53.4 us vs the Mosaic kernel's 37.7-58.3 and the
-    # Triton kernel's 27.5-40.7: h200/quant_matmul_int8_rows.json, w4_triton_probe.json);
-    # "pallas" / "triton" put it on a kernel (`w4_kernel_product`)
+    # the product: "auto" is XLA's (below), faster than the kernel at the engine's decode rows
+    # (8-128 on the H200's 8B shapes, 27.9-53.4 us vs the Triton kernel's 27.5-40.7:
+    # h200/quant_matmul_int8_rows.json, w4_triton_probe.json); "triton" puts it on the kernel
+    # (`w4_kernel_product`)
     backend: str = "auto"
 
     def part_specs(self, spec) -> dict:

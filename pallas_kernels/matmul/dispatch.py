@@ -1,13 +1,11 @@
 """One entry point for the weight-only matmul (4-bit and 8-bit formats), whatever the backend.
 
-- `pallas`: the Mosaic GPU kernel (`w4_mgpu.py`); on CPU it runs under the GPU interpreter.
 - `triton`: the Pallas Triton kernel (`w4_triton.py`); on CPU it runs under Pallas's interpreter.
 - `xla`: the pure-JAX reference (`reference.py`: dequantize to fp32, one fp32 dot); runs
   anywhere, the oracle in tests.
-- `auto`: `triton` on a GPU (faster than the Mosaic kernel at every decode size measured:
-  docs/decisions.md), `xla` elsewhere.
+- `auto`: `triton` on a GPU, `xla` elsewhere.
 
-Both check the arguments the same way (`w4_mgpu.check_inputs`: errors name the argument).
+Both check the arguments the same way (`w4_triton.check_inputs`: errors name the argument).
 """
 
 from __future__ import annotations
@@ -15,11 +13,10 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels.matmul.reference import w4_matmul_ref
-from pallas_kernels.matmul.w4_mgpu import check_inputs, w4_matmul_mgpu
-from pallas_kernels.matmul.w4_triton import w4_matmul_triton
+from pallas_kernels.matmul.w4_triton import check_inputs, w4_matmul_triton
 
-BACKENDS = ("auto", "xla", "pallas", "triton")
-KERNEL_OPTIONS = ("num_stages", "num_splits", "interpret")  # (both kernels take them)
+BACKENDS = ("auto", "xla", "triton")
+KERNEL_OPTIONS = ("num_stages", "num_splits", "interpret")
 
 
 def w4_matmul(
@@ -37,7 +34,7 @@ def w4_matmul(
     (`reference.PARTS`: `scales` for int4_g128_sym, mxfp4 and int8, `block_scales` and
     `tensor_scale` for nvfp4, `d` and `m` for q4_1, `d` for q8_0),
     so a jaxinfer weight passes as `w4_matmul(x, **qw.arrays, fmt=qw.format.name)`. Kernel
-    options (`KERNEL_OPTIONS`: num_stages, num_splits, interpret) go to the Pallas kernel.
+    options (`KERNEL_OPTIONS`: num_stages, num_splits, interpret) go to the kernel.
     `device` (static) decides `auto` and the kernel's defaults (None: `jax.devices()[0]`).
     """
     if backend not in BACKENDS:
@@ -47,11 +44,9 @@ def w4_matmul(
     if backend == "auto":
         platform = (jax.devices()[0] if device is None else device).platform
         backend = "triton" if platform == "gpu" else "xla"
-    if backend == "pallas":
-        return w4_matmul_mgpu(x, values, fmt=fmt, device=device, **options, **parts)
     if backend == "triton":
         return w4_matmul_triton(x, values, fmt=fmt, device=device, **options, **parts)
     if options:
-        raise ValueError(f"kernel options {sorted(options)} apply to the kernels only")
+        raise ValueError(f"kernel options {sorted(options)} apply to the kernel only")
     check_inputs(x, values, fmt, parts)
     return w4_matmul_ref(x, values, fmt=fmt, **parts).astype(x.dtype)

@@ -1,12 +1,10 @@
 """How each weight-only format turns a code and its group's scales into a value, in the kernel.
 
-One `W4Decode` per format is the kernels' only format-specific part (`w4_mgpu` and `w4_triton`
-are each one kernel for all of them, 4-bit and 8-bit). Everything here is elementwise jnp on
-register arrays: int32 codes (0..15 for 4 bits, -128..127 for 8) and fp32 per-group rows already
-broadcast to the codes' shape, so it lowers for Mosaic GPU and Triton and runs under the
-interpreters alike. The arithmetic decodes
-are independent of `reference.py`'s table lookups, so the tests compare two ways of reading a
-format.
+One `W4Decode` per format is the kernel's only format-specific part (`w4_triton` is one kernel
+for all of them, 4-bit and 8-bit). Everything here is elementwise jnp on register arrays: int32
+codes (0..15 for 4 bits, -128..127 for 8) and fp32 per-group rows already broadcast to the codes'
+shape, so it lowers for Triton and runs under the interpreter alike. The arithmetic decodes are
+independent of `reference.py`'s table lookups, so the tests compare two ways of reading a format.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """Weight-only 4-bit and 8-bit GEMM for decode-sized batches on Pallas's Triton backend.
 
-y [M, N] = x [M, K] @ dequant(W) [K, N], W in one of `reference.py`'s layouts as stored (no
-re-packing), every format through its `W4Decode` (`w4_decode.py`), like the Mosaic kernel
-(`w4_mgpu.py`). Pallas's Triton backend is deprecated from jax 0.11 on; it is here because it
-measured faster than our Mosaic kernel at the sizes decode runs (H200, 8B shapes, int4 at
-m = 1 and 16: 26.7-28.6 us against 34.4-40.3 and bf16's 34.0-36.1; int8 27.5-32.7 against
-37.7-41.6: experiments/results/h200/w4_triton_probe.json, quant_matmul_int8_rows.json).
+y [M, N] = x [M, K] @ dequant(W) [K, N] for M in 1..128, W in one of `reference.py`'s layouts as
+stored (no re-packing), every format through its `W4Decode` (`w4_decode.py`). Pallas's Triton
+backend is deprecated from jax 0.11 on; it is here because it measured faster than a Mosaic GPU
+kernel of ours (warp-specialised, wgmma with the decoded weight as the register operand; deleted,
+git log keeps it) at every decode size: H200 int4 m = 1 and 16, 26.7-28.6 us against 34.4-40.3
+(experiments/results/h200/w4_triton_probe.json); H100 m = 32, 28.5-29.1 against 37.6-38.7, a
+tie at 64 (h100/quant_matmul_m32_64_configs.json).
 
 How the work is cut
 -------------------
@@ -55,8 +56,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import _compat
+from pallas_kernels.matmul.reference import FORMATS, PARTS
 from pallas_kernels.matmul.w4_decode import DECODERS, W4Decode
-from pallas_kernels.matmul.w4_mgpu import check_inputs
+
+TILE_K = 128  # inputs a K step where K allows; every format's group size divides it
+SIZE_MULTIPLE = 64  # K and N: multiples of this (of TILE_K for a group of 128), K >= TILE_K
+MAX_M = 128  # tokens
 
 NUM_STAGES = 3
 # split-K aims at about this many programs a streaming multiprocessor, in a power-of-two split
@@ -122,9 +127,55 @@ def ptx_e2m1(raw: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
                  for low in (True, False))  # fmt: skip
 
 
+def sizes_fit(fmt: str, k: int, n: int) -> bool:
+    """Whether the kernel takes a [k, n] weight of `fmt` (see `check_inputs`)."""
+    group = DECODERS[fmt].group
+    return (k % SIZE_MULTIPLE == 0 and k >= TILE_K and n % SIZE_MULTIPLE == 0
+            and (k % TILE_K == 0 or group is None or SIZE_MULTIPLE % group == 0))  # fmt: skip
+
+
+def check_inputs(x, values, fmt: str, parts: dict) -> None:
+    """ValueError naming the argument when a shape, dtype or part does not fit the kernel."""
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    if x.ndim != 2 or x.dtype != jnp.bfloat16:
+        raise ValueError(f"x must be bf16 [M, K], got {x.dtype} {tuple(x.shape)}")
+    m, k = x.shape
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"x: M (tokens) must be in 1..{MAX_M}, got {m}")
+    if k % SIZE_MULTIPLE or k < TILE_K:
+        raise ValueError(f"x: K must be a multiple of {SIZE_MULTIPLE} and at least {TILE_K}, "
+                         f"got {k}")  # fmt: skip
+    dec = DECODERS[fmt]
+    if k % TILE_K and not (dec.group is None or SIZE_MULTIPLE % dec.group == 0):
+        raise ValueError(f"x: K must be a multiple of {TILE_K} for fmt {fmt!r} (groups of "
+                         f"{dec.group}), got {k}")  # fmt: skip
+    per_byte = 8 // dec.bits  # codes a byte
+    want_dtype, rows = (jnp.uint8, "K/2") if per_byte == 2 else (jnp.int8, "K")
+    if values.ndim != 2 or values.dtype != want_dtype:
+        raise ValueError(f"values must be {jnp.dtype(want_dtype)} [{rows}, N] for fmt {fmt!r}, "
+                         f"got {values.dtype} {tuple(values.shape)}")  # fmt: skip
+    if values.shape[0] * per_byte != k:
+        raise ValueError(f"values: {values.shape[0]} rows hold {per_byte * values.shape[0]} "
+                         f"inputs, but x has K = {k}")  # fmt: skip
+    n = values.shape[1]
+    if n % SIZE_MULTIPLE:
+        raise ValueError(f"values: N (outputs) must be a multiple of {SIZE_MULTIPLE}, got {n}")
+    want = PARTS[fmt]
+    if set(parts) != set(want):
+        raise ValueError(f"fmt {fmt!r} takes parts {sorted(want)}, got {sorted(parts)}")
+    for name, dtype in want.items():
+        a = parts[name]
+        shapes = [(), (n,)] if name == dec.output_scale else [(k // dec.group, n)]
+        if tuple(a.shape) not in shapes or a.dtype != jnp.dtype(dtype):
+            shape = " or ".join(str(list(s)) for s in shapes)
+            raise ValueError(f"{name} must be {jnp.dtype(dtype)} {shape} for fmt {fmt!r} "
+                             f"(K={k}, N={n}), got {a.dtype} {list(a.shape)}")  # fmt: skip
+
+
 def step_inputs(dec: W4Decode, k: int) -> int:
-    """Inputs a K step: 128 for 4 bits where K allows, else 64."""
-    return 128 if dec.bits == 4 and k % 128 == 0 else 64
+    """Inputs a K step: 128 (`TILE_K`) for 4 bits where K allows, else 64."""
+    return TILE_K if dec.bits == 4 and k % TILE_K == 0 else SIZE_MULTIPLE
 
 
 def block_n(n: int) -> int:
@@ -225,7 +276,7 @@ def w4_matmul_triton(x: jax.Array, values: jax.Array, *, fmt: str, num_splits: i
                      num_stages: int = NUM_STAGES, interpret: bool | None = None,
                      device: jax.Device | None = None, **parts: jax.Array) -> jax.Array:  # fmt: skip
     """x [M, K] bf16 @ the `fmt` weight (`values` and its parts, `reference.py`'s layouts) ->
-    [M, N] bf16. Same argument checks as the Mosaic kernel (`w4_mgpu.check_inputs`).
+    [M, N] bf16 (arguments checked by `check_inputs`: errors name the argument).
     `num_splits` (None: `default_num_splits`) must divide K's steps; `interpret` (None: off a
     GPU) runs Pallas's interpreter."""
     check_inputs(x, values, fmt, parts)
