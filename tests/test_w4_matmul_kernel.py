@@ -146,7 +146,7 @@ def test_triton_splits_are_capped_by_their_partials_bytes_but_fill_every_sm():
 @pytest.mark.parametrize("m,k,n", [(1, 4096, 512), (64, 576, 960), (128, 1024, 256)])
 def test_triton_kernel_lowers_for_cuda(fmt, m, k, n):
     """Pallas's Triton lowering accepts every format's decode, the pair split of x and the
-    group rows' broadcast, at an 8B-like size and at SmolLM2's (in 64s)."""
+    group rows' broadcast, at an 8B-like size, at SmolLM2's (in 64s) and at 128 rows."""
     if fmt == "int4_g128_sym" and k % 128:
         k = 640
     sds = jax.ShapeDtypeStruct
