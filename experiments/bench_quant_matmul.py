@@ -3,8 +3,8 @@ and XLA's in-graph dequantization (the format's own XLA `matmul` from jaxinfer.q
 batch sizes.
 
 Rows per (format, m, n, k): `w4_triton` (pallas_kernels.matmul.w4_matmul's Pallas Triton
-kernel, every format), `xla_dequant` (jaxinfer's format `matmul` with its XLA backend: dequantize in the graph, then a
-bf16 dot; int8: a dot of its values, scaled after), and once per shape `xla_bf16` (a plain bf16
+kernel, every format), `xla_dequant` (jaxinfer's format `matmul` with its XLA backend:
+dequantize in the graph, then a bf16 dot; int8: a dot of its values, scaled after), and once per shape `xla_bf16` (a plain bf16
 dot of the dequantized weight). XLA does not convert an int4 weight inside its GEMM (it writes
 the bf16 weight first; experiments/results/h100/quant_matmul_native.json, whose products were
 deleted).
