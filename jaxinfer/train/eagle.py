@@ -98,6 +98,9 @@ class EagleTrainConfig:
     heldout_prompts: Count = 16
     snippet_chars: Count = 400
     reply_tokens: Count = 192
+    # sequences the target generates at once (a GPU's decode pays up to a few hundred); each
+    # has 32 pages of 16 tokens (SmolLM2 in bf16: 12 MB of K/V)
+    reply_batch: Count = 64
     # The replies are sampled at this temperature (0: greedy; a small model's greedy replies
     # loop, and the head then learns the loops, experiments/results/cpu/eagle_smollm2_train.json)
     reply_temperature: Annotated[float, Field(ge=0)] = 0.0
@@ -348,8 +351,9 @@ def generated_streams(tc: EagleTrainConfig, eos: int, log=print):
         if json.loads(str(saved["key"])) == key:
             log(f"{tc.name}: the target's replies from {path}")
             return saved["train"], saved["heldout"], json.loads(str(saved["stats"]))
-    llm = LLM(tc.target, dtype=tc.target_dtype, max_num_seqs=64, max_num_batched_tokens=1024,
-              max_model_len=1024, num_pages=2048, page_size=16, warmup=False)  # fmt: skip
+    llm = LLM(tc.target, dtype=tc.target_dtype, max_num_seqs=tc.reply_batch,
+              max_num_batched_tokens=16 * tc.reply_batch, max_model_len=1024,
+              num_pages=32 * tc.reply_batch, page_size=16, warmup=False)  # fmt: skip
     kinds = KINDS if llm.chat_template is not None else tuple(k for k in KINDS if k != "chat")
     streams, stats = [], {}
     for split, n in (("train", tc.prompts), ("heldout", tc.heldout_prompts)):
