@@ -83,8 +83,12 @@ def test_eagle_output_equals_plain_output_token_for_token(fresh_seed, engines):
     ]  # fmt: skip
     plain, _ = _generate(engines["plain"], prompts, sampling)
     for name in ("trained", "random"):
+        overlapped = engines[name].engine.overlapped_steps
         spec, compiles = _generate(engines[name], prompts, sampling)
         assert spec == plain, f"seed {fresh_seed}: the {name} head's output differs"
+        # the head drafts in the scans alone: its mixed steps (prefill chunks) still overlap
+        assert engines[name].engine.overlapped_steps > overlapped, (
+            f"seed {fresh_seed}: {name}: no mixed step overlapped the host's work")
         assert compiles == 0, f"seed {fresh_seed}: {compiles} compiles after warm-up, {name}"
         assert _acceptance(engines[name])[1] > 0, f"seed {fresh_seed}: {name} drafted nothing"
     assert _acceptance(engines["trained"])[0] > 0, f"seed {fresh_seed}: nothing kept"

@@ -378,7 +378,7 @@ class Engine:
         if self.config.penalties:
             # Penalties count the real tokens of every context: read the step in flight first.
             early, waited = self._read_mixed()
-        if self.proposer is not None:
+        if self.proposer is not None and self.proposer.host_drafts:
             # A proposer extends real tokens (inflight.py, 7): a plain step in flight is read
             # first. A verification in flight is read after the next step, which is then a
             # plain one, is dispatched: verifications alternate with overlapped plain steps.

@@ -29,9 +29,10 @@ keep (their methods assert what the host can check; picture: docs/engine.md):
 6. A decode scan starts from tokens on the host: the unread mixed step is read before a scan is
    dispatched, and a scan writes no placeholders (its tokens are appended when it is read).
 7. Proposers draft only for sequences without placeholders: they need the real last token. So
-   with a proposer the engine reads a plain mixed step (`plain`) before it builds the next, and
-   lets a verification overlap only the plain step after it (the one that feeds its
-   placeholders).
+   with a proposer that drafts on the host (`Proposer.host_drafts`) the engine reads a plain
+   mixed step (`plain`) before it builds the next, and lets a verification overlap only the
+   plain step after it (the one that feeds its placeholders). One that drafts in the scans
+   alone (EAGLE, a draft model) leaves mixed steps overlapped as without a proposer.
 """
 
 from __future__ import annotations

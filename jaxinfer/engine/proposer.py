@@ -11,8 +11,10 @@ proposer with no device pool. The runner and its jitted steps call only these me
 proposer is its own module, plus its method name (`config.SPECULATIVE_METHODS`) and its
 construction (`engine.make_proposer`).
 
-- `propose(seq)`: host drafts, for mixed steps. It sees the sequence's real tokens: it is not
-  asked while the sequence's last token is a placeholder of a step in flight (`inflight.py`).
+- `propose(seq)`: host drafts, for mixed steps, asked only of a proposer with `host_drafts`.
+  It sees the sequence's real tokens: the engine reads a step in flight before it asks (so a
+  mixed step then waits for the one before it, `inflight.py`), and does not ask while the
+  sequence's last token is a placeholder.
 - `init_pool(target_params, num_pages, page_size, kv_dtype, shardings)`: (draft params, pool),
   the proposer's own device arrays, made once by the runner (default: none). The pool uses the
   target's pages and page table, so the block manager's pages serve both. Both travel as
@@ -77,6 +79,9 @@ class Proposer:
 
     num_draft_tokens: int
     on_device: bool = False
+    # whether `propose` drafts (mixed steps wait for their tokens only then: a proposer that
+    # drafts in the scans alone keeps mixed steps overlapped with the host's work)
+    host_drafts: bool = False
     # the target's layers whose residual streams `fill` and `observe` get (`tap_features`), in
     # place of its final-normed hidden states (an EAGLE-3-style head's input)
     feature_layers: tuple[int, ...] = ()
