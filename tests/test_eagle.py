@@ -86,9 +86,12 @@ def test_eagle_output_equals_plain_output_token_for_token(fresh_seed, engines):
         overlapped = engines[name].engine.overlapped_steps
         spec, compiles = _generate(engines[name], prompts, sampling)
         assert spec == plain, f"seed {fresh_seed}: the {name} head's output differs"
-        # the head drafts in the scans alone: its mixed steps (prefill chunks) still overlap
+        # the head drafts in the scans alone: its mixed steps (prefill chunks) still overlap,
+        # and return one row of logits per sequence
+        assert engines[name].engine.runner.mixed_rows == 1
         assert engines[name].engine.overlapped_steps > overlapped, (
-            f"seed {fresh_seed}: {name}: no mixed step overlapped the host's work")
+            f"seed {fresh_seed}: {name}: no mixed step overlapped the host's work"
+        )
         assert compiles == 0, f"seed {fresh_seed}: {compiles} compiles after warm-up, {name}"
         assert _acceptance(engines[name])[1] > 0, f"seed {fresh_seed}: {name} drafted nothing"
     assert _acceptance(engines["trained"])[0] > 0, f"seed {fresh_seed}: nothing kept"

@@ -354,6 +354,10 @@ class ModelRunner:
                                                shardings.device)  # fmt: skip
         self.proposer = proposer
         self.num_rows = 1 + (proposer.num_draft_tokens if proposer is not None else 0)
+        # the rows a mixed step returns per sequence: 1 + gamma only where it can carry drafts
+        # (a proposer drafting on the host); else 1, not gamma more rows of LM head and sampling
+        # per sequence in every mixed step
+        self.mixed_rows = self.num_rows if proposer is not None and proposer.host_drafts else 1
         self.scan_proposer = proposer if proposer is not None and proposer.on_device else None
         # adaptive speculation: decode scans on either path (engine/adaptive.py)
         self.adaptive = config.speculative.adaptive and self.scan_proposer is not None
@@ -410,7 +414,7 @@ class ModelRunner:
         # the proposer only to fill its pool: without one the steps are any engine's of these
         # rows (jit's caches share them)
         fill = self.proposer if self.draft_kv is not None else None
-        return dict(cfg=self.cfg, attention=self.attention, num_rows=self.num_rows,
+        return dict(cfg=self.cfg, attention=self.attention, num_rows=self.mixed_rows,
                     out_sharding=self.shardings.replicated,
                     logits_sharding=self.shardings.logits(self.cfg.vocab_size),
                     expert_mesh=self.expert_mesh, moe_backend=self.moe_backend,
@@ -441,7 +445,7 @@ class ModelRunner:
         num_drafts of a step without drafts (device arrays, made once)."""
         if self._no_prev is None:
             s = self.config.max_num_seqs
-            self._no_prev = self.put((np.zeros((s, self.num_rows), np.int32),
+            self._no_prev = self.put((np.zeros((s, self.mixed_rows), np.int32),
                                       np.ones(s, np.int32), np.zeros(s, np.int32)))  # fmt: skip
         return self._no_prev
 
@@ -642,7 +646,7 @@ class ModelRunner:
 
     def _warmup_calls(self):
         """(key, jitted fn, example args, static args) for every bucket the engine can use."""
-        c, rows_k = self.config, self.num_rows
+        c, rows_k = self.config, self.mixed_rows
         calls = []
 
         def zeros(shape, dtype=np.int32, fill=0):  # device_put of host zeros: no tiny compiles
