@@ -141,8 +141,6 @@ class KnownTokens(Proposer):
     reject others. The device form holds each row's (altered) tokens in a table (the fed tokens
     do not change it: `follow` is the default). No pool."""
 
-    host_drafts = True
-
     def __init__(self, references: list[tuple[list[int], list[int]]], gamma: int,
                  vocab_size: int, wrong_every: int = 3, on_device: bool = True,
                  max_len: int = 512):  # fmt: skip

@@ -65,7 +65,6 @@ class NgramProposer(Proposer):
     is all it keeps."""
 
     on_device = True
-    host_drafts = True
 
     def __init__(self, num_draft_tokens: int, max_n: int = 3, min_n: int = 1,
                  max_len: int = 1024) -> None:  # fmt: skip

@@ -11,7 +11,7 @@ proposer with no device pool. The runner and its jitted steps call only these me
 proposer is its own module, plus its method name (`config.SPECULATIVE_METHODS`) and its
 construction (`engine.make_proposer`).
 
-- `propose(seq)`: host drafts, for mixed steps, asked only of a proposer with `host_drafts`.
+- `propose(seq)`: host drafts, for mixed steps (overriding it makes `host_drafts` true).
   It sees the sequence's real tokens: the engine reads a step in flight before it asks (so a
   mixed step then waits for the one before it, `inflight.py`), and does not ask while the
   sequence's last token is a placeholder.
@@ -79,12 +79,16 @@ class Proposer:
 
     num_draft_tokens: int
     on_device: bool = False
-    # whether `propose` drafts (mixed steps wait for their tokens only then: a proposer that
-    # drafts in the scans alone keeps mixed steps overlapped with the host's work)
-    host_drafts: bool = False
     # the target's layers whose residual streams `fill` and `observe` get (`tap_features`), in
     # place of its final-normed hidden states (an EAGLE-3-style head's input)
     feature_layers: tuple[int, ...] = ()
+
+    @property
+    def host_drafts(self) -> bool:
+        """Whether it drafts on the host (overrides `propose`): mixed steps wait for the step in
+        flight and carry drafts only then; one drafting in the scans alone keeps them overlapped
+        with the host's work and at one logits row per sequence."""
+        return type(self).propose is not Proposer.propose
 
     def propose(self, seq: Sequence) -> list[int]:
         return []
