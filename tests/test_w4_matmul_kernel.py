@@ -20,7 +20,7 @@ import pytest
 from pallas_kernels.matmul import PARTS, dequantize, w4_matmul, w4_matmul_ref
 from pallas_kernels.matmul.reference import BITS
 from pallas_kernels.matmul.w4_decode import DECODERS
-from pallas_kernels.matmul.w4_triton import PTX_E2M1, PTX_MINUS, w4_matmul_triton
+from pallas_kernels.matmul.w4_triton import PTX_AFFINE, PTX_E2M1, PTX_MINUS, w4_matmul_triton
 
 TOL = 1e-2  # relative Frobenius error: the kernel rounds each decoded weight to bf16 once
 
@@ -114,16 +114,25 @@ def test_triton_kernel_refuses_a_split_of_uneven_steps():
 
 def test_triton_default_splits_fill_the_sms():
     """About PROGRAMS_PER_SM programs an SM, at least 2 steps a split, a power of two dividing
-    the steps; the 8B shapes' splits are the probe's best."""
+    the steps; the 8B shapes' splits are the probe's best. A weight too small for any such split
+    to fill the SMs (SmolLM2's) takes the fewest splits of any size that do, else one step each."""
     from pallas_kernels.matmul.w4_triton import PROGRAMS_PER_SM, default_num_splits
 
     assert default_num_splits(32, 112, 132) == 8 and default_num_splits(112, 32, 132) == 16
-    for steps, blocks in [(112, 32), (32, 112), (9, 15), (1, 8), (28, 7), (96, 3)]:
+    pow2 = (1, 2, 4, 8, 16, 32, 64)
+    for steps, blocks in [(112, 32), (32, 112), (16, 64), (64, 40)]:
         s = default_num_splits(steps, blocks, 132)
-        assert steps % s == 0 and (steps // s >= 2 or s == 1) and s & (s - 1) == 0, (steps, s)
-        others = [t for t in (1, 2, 4, 8, 16, 32, 64) if steps % t == 0 and steps // t >= 2]
+        assert steps % s == 0 and steps // s >= 2 and s in pow2 and blocks * s >= 132, (steps, s)
+        others = [t for t in pow2 if steps % t == 0 and steps // t >= 2]
         assert all(abs(blocks * s - PROGRAMS_PER_SM * 132) <= abs(blocks * t - PROGRAMS_PER_SM * 132)
                    for t in others), (steps, blocks, s)  # fmt: skip
+    # SmolLM2 (576 inputs in 9 steps of 64, 1536 in 12 of 128): q/k/v 15 blocks, o 9,
+    # gate/up 24, down 9
+    assert default_num_splits(9, 15, 132) == 9 and default_num_splits(9, 9, 132) == 9
+    assert default_num_splits(9, 24, 132) == 9 and default_num_splits(12, 9, 132) == 12
+    assert default_num_splits(9, 48, 132) == 3  # the fewest that fill
+    assert default_num_splits(28, 7, 132) == 28 and default_num_splits(96, 3, 132) == 48
+    assert default_num_splits(1, 8, 132) == 1
 
 
 def test_triton_splits_are_capped_by_their_partials_bytes_but_fill_every_sm():
@@ -138,8 +147,8 @@ def test_triton_splits_are_capped_by_their_partials_bytes_but_fill_every_sm():
     assert default_num_splits(32, 112, 132, max_splits_for(64, 4096, 4)) == 2
     # 4096 x 14336 (32 blocks): a cap of 7 -> 4 splits, 128 programs < 132 SMs -> 8
     assert default_num_splits(112, 32, 132, max_splits_for(64, 14336, 4)) == 8
-    # nothing under the cap fills the SMs and nothing does at all: the uncapped choice
-    assert default_num_splits(4, 3, 132, 1) == default_num_splits(4, 3, 132) == 2
+    # no split under the cap nor any power of two fills the SMs: one step a split
+    assert default_num_splits(4, 3, 132, 1) == default_num_splits(4, 3, 132) == 4
 
 
 @pytest.mark.parametrize("fmt", list(PARTS))
@@ -158,9 +167,9 @@ def test_triton_kernel_lowers_for_cuda(fmt, m, k, n):
     text = jax.jit(call).trace(sds((m, k), jnp.bfloat16), values, parts).lower(
         lowering_platforms=("cuda",)).as_text()  # fmt: skip
     assert "triton" in text.lower()
-    # int4_g128_sym, nvfp4 and mxfp4 decode by inline PTX on a GPU (no interpreter for it: the
+    # int4_g128_sym, nvfp4, mxfp4 and q4_1 decode by inline PTX on a GPU (no interpreter for it: the
     # CPU tests run `W4Decode.value`; the -m gpu cases compare the PTX decode with the reference)
-    ptx = fmt in PTX_MINUS or fmt in PTX_E2M1
+    ptx = fmt in PTX_MINUS or fmt in PTX_E2M1 or fmt in PTX_AFFINE
     assert ("prmt.b32" in text and "fma.rn.bf16x2" in text) == ptx, fmt
 
 

@@ -35,8 +35,13 @@ How the work is cut
   two bf16x2 fma multiply by 2^126 and by the group scale (bf16, exact). They take int4's time
   (H100, m = 1: 25.5-26.7 us against 40-42 with `value`:
   experiments/results/h100/quant_matmul_e2m1.json).
+- q4_1's nibbles the same way, then one bf16x2 fma d * q + m (`PTX_AFFINE`, `ptx_affine`), its
+  fp16 d and m rounded to bf16 first: the weight's error is about 2^-9 of |d q| + |m| rather
+  than of |w|, under a tenth of q4_1's step d where the group straddles zero (|m| <= 15 d).
 - Split-K's fp32 partials grow with M: `max_splits_for` keeps them within a quarter of the
-  weight's bytes (unless an SM would go without a program).
+  weight's bytes (unless an SM would go without a program). A weight too small for a
+  power-of-two split of 2 steps or more to give every SM a program (SmolLM2's: 9-36 programs)
+  splits into any divisor of its steps, down to one step a program.
 
 What limits it (w4_triton_probe.json, w4_triton_variants.json): int4 and int8 take about the
 same time, ~2.2e12 weights a second (2.5e12 with the PTX decode), bound by weights, not bytes.
@@ -127,6 +132,33 @@ def ptx_e2m1(raw: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
                  for low in (True, False))  # fmt: skip
 
 
+# formats w = d * q + m with nibble codes q, decoded by `ptx_affine`: {format: (d's part, m's)}
+PTX_AFFINE = {"q4_1": ("d", "m")}
+
+
+def _ptx_affine(shift: int) -> str:
+    """PTX: the 4 bytes of $2 -> their nibbles q at bit `shift`, d * q + m with d in $3 (bytes 0,
+    1) and $4 (bytes 2, 3), m in $5 and $6 (bf16), as 4 bf16 in $0 and $1. q becomes bf16 as in
+    `_ptx_nibbles` (128 + q, then an exact fma subtracts 128); one bf16x2 fma, rounded once."""
+    shr = f"shr.b32 t0, t0, {shift};\nshr.b32 t1, t1, {shift};\n" if shift else ""
+    return ("{\n.reg .b32 z, t0, t1, one, neg;\nmov.b32 z, 0;\nmov.b32 one, 0x3F803F80;\n"
+            "mov.b32 neg, 0xC300C300;\nprmt.b32 t0, $2, z, 0x4140;\n"
+            "prmt.b32 t1, $2, z, 0x4342;\n" + shr
+            + "lop3.b32 t0, t0, 0x000F000F, 0x43004300, 0xEA;\n"
+            "lop3.b32 t1, t1, 0x000F000F, 0x43004300, 0xEA;\n"
+            "fma.rn.bf16x2 t0, t0, one, neg;\nfma.rn.bf16x2 t1, t1, one, neg;\n"
+            "fma.rn.bf16x2 $0, t0, $3, $5;\nfma.rn.bf16x2 $1, t1, $4, $6;\n}")  # fmt: skip
+
+
+def ptx_affine(raw: jax.Array, d: jax.Array, m: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """uint8 bytes and their bf16 group rows d, m -> (d * low nibble + m, d * high nibble + m)."""
+    sd = jax.ShapeDtypeStruct(raw.shape, jnp.bfloat16)
+    return tuple(plt.elementwise_inline_asm(_ptx_affine(s), args=[raw, d, m], pack=4,
+                                            constraints="=r,=r,r,r,r,r,r",
+                                            result_shape_dtypes=[sd])[0]
+                 for s in (0, 4))  # fmt: skip
+
+
 def sizes_fit(fmt: str, k: int, n: int) -> bool:
     """Whether the kernel takes a [k, n] weight of `fmt` (see `check_inputs`)."""
     group = DECODERS[fmt].group
@@ -186,18 +218,22 @@ def default_num_splits(k_steps: int, n_blocks: int, sms: int, max_splits: int | 
     """The power-of-two divisor S of the K steps (at least 2 steps a split) whose grid,
     n_blocks x S, comes nearest PROGRAMS_PER_SM programs an SM (ties to fewer splits), among
     those of at most `max_splits` (None: no cap) -- unless that leaves fewer programs than SMs:
-    then the fewest splits that give every SM one."""
+    then the fewest such splits that give every SM one, and where none does (a small weight,
+    SmolLM2's), the fewest of any divisor of the steps that do, else one step a split."""
     target = PROGRAMS_PER_SM * sms
     options = [1 << i for i in range(k_steps.bit_length())
                if k_steps % (1 << i) == 0 and k_steps >> i >= 2] or [1]  # fmt: skip
     near = lambda s: (abs(n_blocks * s - target), s)  # noqa: E731
     best = min(options, key=near)
-    if max_splits is None or best <= max_splits:
+    if max_splits is not None and best > max_splits:
+        capped = min((s for s in options if s <= max_splits), key=near, default=options[0])
+        if n_blocks * capped >= sms:
+            return capped
+        best = min((s for s in options if n_blocks * s >= sms), default=best)
+    if n_blocks * best >= sms:
         return best
-    capped = min((s for s in options if s <= max_splits), key=near, default=options[0])
-    if n_blocks * capped >= sms:
-        return capped
-    return min((s for s in options if n_blocks * s >= sms), default=best)
+    divisors = [s for s in range(1, k_steps + 1) if k_steps % s == 0]
+    return min((s for s in divisors if n_blocks * s >= sms), default=k_steps)
 
 
 def max_splits_for(m: int, k: int, bits: int) -> int:
@@ -231,6 +267,8 @@ def _kernel(x_ref, v_ref, *refs, dec: W4Decode, names, steps, step_k, bn, m, mp,
             row = dec.to_f32(name, raw)
             if ptx == "e2m1":  # the scale itself in bf16 (to_f32 halves it for `value`'s 2x)
                 row = (2 * row).astype(jnp.bfloat16)
+            elif ptx == "affine":
+                row = row.astype(jnp.bfloat16)
             out[name] = jnp.broadcast_to(row[:, None, :], (g, per_row, bn)).reshape(rows, bn)
         return out
 
@@ -245,6 +283,8 @@ def _kernel(x_ref, v_ref, *refs, dec: W4Decode, names, steps, step_k, bn, m, mp,
                 lo, hi = ptx_nibbles(raw, PTX_MINUS[dec.name])
             elif ptx == "e2m1":
                 lo, hi = ptx_e2m1(raw, grouped[PTX_E2M1[dec.name]])
+            elif ptx == "affine":
+                lo, hi = ptx_affine(raw, *(grouped[name] for name in PTX_AFFINE[dec.name]))
             else:
                 lo = dec.value(codes & 15, grouped).astype(x_ref.dtype)
                 hi = dec.value(codes >> 4, grouped).astype(x_ref.dtype)
@@ -266,8 +306,11 @@ def _kernel(x_ref, v_ref, *refs, dec: W4Decode, names, steps, step_k, bn, m, mp,
 
 
 def _ptx_kind(fmt: str) -> str | None:
-    """Which inline-PTX decode `fmt` takes on a GPU ("minus", "e2m1"), None: `W4Decode.value`."""
-    return "minus" if fmt in PTX_MINUS else "e2m1" if fmt in PTX_E2M1 else None
+    """Which inline-PTX decode `fmt` takes on a GPU ("minus", "e2m1", "affine"), None:
+    `W4Decode.value`."""
+    kinds = {**dict.fromkeys(PTX_MINUS, "minus"), **dict.fromkeys(PTX_E2M1, "e2m1"),
+             **dict.fromkeys(PTX_AFFINE, "affine")}  # fmt: skip
+    return kinds.get(fmt)
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "num_splits", "num_stages", "interpret",
