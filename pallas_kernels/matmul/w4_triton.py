@@ -38,7 +38,7 @@ How the work is cut
 - q4_1's nibbles into fp16 the same way, then one f16x2 fma d * q + m with its fp16 d and m
   (`PTX_AFFINE`, `ptx_affine`), converted to bf16 through fp32. With d and m rounded to bf16
   and a bf16x2 fma the engine-level error against the reference was 1.4e-2 (d's rounding is a
-  per-group scale error, coherent over the group's 32 products; h100/gpu_tests_quant_q4_1.json).
+  per-group scale error, coherent over the group's 32 products; h100/gpu_tests_quant_q4_1_bf16.json).
 - Split-K's fp32 partials grow with M: `max_splits_for` keeps them within a quarter of the
   weight's bytes (unless an SM would go without a program). A weight too small for a
   power-of-two split of 2 steps or more to give every SM a program (SmolLM2's: 9-36 programs)
