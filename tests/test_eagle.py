@@ -322,12 +322,14 @@ def test_a_trained_head_is_accepted_more_than_a_random_one(fresh_seed, engines):
 
 
 @pytest.mark.optimized
-def test_sampled_drafts_follow_the_q_handed_to_the_verifier(fresh_seed, engines):
+@pytest.mark.parametrize("vocab", [False, True], ids=["whole_vocab", "draft_vocab"])
+def test_sampled_drafts_follow_the_q_handed_to_the_verifier(fresh_seed, engines, vocab):
     """Rejection sampling is exact if each draft is drawn from the q the verifier divides by
     (the rule itself: test_speculative.py). 2,000 rows share one context, each with its own
     pages and seed; the first draft's empirical distribution must be q of its row (top-k 5:
     chi-square with 4 dof), and the second's, among the rows whose first draft is the most
-    common one, their q of the second position."""
+    common one, their q of the second position. With a draft vocabulary (a random half of the
+    tokens), q is zero outside it and every draft is one of its tokens."""
     from test_speculative import CHI2_CRITICAL_DF4, _chi2
 
     from jaxinfer.engine.draft_model import DraftState
@@ -340,8 +342,11 @@ def test_sampled_drafts_follow_the_q_handed_to_the_verifier(fresh_seed, engines)
 
     runner = engines["trained"].engine.runner
     cfg, params = runner.cfg, runner.params
-    proposer = EagleProposer(cfg, runner.proposer.head, GAMMA, rejection=True)
     rng = np.random.default_rng(fresh_seed)
+    head = dict(runner.proposer.head)
+    if vocab:
+        head["draft_vocab"] = rng.choice(cfg.vocab_size, cfg.vocab_size // 2, replace=False)
+    proposer = EagleProposer(cfg, head, GAMMA, rejection=True)
     n, length = 2_000, 9  # rows; context tokens (the last at p = length - 1 not yet fed)
     ctx = jnp.asarray(_code_prompts(engines["plain"], rng, 1)[0][:length], jnp.int32)
     draft_params, cache = proposer.init_pool(params, n + 1, 16, "auto", runner.shardings)
@@ -365,6 +370,11 @@ def test_sampled_drafts_follow_the_q_handed_to_the_verifier(fresh_seed, engines)
                 runner.attention)  # fmt: skip
     drafts, _, _, q = jax.jit(proposer.draft)(state, rnd, draft_params, cache)
     drafts, q = np.asarray(drafts), np.asarray(q)
+    np.testing.assert_allclose(q.sum(-1), 1, atol=1e-5, err_msg=f"seed {fresh_seed}")
+    if vocab:
+        outside = np.setdiff1d(np.arange(cfg.vocab_size), head["draft_vocab"])
+        assert np.isin(drafts, head["draft_vocab"]).all(), f"seed {fresh_seed}: a draft outside"
+        assert not q[..., outside].any(), f"seed {fresh_seed}: q > 0 outside the vocabulary"
     assert np.allclose(q[:, 0], q[0, 0], atol=1e-5), f"seed {fresh_seed}: rows' q differ"
     stat = _chi2(drafts[:, 0], q[0, 0])
     assert stat < CHI2_CRITICAL_DF4, f"seed {fresh_seed}: first draft chi2 {stat:.1f}"
@@ -573,20 +583,73 @@ def test_a_fused_heads_pool_holds_the_tapped_features_and_its_output_equals_plai
 
 def test_a_fused_head_trains_and_loads_with_its_layers(fresh_seed, tmp_path):
     """`feature_layers` in a train config: the saved head has its fuse and names its layers,
-    and an engine loading it taps those layers; a layer the target lacks fails naming the key."""
+    and an engine loading it taps those layers; a layer the target lacks fails naming the key.
+    With `draft_vocab` the head carries the training text's most frequent tokens and the
+    engine drafts from them."""
     from jaxinfer.engine.eagle import load_head
-    from jaxinfer.train.eagle import load_eagle_config, train_eagle
+    from jaxinfer.train.eagle import load_eagle_config, text_stream, train_eagle
 
     base = ["name=f", "target=tiny", f"out_dir={tmp_path}", "max_files=4", "seq_len=32",
             "batch_size=2", "steps=3", "warmup_steps=1", "eval_every=3", "eval_windows=2",
             "unroll=2", "feature_weight=0", f"seed={fresh_seed % 2**16}"]  # fmt: skip
     with pytest.raises(ValueError, match=r"feature_layers=\[0, 4\]: target='tiny' has 4 layers"):
         train_eagle(load_eagle_config(None, [*base, "feature_layers=[0,4]"]), log=lambda *_: None)
-    tc = load_eagle_config(None, [*base, "feature_layers=[3,1]"])
+    tc = load_eagle_config(None, [*base, "feature_layers=[3,1]", "draft_vocab=100"])
     summary = train_eagle(tc, log=lambda *_: None)
     assert np.isfinite(summary["heldout_loss"]), f"seed {fresh_seed}: {summary['heldout_loss']}"
+    assert 0 < summary["draft_vocab_coverage"] < 1, f"seed {fresh_seed}: {summary}"
     llm = LLM("tiny", warmup=False, num_pages=8, max_model_len=64,
               speculative={"method": "eagle", "num_draft_tokens": 2, "eagle_head": tc.head})  # fmt: skip
-    head, info = load_head(tc.head, llm.engine.runner.cfg)
+    cfg = llm.engine.runner.cfg
+    head, info = load_head(tc.head, cfg)
     assert info["feature_layers"] == [3, 1] and head["fuse"].shape == (512, 256)
     assert llm.engine.runner.proposer.feature_layers == (3, 1)
+    vocab = head["draft_vocab"]
+    np.testing.assert_array_equal(llm.engine.runner.proposer.draft_vocab, vocab)
+    eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else cfg.bos_token_id
+    counts = np.bincount(text_stream(llm.tokenizer, tc, eos, "train"), minlength=cfg.vocab_size)
+    assert len(vocab) == 100 and (np.diff(vocab) > 0).all()
+    assert counts[vocab].min() >= np.delete(counts, vocab).max(), "not the most frequent tokens"
+
+
+def test_a_draft_vocabulary_head_drafts_and_outputs_as_plain(fresh_seed, engines, tmp_path):
+    """A head saved with a draft vocabulary (the shipped tiny head; the vocabulary half of the
+    tokens plain decoding outputs, and a random half of the rest) loads with it, drafts (greedy
+    drafts: the argmax over the vocabulary) and has drafts kept, and its outputs equal plain
+    decoding's, greedy and sampled: tokens outside the vocabulary come from verification alone.
+    (Sampled drafts: test_sampled_drafts_follow_the_q_handed_to_the_verifier.)"""
+    from jaxinfer.engine.eagle import load_head, save_head
+
+    rng = np.random.default_rng(fresh_seed)
+    cfg = engines["plain"].engine.runner.cfg
+    prompts = _code_prompts(engines["plain"], rng, 3)
+    sampling = [SamplingParams(max_tokens=20, ignore_eos=True),
+                SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.9, top_k=40,
+                               seed=fresh_seed)]  # fmt: skip
+    plain = [_generate(engines["plain"], prompts, sp)[0] for sp in sampling]
+    seen = np.unique(np.concatenate([np.asarray(t) for out in plain for t in out]))
+    rest = np.setdiff1d(np.arange(cfg.vocab_size), seen)
+    vocab = np.concatenate([rng.choice(seen, len(seen) // 2, replace=False),
+                            rng.choice(rest, len(rest) // 2, replace=False)])  # fmt: skip
+    head, info = load_head("eagle-tiny", cfg)
+    path = save_head(tmp_path / "head.safetensors", head, cfg, info, draft_vocab=vocab)
+    loaded, _ = load_head(path, cfg)
+    np.testing.assert_array_equal(loaded["draft_vocab"], np.sort(vocab))
+    llm = LLM("tiny", **KW, speculative=dict(method="eagle", num_draft_tokens=GAMMA,
+                                              draft_sampling="greedy", eagle_head=str(path)))  # fmt: skip
+    assert len(llm.engine.runner.proposer.draft_vocab) == len(vocab)
+    for sp, want in zip(sampling, plain, strict=True):
+        got, _ = _generate(llm, prompts, sp)
+        assert got == want, f"seed {fresh_seed}: the draft-vocabulary head's output differs ({sp})"
+    kept, drafted = _acceptance(llm)
+    assert drafted > 0 and kept > 0, f"seed {fresh_seed}: {kept} of {drafted} drafts kept"
+
+
+def test_a_draft_vocabulary_that_is_not_token_ids_fails_naming_it(tmp_path):
+    from jaxinfer.engine.eagle import check_draft_vocab, top_tokens
+
+    assert top_tokens(np.array([5, 3, 5, 1, 3, 5]), 2, 8).tolist() == [3, 5]
+    assert top_tokens(np.array([2, 2]), 3, 4).tolist() == [0, 1, 2]  # ties to the lower id
+    for bad in ([], [1, 1], [-1, 2], [0, 8], [[1, 2]], [0.5]):
+        with pytest.raises(ValueError, match=r"draft_vocab must be distinct token ids in 0 \.\. 7"):
+            check_draft_vocab(np.asarray(bad), 8)

@@ -43,6 +43,12 @@ Every mixed step writes its rows' f and runs the head over the whole batch (`fil
 fills the head's pages as it fills the target's. Drafts come from the decode scans only
 (`propose` drafts nothing in mixed steps, as the draft-model proposer).
 
+Draft vocabulary (EAGLE-3): a head saved with `draft_vocab` (token ids, the most frequent in
+the target's replies it was trained on) drafts from those tokens only: its LM head is the
+target's for those rows (a copy made once, [E, V_d]), so each draft step reads V_d / V of the
+target's LM head and samples over V_d. Verification stays exact: q is zero outside the vocabulary
+and the target's residual distribution covers the rest.
+
 Drafts (`engine.speculative.draft_sampling`) are drawn and verified as a draft model's
 (`draft_model.py`): "rejection" samples each from the head's filtered distribution q and keeps it
 with probability min(1, p/q); "greedy" drafts the argmax, kept while it equals the target's
@@ -72,6 +78,7 @@ from jaxinfer.models.config import ModelConfig
 from jaxinfer.models.dense import compute_logits, decoder_layer, embed
 from jaxinfer.models.layers import linear, rms_norm
 from jaxinfer.models.spec import _init_tree, layer_specs
+from jaxinfer.quant.format import QuantizedWeight
 from pallas_kernels.paged_attention.reference import token_sequences
 
 # the target's arrays the head shares (never copies): its embedding, final norm and LM head
@@ -161,11 +168,15 @@ def read_features(features: jax.Array, page_ids: jax.Array, seq: jax.Array,
     return jnp.where((positions >= 0)[..., None], f, 0)
 
 
-def save_head(path: str | Path, head: dict, target: ModelConfig, meta: dict | None = None) -> Path:
-    """The head as one safetensors file (the repo's weight format), its shape in the metadata."""
+def save_head(path: str | Path, head: dict, target: ModelConfig, meta: dict | None = None,
+              draft_vocab: np.ndarray | None = None) -> Path:  # fmt: skip
+    """The head as one safetensors file (the repo's weight format), its shape in the metadata;
+    `draft_vocab` (token ids) as the int32 tensor "draft_vocab"."""
     from safetensors.numpy import save_file
 
     flat = {k: head[k] for k in ("fc", "fuse") if k in head}
+    if draft_vocab is not None:
+        flat["draft_vocab"] = check_draft_vocab(draft_vocab, target.vocab_size)
     flat.update({f"layer.{k}": v for k, v in head["layer"].items()})
     tensors = {k: np.asarray(jax.device_get(v)) for k, v in flat.items()}
     info = {"format": HEAD_FORMAT, "hidden_size": target.hidden_size,
@@ -176,10 +187,27 @@ def save_head(path: str | Path, head: dict, target: ModelConfig, meta: dict | No
     return path
 
 
+def check_draft_vocab(ids, vocab_size: int, what: str = "draft_vocab") -> np.ndarray:
+    """`ids` as sorted int32 token ids, or a ValueError naming `what` (empty, repeated, or out of
+    0 .. vocab_size - 1)."""
+    ids = np.asarray(ids)
+    if (ids.ndim != 1 or not len(ids) or not np.issubdtype(ids.dtype, np.integer)
+            or len(np.unique(ids)) != len(ids) or ids.min() < 0 or ids.max() >= vocab_size):  # fmt: skip
+        raise ValueError(f"{what} must be distinct token ids in 0 .. {vocab_size - 1}, got "
+                         f"{ids.dtype} {list(ids.shape)}")  # fmt: skip
+    return np.sort(ids).astype(np.int32)
+
+
+def top_tokens(tokens: np.ndarray, n: int, vocab_size: int) -> np.ndarray:
+    """The `n` most frequent of `tokens` (ties to the lower id), sorted: a draft vocabulary."""
+    counts = np.bincount(np.asarray(tokens).ravel(), minlength=vocab_size)
+    return np.sort(np.argsort(-counts, kind="stable")[: min(n, vocab_size)]).astype(np.int32)
+
+
 def load_head(path: str | Path, target: ModelConfig, key: str = "engine.speculative.eagle_head"):
     """(head params, its metadata) saved by `save_head` at `path`, or a shipped head by name
     (`jaxinfer/assets/models/NAME/head.safetensors`: eagle-tiny), checked against the target;
-    errors name `key`."""
+    errors name `key`. A draft vocabulary is the head's "draft_vocab" (int32 ids)."""
     from safetensors import safe_open
 
     shipped = ASSETS / "models" / str(path) / "head.safetensors"  # e.g. "eagle-tiny"
@@ -196,7 +224,10 @@ def load_head(path: str | Path, target: ModelConfig, key: str = "engine.speculat
         if info[field] != getattr(target, field):
             raise ValueError(f"{key}={str(path)!r} was trained for a target of {field}="
                              f"{info[field]}; this model's is {getattr(target, field)}")  # fmt: skip
-    head = {k: tensors.pop(k) for k in ("fc", "fuse") if k in tensors}
+    head = {k: tensors.pop(k) for k in ("fc", "fuse", "draft_vocab") if k in tensors}
+    if "draft_vocab" in head:
+        head["draft_vocab"] = check_draft_vocab(head["draft_vocab"], target.vocab_size,
+                                                f"{key}={str(path)!r}: its draft_vocab")  # fmt: skip
     head["layer"] = {k.removeprefix("layer."): v for k, v in tensors.items()}
     layers = info.get("feature_layers", [])
     if "fuse" in head:
@@ -210,6 +241,17 @@ def load_head(path: str | Path, target: ModelConfig, key: str = "engine.speculat
     return head, info
 
 
+def draft_lm_head(target_params: dict, target: ModelConfig, ids: jax.Array) -> jax.Array:
+    """The target's LM head at the token ids `ids` [V_d]: [E, V_d] in the target's dtype (a copy;
+    a quantized head is dequantized once)."""
+    if target.tie_word_embeddings:
+        return target_params["embed"][ids].T.astype(target.jnp_dtype)
+    head = target_params["lm_head"]
+    if isinstance(head, QuantizedWeight):
+        head = head.format.dequantize(head)
+    return head[:, ids].astype(target.jnp_dtype)
+
+
 class EagleProposer(Proposer):
     """Drafts of `num_draft_tokens` tokens by the head `head` over the target `target` (see the
     module docstring), from its pools (`EagleCache`)."""
@@ -218,6 +260,9 @@ class EagleProposer(Proposer):
 
     def __init__(self, target: ModelConfig, head: dict, num_draft_tokens: int,
                  rejection: bool = True, feature_layers: tuple[int, ...] = ()) -> None:  # fmt: skip
+        head = dict(head)
+        vocab = head.pop("draft_vocab", None)
+        self.draft_vocab = None if vocab is None else check_draft_vocab(vocab, target.vocab_size)
         self.target, self.head, self.num_draft_tokens = target, head, num_draft_tokens
         self.rejection, self.feature_layers = rejection, tuple(feature_layers)
         self.head_cfg = head_config(target, head["layer"]["w_down"].shape[0])
@@ -225,8 +270,9 @@ class EagleProposer(Proposer):
     # Its weights are arguments of the traced steps (`init_pool`), never constants, so two
     # engines of one configuration (a trained head and a random one, say) share their steps.
     def static_key(self) -> tuple:
+        vocab = None if self.draft_vocab is None else len(self.draft_vocab)
         return (self.target, self.head_cfg, self.num_draft_tokens, self.rejection,
-                self.feature_layers)  # fmt: skip
+                self.feature_layers, vocab)  # fmt: skip
 
     # -- device state ---------------------------------------------------------------------------
     def init_pool(self, target_params: dict, num_pages: int, page_size: int, kv_dtype: str,
@@ -240,7 +286,14 @@ class EagleProposer(Proposer):
                            rules=shardings.rules)  # fmt: skip
         width = self.target.hidden_size * max(len(self.feature_layers), 1)
         feats = jnp.zeros((num_pages, page_size, width), dtype)
-        return {"head": head, "shared": shared}, EagleCache(kv, shardings.put(feats))
+        params = {"head": head, "shared": shared}
+        if self.draft_vocab is not None:
+            ids = shardings.put(self.draft_vocab)
+            params["vocab"] = {
+                "ids": ids,
+                "lm_head": draft_lm_head(target_params, self.target, ids),
+            }
+        return params, EagleCache(kv, shardings.put(feats))
 
     def device_state(self, seqs: list[Sequence], rows: int) -> DraftState:
         """Per row: p0 = p - γ - 1 (at least -1) and the tokens at p0 .. p0 + γ (p: the last
@@ -297,13 +350,24 @@ class EagleProposer(Proposer):
                                    rnd.attention)  # fmt: skip
             return g.reshape(rows, q, -1)
 
+        vocab = params.get("vocab")
+
         def draw(g, k):  # the k-th draft (0-based) from g [S, E]
-            logits = compute_logits(params["shared"], self.target, g)
+            if vocab is None:
+                logits = compute_logits(params["shared"], self.target, g)
+                ids = lambda i: i  # noqa: E731
+            else:  # over the draft vocabulary; its index i is token ids[i]
+                logits = linear(g, vocab["lm_head"].astype(g.dtype)).astype(jnp.float32)
+                ids = lambda i: vocab["ids"][i]  # noqa: E731
             if not self.rejection or not rnd.sampling.filtered:  # (all greedy: Proposer.draft)
-                return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+                return ids(jnp.argmax(logits, axis=-1)).astype(jnp.int32), None
             row_sb = dataclasses.replace(rnd.sampling, position=rnd.sampling.position + k)
             probs = filtered_probs(logits, row_sb)
-            return draw_from(probs, row_sb, row_sb.position, DRAFT_STREAM), probs
+            d = ids(draw_from(probs, row_sb, row_sb.position, DRAFT_STREAM)).astype(jnp.int32)
+            if vocab is not None:  # q over the whole vocabulary, zero outside the draft's
+                probs = jnp.zeros((rows, self.target.vocab_size), probs.dtype).at[
+                    :, vocab["ids"]].set(probs)  # fmt: skip
+            return d, probs
 
         d, q = draw(g, 0)
         drafts, qs = [d], [q]

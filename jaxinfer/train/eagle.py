@@ -46,6 +46,7 @@ from jaxinfer.engine.eagle import (
     init_head,
     save_head,
     shifted_features,
+    top_tokens,
     true_features,
 )
 from jaxinfer.engine.loading import load_model
@@ -117,6 +118,10 @@ class EagleTrainConfig:
     # states; [] keeps those. Its own output g is then in no target feature's space: no feature
     # loss (feature_weight 0), the unroll teaches the later draft steps to read g.
     feature_layers: list[int] = field(default_factory=list)
+    # EAGLE-3's draft vocabulary: the head drafts from this many tokens only, the most frequent
+    # in the training text (its reply tokens with data "generated"), saved with it (None: the
+    # target's whole vocabulary)
+    draft_vocab: Count | None = None
 
     _warmup = model_validator(mode="after")(warmup_in_range)
 
@@ -409,6 +414,13 @@ def train_eagle(tc: EagleTrainConfig, *, log=print) -> dict:
         train = text_stream(tokenizer, tc, eos, "train")
         heldout_stream = text_stream(tokenizer, tc, eos, "heldout")
     heldout = eval_windows(heldout_stream, tc.seq_len, tc.eval_windows)
+    vocab, coverage = None, None
+    if tc.draft_vocab is not None:
+        drafted = lambda st: st[st[:, 1] == 1, 0] if st.ndim == 2 else st  # noqa: E731
+        vocab = top_tokens(drafted(train), tc.draft_vocab, cfg.vocab_size)
+        coverage = round(float(np.isin(drafted(heldout_stream), vocab).mean()), 4)
+        log(f"{tc.name}: draft vocabulary of {len(vocab):,} tokens, {coverage:.1%} of the "
+            "held-out tokens drafted")  # fmt: skip
     log(f"{tc.name}: target {tc.target}, {len(train):,} train tokens ({tc.data}), "
         f"{len(heldout)} held-out windows of {tc.seq_len}")  # fmt: skip
     schedule = optax.warmup_cosine_decay_schedule(0.0, tc.lr, tc.warmup_steps, tc.steps,
@@ -452,12 +464,15 @@ def train_eagle(tc: EagleTrainConfig, *, log=print) -> dict:
             # step s's top-1 agreement given s - 1 kept drafts, fed its own features (unroll)
             "heldout_agreement_by_step": eval_agree,
             "expected_tokens_per_verification": round(expected_tokens(eval_agree), 3),
-            "heldout_loss": round(eval_loss, 4), "train_s": round(time.perf_counter() - t0, 1),
+            "heldout_loss": round(eval_loss, 4), "draft_vocab": tc.draft_vocab,
+            # the share of held-out tokens (with data "generated": reply tokens) in the vocabulary
+            "draft_vocab_coverage": coverage,
+            "train_s": round(time.perf_counter() - t0, 1),
             "total_s": round(time.perf_counter() - t_start, 1),
             "config": OmegaConf.to_container(OmegaConf.structured(tc)),
         }  # fmt: skip
         save_head(tc.head, jax.tree.map(lambda w: w.astype(tc.head_dtype), head), cfg,
-                  {"train": summary, "feature_layers": list(taps)})  # fmt: skip
+                  {"train": summary, "feature_layers": list(taps)}, draft_vocab=vocab)  # fmt: skip
         (out / "metrics.json").write_text(json.dumps(summary, indent=2))
         return summary
 
