@@ -170,7 +170,7 @@ def test_triton_kernel_lowers_for_cuda(fmt, m, k, n):
     # int4_g128_sym, nvfp4, mxfp4 and q4_1 decode by inline PTX on a GPU (no interpreter for it: the
     # CPU tests run `W4Decode.value`; the -m gpu cases compare the PTX decode with the reference)
     ptx = fmt in PTX_MINUS or fmt in PTX_E2M1 or fmt in PTX_AFFINE
-    assert ("prmt.b32" in text and "fma.rn.bf16x2" in text) == ptx, fmt
+    assert ("prmt.b32" in text and "fma.rn." in text) == ptx, fmt
 
 
 @pytest.mark.parametrize("fmt", list(PARTS))
