@@ -110,8 +110,12 @@ def test_tile_order_visits_every_tile_once_in_bands():
 
 
 def test_reference_fails_a_wrong_scale_layout(fresh_seed):
-    """The check can fail: the weight scales' blocks swapped along N change the product."""
+    """The check can fail: the weight scales' blocks swapped along N change the product. The
+    two N-blocks' scales are set 16x apart: the case's own differ only as much as its random
+    block magnitudes do (for seed 3642315452 the swap changed the product by 8.4%, under the
+    10 x TOL asked here)."""
     xq, sx, wt, sw, _, _ = case(fresh_seed, 3, 256, 256)
+    sw = jnp.broadcast_to(jnp.asarray([1.0, 16.0], jnp.float32)[None, :, None], sw.shape)
     ref = fp8_block_matmul_ref(xq, sx, wt, sw)
     assert rel_err(fp8_block_matmul_ref(xq, sx, wt, sw[:, ::-1]), ref) > 10 * TOL, fresh_seed
 

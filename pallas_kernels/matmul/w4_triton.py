@@ -262,7 +262,8 @@ def _kernel(x_ref, v_ref, *refs, dec: W4Decode, names, steps, step_k, bn, m, mp,
         return plt.load(x_ref.at[pl.ds(0, mp), pl.ds(k0, step_k)], mask=x_mask, other=0)
 
     def group_rows(step):
-        """Each small-group part's fp32 rows broadcast over this step's weight rows."""
+        """Each small-group part's rows broadcast over this step's weight rows: fp32, or as a
+        PTX decode takes them (E2M1 scales in bf16, q4_1's d and m in fp16 as stored)."""
         out = {}
         for name, _ in dec.grouped:
             if name == dec.step_scale:
