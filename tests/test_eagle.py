@@ -653,3 +653,29 @@ def test_a_draft_vocabulary_that_is_not_token_ids_fails_naming_it(tmp_path):
     for bad in ([], [1, 1], [-1, 2], [0, 8], [[1, 2]], [0.5]):
         with pytest.raises(ValueError, match=r"draft_vocab must be distinct token ids in 0 \.\. 7"):
             check_draft_vocab(np.asarray(bad), 8)
+
+
+@pytest.mark.parametrize("head", ["tied", "untied", "untied_int8"])
+def test_the_draft_lm_head_gives_the_targets_logits_at_its_tokens(fresh_seed, head):
+    """`draft_lm_head` (the target's LM head at the vocabulary's ids) against the target's own
+    logits at those ids, for a tied embedding, an untied LM head and an int8 one."""
+    from jaxinfer.engine.eagle import draft_lm_head
+    from jaxinfer.engine.loading import model_config
+    from jaxinfer.models.dense import compute_logits
+    from jaxinfer.quant import WEIGHT_FORMATS, QuantizedWeight
+
+    rng = np.random.default_rng(fresh_seed)
+    cfg = model_config("tiny", "float32").replace(tie_word_embeddings=head == "tied")
+    e, v = cfg.hidden_size, cfg.vocab_size
+    params = {"embed": jnp.asarray(rng.standard_normal((v, e)), jnp.float32)}
+    if head != "tied":
+        w = jnp.asarray(rng.standard_normal((e, v)), jnp.float32)
+        params["lm_head"] = (QuantizedWeight(WEIGHT_FORMATS["int8"].quantize(w, 1),
+                                             WEIGHT_FORMATS["int8"])
+                             if head == "untied_int8" else w)  # fmt: skip
+    ids = jnp.asarray(np.sort(rng.choice(v, v // 3, replace=False)), jnp.int32)
+    g = jnp.asarray(rng.standard_normal((5, e)), jnp.float32)
+    got = np.asarray(g @ draft_lm_head(params, cfg, ids))
+    want = np.asarray(compute_logits(params, cfg, g))[:, np.asarray(ids)]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3 * np.abs(want).max(),
+                               err_msg=f"{head}; seed {fresh_seed}")  # fmt: skip
