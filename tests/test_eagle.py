@@ -180,7 +180,7 @@ def test_training_raises_the_heads_agreement_with_the_target(fresh_seed, tmp_pat
     head's argmax is the target's rises from a random head's (~0) by at least 0.05, for the
     first draft and for the second, fed the head's own features (about 0.3-0.5 seen)."""
     from jaxinfer.engine.eagle import load_head
-    from jaxinfer.train.eagle import load_eagle_config, train_eagle
+    from jaxinfer.train.eagle import generated_streams, load_eagle_config, train_eagle
 
     tc = load_eagle_config(None, ["name=eagle-test", "target=tiny", f"out_dir={tmp_path}",
                                   f"exclude_modules=[{','.join(UNSEEN)}]", "max_files=20",
@@ -194,8 +194,8 @@ def test_training_raises_the_heads_agreement_with_the_target(fresh_seed, tmp_pat
     assert after >= before + 0.05, f"seed {fresh_seed}: agreement {before} -> {after}"
     second = summary["heldout_agreement_by_step"][1]
     assert second >= 0.05, f"seed {fresh_seed}: second draft's agreement {second}"
-    train = np.load(tmp_path / "generated.npz")["train"]  # (token, is-reply) rows
     cfg = LLM("tiny", warmup=False, num_pages=4, max_model_len=48).engine.runner.cfg
+    train = generated_streams(tc, cfg.eos_token_ids[0], log=lambda *_: None)[0]  # its saved one
     ends = np.flatnonzero(np.diff(np.append(train[:, 1], 0)) == -1)  # each reply's last token
     assert len(ends) == 24 and train[0, 1] == 0, "24 prompts, each followed by its reply"
     assert set(train[ends, 0]) == {cfg.eos_token_ids[0]}, "a reply ends with EOS"
@@ -446,7 +446,7 @@ def test_generated_data_that_cannot_fit_fails_naming_the_keys(tmp_path):
     with pytest.raises(ValueError, match=r"4 of the train prompts failed \(snippet_chars=400, "
                                          r"reply_tokens=2000\).*exceeds max_model_len"):  # fmt: skip
         train_eagle(tc, log=lambda *_: None)
-    assert not (tmp_path / "generated.npz").exists()
+    assert not (tmp_path / "generated").exists()
 
 
 def test_repeat_cut_and_lookup_share_on_hand_made_replies():
@@ -502,6 +502,40 @@ def test_generated_replies_sampled_seeded_and_cut_where_they_repeat(tmp_path):
     again = streams("t2", "reply_temperature=0.8", "seed=3")[0]
     np.testing.assert_array_equal(sampled, again)
     assert not np.array_equal(sampled, greedy)
+
+
+def test_generated_replies_kept_by_chunk_and_reused(tmp_path):
+    """`data: generated` makes `reply_chunk` prompts at a time and keeps each chunk: a run with
+    more prompts reuses the finished chunks unchanged (the file is not rewritten) and makes
+    only the rest, and its stream starts with the smaller run's; a chunk made with other
+    settings is made again. (tiny, fixed prompts and seeds: deterministic.)"""
+    from jaxinfer.train.eagle import generated_streams, load_eagle_config
+
+    eos = LLM("tiny", warmup=False, num_pages=4, max_model_len=48).engine.runner.cfg.eos_token_ids[
+        0
+    ]
+
+    def streams(prompts, *extra):
+        tc = load_eagle_config(None, ["name=e", "target=tiny", f"out_dir={tmp_path}",
+                                      "max_files=8", "data=generated", f"prompts={prompts}",
+                                      "heldout_prompts=2", "reply_tokens=24", "reply_chunk=3",
+                                      "reply_batch=4", *extra])  # fmt: skip
+        return generated_streams(tc, eos, log=lambda *_: None)
+
+    first, heldout, stats = streams(3)
+    made = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "generated").iterdir()}
+    assert sorted(made) == ["heldout-0-2.npz", "train-0-3.npz"]
+    more, heldout_again, more_stats = streams(5)
+    kept = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "generated").iterdir()}
+    assert sorted(kept) == ["heldout-0-2.npz", "train-0-3.npz", "train-3-5.npz"]
+    assert all(kept[name] == t for name, t in made.items()), "a finished chunk was made again"
+    np.testing.assert_array_equal(more[: len(first)], first)
+    np.testing.assert_array_equal(heldout_again, heldout)
+    assert len(more) > len(first) and more_stats["train"]["replies"] == 5
+    assert more_stats["train"]["reply_tokens"] > stats["train"]["reply_tokens"]
+    hot = streams(3, "reply_temperature=0.9")[0]  # other settings: not the kept chunk
+    assert (tmp_path / "generated" / "train-0-3.npz").stat().st_mtime_ns != made["train-0-3.npz"]
+    assert not np.array_equal(hot, first)
 
 
 def test_tapped_features_are_each_layers_normalised_residual_stream(fresh_seed):

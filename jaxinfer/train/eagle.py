@@ -93,7 +93,7 @@ class EagleTrainConfig:
     # The text: "text", the split's files as they are; "generated", the target's own replies to
     # `prompts` prompts (`workload.code_prompts`, every kind in turn, on pieces of
     # `snippet_chars` characters of the split's files; `heldout_prompts` for the held-out
-    # windows), `reply_tokens` each, kept in <out_dir>/generated.npz for the next run.
+    # windows), `reply_tokens` each, kept in <out_dir>/generated/ for the next run.
     data: Annotated[str, one_of("text", "generated")] = "text"
     prompts: Count = 512
     heldout_prompts: Count = 16
@@ -102,6 +102,8 @@ class EagleTrainConfig:
     # sequences the target generates at once (a GPU's decode pays up to a few hundred); each
     # has 32 pages of 16 tokens (SmolLM2 in bf16: 12 MB of K/V)
     reply_batch: Count = 64
+    # replies made and saved at a time (a run cut short keeps its finished chunks)
+    reply_chunk: Count = 4096
     # The replies are sampled at this temperature (0: greedy; a small model's greedy replies
     # loop, and the head then learns the loops, experiments/results/cpu/eagle_smollm2_train.json)
     reply_temperature: Annotated[float, Field(ge=0)] = 0.0
@@ -337,38 +339,40 @@ def lookup_share(reply: np.ndarray, n: int = 3) -> tuple[int, int]:
 def generated_streams(tc: EagleTrainConfig, eos: int, log=print):
     """(train, held-out, stats): streams of the target's own replies (prompt, reply, EOS each;
     see `EagleTrainConfig.data`), each int32 [N, 2]: the token and whether it is a reply's
-    (its reply tokens and EOS: 1, its prompt: 0), from <out_dir>/generated.npz when a run
-    with the same prompts and settings made it; stats per split: replies, reply tokens, the
+    (its reply tokens and EOS: 1, its prompt: 0); stats per split: replies, reply tokens, the
     replies cut (`cut_repeats`) and the share of reply tokens a lookup predicts
-    (`lookup_share`)."""
+    (`lookup_share`). Made `reply_chunk` prompts at a time, each chunk kept in
+    <out_dir>/generated/<split>-<start>-<stop>.npz and reused by a run with the same settings:
+    a run cut short keeps its finished chunks, and one with more `prompts` makes only the rest
+    (prompt i and its seed do not depend on `prompts`)."""
     from jaxinfer.engine.llm import LLM
     from jaxinfer.engine.request import SamplingParams
     from jaxinfer.workload.code_prompts import KINDS, prompt_text, snippets
 
-    key = dict(target=tc.target, dtype=tc.target_dtype, prompts=tc.prompts,
-               heldout_prompts=tc.heldout_prompts, snippet_chars=tc.snippet_chars,
-               reply_tokens=tc.reply_tokens, exclude=sorted(tc.exclude_modules),
-               temperature=tc.reply_temperature, cut_repeats=tc.cut_repeats, seed=tc.seed,
-               layout="token,is_reply")  # fmt: skip
-    path = Path(tc.out_dir) / "generated.npz"
-    if path.is_file():
-        saved = np.load(path)
-        if json.loads(str(saved["key"])) == key:
-            log(f"{tc.name}: the target's replies from {path}")
-            return saved["train"], saved["heldout"], json.loads(str(saved["stats"]))
-    llm = LLM(tc.target, dtype=tc.target_dtype, max_num_seqs=tc.reply_batch,
-              max_num_batched_tokens=16 * tc.reply_batch, max_model_len=1024,
-              num_pages=32 * tc.reply_batch, page_size=16, warmup=False)  # fmt: skip
-    kinds = KINDS if llm.chat_template is not None else tuple(k for k in KINDS if k != "chat")
-    streams, stats = [], {}
-    for split, n in (("train", tc.prompts), ("heldout", tc.heldout_prompts)):
-        pieces = snippets(split_texts(tc, split), n, tc.snippet_chars)
-        prompts = [prompt_text(kinds[i % len(kinds)], s, i // len(kinds), llm.render_chat)
-                   for i, s in enumerate(pieces)]  # fmt: skip
+    key = json.dumps(dict(target=tc.target, dtype=tc.target_dtype, max_files=tc.max_files,
+                          snippet_chars=tc.snippet_chars, reply_tokens=tc.reply_tokens,
+                          exclude=sorted(tc.exclude_modules), temperature=tc.reply_temperature,
+                          cut_repeats=tc.cut_repeats, seed=tc.seed,
+                          layout="token,is_reply"))  # fmt: skip
+    llm = None
+
+    def chunk(split: str, pieces: list[str], start: int, stop: int) -> dict:
+        nonlocal llm
+        path = Path(tc.out_dir) / "generated" / f"{split}-{start}-{stop}.npz"
+        if path.is_file():
+            saved = np.load(path)
+            if str(saved["key"]) == key:
+                return {k: saved[k] for k in ("stream", "cut", "hits", "total")}
+        if llm is None:
+            llm = LLM(tc.target, dtype=tc.target_dtype, max_num_seqs=tc.reply_batch,
+                      max_num_batched_tokens=16 * tc.reply_batch, max_model_len=1024,
+                      num_pages=32 * tc.reply_batch, page_size=16, warmup=False)  # fmt: skip
+        kinds = KINDS if llm.chat_template is not None else tuple(k for k in KINDS if k != "chat")
+        prompts = [prompt_text(kinds[i % len(kinds)], pieces[i], i // len(kinds),
+                               llm.render_chat) for i in range(start, stop)]  # fmt: skip
         sampling = [SamplingParams(max_tokens=tc.reply_tokens, temperature=tc.reply_temperature,
                                    seed=zlib.crc32(f"{tc.seed} {split} {i}".encode()))
-                    for i in range(len(prompts))]  # fmt: skip
-        t0 = time.perf_counter()
+                    for i in range(start, stop)]  # fmt: skip
         outs = llm.generate(prompts, sampling)
         failed = [o.error for o in outs if o.error is not None]
         if failed:  # (e.g. a prompt + reply past the engine's max_model_len)
@@ -387,15 +391,30 @@ def generated_streams(tc: EagleTrainConfig, eos: int, log=print):
             reply = reply if was_cut else np.append(reply, np.int32(eos))
             parts += [np.stack([prompt, np.zeros_like(prompt)], 1),
                       np.stack([reply, np.ones_like(reply)], 1)]  # fmt: skip
-        streams.append(np.concatenate(parts))
+        done = dict(stream=np.concatenate(parts), cut=cut, hits=hits, total=total)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_name(path.stem + ".part.npz")  # renamed when whole: never half a chunk
+        np.savez(part, key=key, **done)
+        part.replace(path)
+        return done
+
+    streams, stats = [], {}
+    for split, n in (("train", tc.prompts), ("heldout", tc.heldout_prompts)):
+        t0 = time.perf_counter()
+        pieces = snippets(split_texts(tc, split), n, tc.snippet_chars)
+        chunks = []
+        for start in range(0, n, tc.reply_chunk):
+            stop = min(start + tc.reply_chunk, n)
+            chunks.append(chunk(split, pieces, start, stop))
+            if stop < n:
+                log(f"{tc.name}: {split}: {stop} of {n} replies ({time.perf_counter() - t0:.0f} s)")
+        cut, hits, total = (int(sum(c[k] for c in chunks)) for k in ("cut", "hits", "total"))
+        streams.append(np.concatenate([c["stream"] for c in chunks]))
         stats[split] = dict(replies=n, reply_tokens=total, cut=cut,
                             lookup_share=round(hits / max(total, 1), 4))  # fmt: skip
         log(f"{tc.name}: {split}: {n} replies of the target, {total:,} tokens kept ({cut} cut), "
             f"{stats[split]['lookup_share']:.1%} predictable by a 3-gram lookup, in "
             f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
-    path.parent.mkdir(parents=True, exist_ok=True)
-    np.savez(path, train=streams[0], heldout=streams[1], key=json.dumps(key),
-             stats=json.dumps(stats))  # fmt: skip
     return streams[0], streams[1], stats
 
 
