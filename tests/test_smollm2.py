@@ -278,8 +278,8 @@ def test_the_smollm2_preset_is_the_files_shape():
 
 
 def test_the_shipped_eagle_head_drafts_tokens_smollm2_keeps(llm):
-    """The shipped head (`eagle-smollm2`: fused features of the layers its train config names)
-    on the real model, fp32, on chat prompts of its domain (code from modules it was not trained
+    """The shipped head (`eagle-smollm2`: fused features of the layers its train config names,
+    drafting from its vocabulary of the recipe's size) on the real model, fp32, on chat prompts of its domain (code from modules it was not trained
     on): greedy replies equal plain decoding's token for token, and more than a quarter of its
     drafts are kept (observed 0.37; H200, bf16, the chat benchmark: 0.44; a random head: 0)."""
     import inspect
@@ -291,8 +291,9 @@ def test_the_shipped_eagle_head_drafts_tokens_smollm2_keeps(llm):
     from jaxinfer.workload.code_prompts import prompt_text, snippets
 
     recipe = OmegaConf.load(Path(__file__).parents[1] / "configs/train/eagle-smollm2.yaml")
-    _, info = load_head("eagle-smollm2", model_config("smollm2"))
+    head, info = load_head("eagle-smollm2", model_config("smollm2"))
     assert info["feature_layers"] == list(recipe.feature_layers), info["feature_layers"]
+    assert len(head["draft_vocab"]) == recipe.draft_vocab, "drafts from the recipe's vocabulary"
     spec = dict(method="eagle", eagle_head="eagle-smollm2", num_draft_tokens=4,
                 draft_sampling="greedy")  # fmt: skip
     eagle = LLM("smollm2", dtype="float32", warmup=False, max_model_len=128, speculative=spec)
