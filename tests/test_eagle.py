@@ -506,7 +506,7 @@ def test_generated_replies_sampled_seeded_and_cut_where_they_repeat(tmp_path):
 
 def test_generated_replies_kept_by_chunk_and_reused(tmp_path):
     """`data: generated` makes `reply_chunk` prompts at a time and keeps each chunk: a run with
-    more prompts reuses the finished chunks unchanged (the file is not rewritten) and makes
+    more prompts reuses the finished chunks unchanged (the file is not made again) and makes
     only the rest, and its stream starts with the smaller run's; a chunk made with other
     settings is made again. (tiny, fixed prompts and seeds: deterministic.)"""
     from jaxinfer.train.eagle import generated_streams, load_eagle_config
@@ -523,10 +523,11 @@ def test_generated_replies_kept_by_chunk_and_reused(tmp_path):
         return generated_streams(tc, eos, log=lambda *_: None)
 
     first, heldout, stats = streams(3)
-    made = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "generated").iterdir()}
+    # a chunk is written whole and renamed into place: a new file (inode) each time it is made
+    made = {p.name: p.stat().st_ino for p in (tmp_path / "generated").iterdir()}
     assert sorted(made) == ["heldout-0-2.npz", "train-0-3.npz"]
     more, heldout_again, more_stats = streams(5)
-    kept = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "generated").iterdir()}
+    kept = {p.name: p.stat().st_ino for p in (tmp_path / "generated").iterdir()}
     assert sorted(kept) == ["heldout-0-2.npz", "train-0-3.npz", "train-3-5.npz"]
     assert all(kept[name] == t for name, t in made.items()), "a finished chunk was made again"
     np.testing.assert_array_equal(more[: len(first)], first)
@@ -534,7 +535,7 @@ def test_generated_replies_kept_by_chunk_and_reused(tmp_path):
     assert len(more) > len(first) and more_stats["train"]["replies"] == 5
     assert more_stats["train"]["reply_tokens"] > stats["train"]["reply_tokens"]
     hot = streams(3, "reply_temperature=0.9")[0]  # other settings: not the kept chunk
-    assert (tmp_path / "generated" / "train-0-3.npz").stat().st_mtime_ns != made["train-0-3.npz"]
+    assert (tmp_path / "generated" / "train-0-3.npz").stat().st_ino != made["train-0-3.npz"]
     assert not np.array_equal(hot, first)
 
 
