@@ -511,9 +511,8 @@ def test_generated_replies_kept_by_chunk_and_reused(tmp_path):
     settings is made again. (tiny, fixed prompts and seeds: deterministic.)"""
     from jaxinfer.train.eagle import generated_streams, load_eagle_config
 
-    eos = LLM("tiny", warmup=False, num_pages=4, max_model_len=48).engine.runner.cfg.eos_token_ids[
-        0
-    ]
+    cfg = LLM("tiny", warmup=False, num_pages=4, max_model_len=48).engine.runner.cfg
+    eos = cfg.eos_token_ids[0]
 
     def streams(prompts, *extra):
         tc = load_eagle_config(None, ["name=e", "target=tiny", f"out_dir={tmp_path}",

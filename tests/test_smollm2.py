@@ -279,9 +279,10 @@ def test_the_smollm2_preset_is_the_files_shape():
 
 def test_the_shipped_eagle_head_drafts_tokens_smollm2_keeps(llm):
     """The shipped head (`eagle-smollm2`: fused features of the layers its train config names,
-    drafting from its vocabulary of the recipe's size) on the real model, fp32, on chat prompts of its domain (code from modules it was not trained
-    on): greedy replies equal plain decoding's token for token, and more than a quarter of its
-    drafts are kept (observed 0.37; H200, bf16, the chat benchmark: 0.44; a random head: 0)."""
+    drafting from its vocabulary of the recipe's size) on the real model, fp32, on chat prompts
+    of its domain (code from modules it was not trained on): greedy replies equal plain
+    decoding's token for token, and more than a quarter of its drafts are kept (a random
+    head's: 0)."""
     import inspect
 
     from omegaconf import OmegaConf

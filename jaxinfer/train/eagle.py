@@ -350,7 +350,7 @@ def generated_streams(tc: EagleTrainConfig, eos: int, log=print):
     from jaxinfer.workload.code_prompts import KINDS, prompt_text, snippets
 
     key = json.dumps(dict(target=tc.target, dtype=tc.target_dtype, max_files=tc.max_files,
-                          snippet_chars=tc.snippet_chars, reply_tokens=tc.reply_tokens,
+                          heldout_fraction=tc.heldout_fraction, snippet_chars=tc.snippet_chars, reply_tokens=tc.reply_tokens,
                           exclude=sorted(tc.exclude_modules), temperature=tc.reply_temperature,
                           cut_repeats=tc.cut_repeats, seed=tc.seed,
                           layout="token,is_reply"))  # fmt: skip
