@@ -70,9 +70,9 @@ def test_the_kv_cache_holds_every_point_and_one_request_of_max_model_len():
     assert run.pages_for(args, 248) == 64 + 1
 
 
-def test_attention_options_reach_every_methods_engine(monkeypatch, capsys, tmp_path):
-    """--attention-options KEY=VALUE (typed as YAML) reach the engine; one without = fails at
-    once, naming it."""
+def test_attention_and_engine_options_reach_every_methods_engine(monkeypatch, capsys, tmp_path):
+    """--attention-options and --engine KEY=VALUE (typed as YAML) reach the engine; one without
+    = fails at once, naming it."""
     run = experiment_scripts.load("speculative/run")
     built = []
 
@@ -88,13 +88,19 @@ def test_attention_options_reach_every_methods_engine(monkeypatch, capsys, tmp_p
     monkeypatch.setattr(run, "LLM", fake_llm)
     monkeypatch.setattr(run, "prompts_of", lambda wl, llm, n, chars: [[1, 2, 3]] * n)
     out = str(tmp_path / "s.json")
-    argv = ["--out", out, "--methods", "none", "--attention-options", "num_splits=2"]
+    engine = ["--engine", "compile_workers=1", "compiler_options.decode.xla_gpu_autotune_level=0"]
+    argv = ["--out", out, "--methods", "none", *engine, "--attention-options", "num_splits=2"]
     with pytest.raises(StopAtBuild):
         run.main(argv)
     assert built[0]["attention_options"] == {"num_splits": 2}, built
-    with pytest.raises(SystemExit):
-        run.main([*argv[:-1], "num_splits"])
-    assert "'num_splits' is not KEY=VALUE" in capsys.readouterr().err
+    assert built[0]["compile_workers"] == 1, built
+    assert built[0]["compiler_options"] == {"decode": {"xla_gpu_autotune_level": 0}}, built
+    for bad in ([*argv[:-1], "num_splits"], [*argv[:3], "none", "--engine", "compile_workers"]):
+        with pytest.raises(SystemExit):
+            run.main(bad)
+    err = capsys.readouterr().err
+    assert "--attention-options: 'num_splits' is not KEY=VALUE" in err
+    assert "--engine: 'compile_workers' is not KEY=VALUE" in err
 
 
 def test_profile_scans_below_one_fail_at_the_flag(capsys, tmp_path):

@@ -38,6 +38,10 @@ reference models' domain): "grounded", prompts that end asking for a copy of cod
 same code without the request (free continuation), and "chat", a user turn under the model's
 chat template asking to explain, comment or test the code (models with a chat template).
 
+`--engine KEY=VALUE` sets an engine option for every method over the script's own (e.g.
+compile_workers=1, or compiler_options.decode.xla_gpu_autotune_level=0, which replaces the
+default compiler_options whole); the process's XLA_FLAGS are recorded (`env`).
+
 `--profile DIR` adds, after each timed point, a jax.profiler trace of --profile-scans decode
 scans of the point's first B prompts (untimed; traced once the first scan ran, so prefill is
 left out) into DIR/<method>_<workload>_b<B>, and its device account per decode round to the
@@ -50,6 +54,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
 import time
 from pathlib import Path
 
@@ -116,7 +121,7 @@ def build_engine(args, method: str, num_pages: int) -> tuple[LLM, dict, float]:
                   num_pages=num_pages, page_size=PAGE_SIZE, max_model_len=args.max_model_len,
                   decode_steps=args.decode_steps, decode_buckets=sorted(set(args.batches)),
                   speculative=speculative_config(method, args.num_draft_tokens),
-                  attention_options=args.attention_options)  # fmt: skip
+                  attention_options=args.attention_options, **args.engine)  # fmt: skip
     t0 = time.perf_counter()
     llm = LLM(**engine)
     return llm, engine, time.perf_counter() - t0
@@ -300,14 +305,18 @@ def main(argv=None) -> None:
     ap.add_argument("--attention-options", nargs="*", default=[], metavar="KEY=VALUE",
                     help="engine.attention_options for every method (e.g. "
                     "fused_kv_write=false)")  # fmt: skip
+    ap.add_argument("--engine", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="engine settings for every method over the script's (e.g. "
+                    "compile_workers=1; a dict replaces the engine's default whole)")  # fmt: skip
     ap.add_argument("--profile", type=Path, default=None, metavar="DIR",
                     help="after each point, trace --profile-scans of its decode scans into DIR")  # fmt: skip
     ap.add_argument("--profile-scans", type=int, default=4)
     args = ap.parse_args(argv)
-    bad = [o for o in args.attention_options if "=" not in o]
-    if bad:
-        ap.error(f"--attention-options: {bad[0]!r} is not KEY=VALUE")
-    args.attention_options = OmegaConf.to_container(OmegaConf.from_dotlist(args.attention_options))
+    for flag in ("attention_options", "engine"):
+        bad = [o for o in getattr(args, flag) if "=" not in o]
+        if bad:
+            ap.error(f"--{flag.replace('_', '-')}: {bad[0]!r} is not KEY=VALUE")
+        setattr(args, flag, OmegaConf.to_container(OmegaConf.from_dotlist(getattr(args, flag))))
     if "none" not in args.methods:
         ap.error("--methods must include none (the baseline of every speedup)")
     if args.profile_scans < 1:
@@ -315,7 +324,7 @@ def main(argv=None) -> None:
     methods = ["none", *[m for m in args.methods if m != "none"]]
     args_json = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     result = {**provenance(), "args": args_json,
-              "rows": []}  # fmt: skip
+              "env": {"XLA_FLAGS": os.environ.get("XLA_FLAGS")}, "rows": []}  # fmt: skip
     prompter = LLM(args.model, warmup=False, num_pages=4, max_model_len=48)  # its tokenizer
     sampling = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True,
                               temperature=args.temperature, seed=0)  # fmt: skip
