@@ -88,12 +88,17 @@ def test_attention_and_engine_options_reach_every_methods_engine(monkeypatch, ca
     monkeypatch.setattr(run, "LLM", fake_llm)
     monkeypatch.setattr(run, "prompts_of", lambda wl, llm, n, chars: [[1, 2, 3]] * n)
     out = str(tmp_path / "s.json")
-    engine = ["--engine", "compile_workers=1", "compiler_options.decode.xla_gpu_autotune_level=0"]
+    engine = [
+        "--engine",
+        "compile_workers=1",
+        "compiler_options.decode.xla_gpu_autotune_level=0",
+        "decode_steps=4",
+    ]  # (the script's own --decode-steps 8 gives way)
     argv = ["--out", out, "--methods", "none", *engine, "--attention-options", "num_splits=2"]
     with pytest.raises(StopAtBuild):
         run.main(argv)
     assert built[0]["attention_options"] == {"num_splits": 2}, built
-    assert built[0]["compile_workers"] == 1, built
+    assert built[0]["compile_workers"] == 1 and built[0]["decode_steps"] == 4, built
     assert built[0]["compiler_options"] == {"decode": {"xla_gpu_autotune_level": 0}}, built
     for bad in ([*argv[:-1], "num_splits"], [*argv[:3], "none", "--engine", "compile_workers"]):
         with pytest.raises(SystemExit):

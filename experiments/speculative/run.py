@@ -121,7 +121,7 @@ def build_engine(args, method: str, num_pages: int) -> tuple[LLM, dict, float]:
                   num_pages=num_pages, page_size=PAGE_SIZE, max_model_len=args.max_model_len,
                   decode_steps=args.decode_steps, decode_buckets=sorted(set(args.batches)),
                   speculative=speculative_config(method, args.num_draft_tokens),
-                  attention_options=args.attention_options, **args.engine)  # fmt: skip
+                  attention_options=args.attention_options) | args.engine  # fmt: skip
     t0 = time.perf_counter()
     llm = LLM(**engine)
     return llm, engine, time.perf_counter() - t0
