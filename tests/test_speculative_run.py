@@ -182,4 +182,7 @@ def test_a_profiled_point_accounts_its_decode_rounds(tmp_path):
     kinds = out["kinds_ms_per_round"]
     assert kinds.get("matmul", 0) > 0 and out["top_ops"], out
     assert sum(kinds.values()) == pytest.approx(out["device_ms_per_round"], rel=0.01, abs=1e-3)
+    assert 0 <= out["idle_ms_per_round"] <= out["span_ms_per_round"], out
+    gaps_ms = sum(g["time_ms"] for g in out["top_gaps"])
+    assert gaps_ms <= out["idle_ms_per_round"] * out["rounds"] + 1e-3, out
     assert not llm.engine.has_unfinished()
