@@ -25,7 +25,7 @@ class FakeEngine:
 
     def __init__(self) -> None:
         self.seqs, self.steps, self.most, self.step_records = [], 0, 0, []
-        self.compiles_after_warmup, self.adaptive = 0, None
+        self.compiles_after_warmup, self.adaptive, self.chained_scans = 0, None, 0
 
     def add_request(self, prompt, sampling):
         self.seqs.append(FakeSeq(prompt))
@@ -160,8 +160,9 @@ def test_steps_by_kind_splits_wall_time_between_decode_scans_and_other_steps():
                StepRecord(0.0, 8, 64, 1, 9, host_ms=0.5, device_ms=7.5, decode_steps=8),
                StepRecord(0.0, 6, 48, 1, 9, host_ms=1.0, device_ms=5.0, decode_steps=8),
                StepRecord(0.0, 8, 40, 1, 9, host_ms=1.5, device_ms=1.5)]  # fmt: skip
-    assert run.steps_by_kind(records) == {"scan": {"n": 2, "s": 0.014, "mean_seqs": 7.0},
-                                          "other": {"n": 2, "s": 0.006, "mean_seqs": 7.0}}  # fmt: skip
+    assert run.steps_by_kind(records) == {
+        "scan": {"n": 2, "s": 0.014, "host_s": 0.0015, "mean_seqs": 7.0},
+        "other": {"n": 2, "s": 0.006, "host_s": 0.0035, "mean_seqs": 7.0}}  # fmt: skip
 
 
 def test_a_profiled_point_accounts_its_decode_rounds(tmp_path):

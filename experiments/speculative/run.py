@@ -134,6 +134,7 @@ def run_point(llm: LLM, engine: dict, warmup_s: float, method: str, batch: int, 
     eng.step_records.clear()
     if eng.adaptive is not None:
         eng.adaptive.log = []
+    chained = eng.chained_scans
     t0 = time.perf_counter()
     queue, seqs, live = list(prompts), [], []
     while queue or eng.has_unfinished():
@@ -160,6 +161,7 @@ def run_point(llm: LLM, engine: dict, warmup_s: float, method: str, batch: int, 
                                    "acceptance_by_position", "speculative_step_fraction")},
         "speculative": engine["speculative"],
         "steps_by_kind": steps_by_kind(eng.step_records),
+        "chained_scans": eng.chained_scans - chained,  # dispatched before the previous was read
     }  # fmt: skip
     if eng.adaptive is not None:
         row["adaptive"] = adaptive_state(eng.adaptive)
@@ -171,10 +173,11 @@ def run_point(llm: LLM, engine: dict, warmup_s: float, method: str, batch: int, 
 def steps_by_kind(records) -> dict:
     """Where the wall time went: decode scans (more than one round a call) vs the other steps
     (prefill, mixed prefill + decode, single decode steps), each with its count, seconds (host
-    plus the device wait the host saw) and mean rows."""
+    plus the device wait the host saw), the host's part of them and mean rows."""
     scans = [r for r in records if r.decode_steps > 1]
     other = [r for r in records if r.decode_steps <= 1]
     return {kind: {"n": len(rs), "s": round(sum(r.host_ms + r.device_ms for r in rs) / 1e3, 4),
+                   "host_s": round(sum(r.host_ms for r in rs) / 1e3, 4),
                    "mean_seqs": round(sum(r.num_seqs for r in rs) / max(len(rs), 1), 1)}
             for kind, rs in (("scan", scans), ("other", other))}  # fmt: skip
 
