@@ -128,7 +128,7 @@ def test_trace_summary_sums_gpu_stream_kernels_and_skips_derived_lines(tmp_path)
     ]  # fmt: skip
     assert [m["name"] for m in s["modules"]] == ["jit_decode_loop", "jit_mixed_step"]
     # idle: 10 us between fusion.1 and fusion.12 (40 -> 50), 10 us before custom-call.3 (80 -> 90)
-    assert s["idle_ms"] == pytest.approx(0.02)
+    assert s["idle_ms"] == pytest.approx(0.02) and s["overlapped_starts"] == 0.0
     assert sorted((g["name"], g["count"]) for g in s["top_gaps"]) == [
         ("fusion -> custom-call", 1), ("fusion -> fusion", 1)
     ]  # fmt: skip
@@ -164,6 +164,7 @@ def test_idle_gaps_take_the_union_of_overlapping_streams():
               ev(150, 5, "gemm.6")]  # same start and end on another stream  # fmt: skip
     g = idle_gaps(events)
     assert g["idle_ms"] == pytest.approx(0.04)  # 30 + 5 + 5 us
+    assert g["overlapped_starts"] == pytest.approx(2 / 5)  # copy.2 and gemm.6 start in a busy span
     top = {x["name"]: (x["time_ms"], x["count"]) for x in g["top_gaps"]}
     assert top == {"gemm -> scatter": (0.03, 1), "scatter -> scatter": (0.005, 1),
                    "scatter -> gemm": (0.005, 1)}  # fmt: skip

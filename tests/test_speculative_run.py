@@ -184,6 +184,7 @@ def test_a_profiled_point_accounts_its_decode_rounds(tmp_path):
     assert kinds.get("matmul", 0) > 0 and out["top_ops"], out
     assert sum(kinds.values()) == pytest.approx(out["device_ms_per_round"], rel=0.01, abs=1e-3)
     assert 0 <= out["idle_ms_per_round"] <= out["span_ms_per_round"], out
+    assert 0 <= out["overlapped_starts"] <= 1, out
     gaps_ms = sum(g["time_ms"] for g in out["top_gaps"])
     assert gaps_ms <= out["idle_ms_per_round"] * out["rounds"] + 1e-3, out
     assert not llm.engine.has_unfinished()

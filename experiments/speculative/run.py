@@ -45,8 +45,9 @@ default compiler_options whole); the process's XLA_FLAGS are recorded (`env`).
 `--profile DIR` adds, after each timed point, a jax.profiler trace of --profile-scans decode
 scans of the point's first B prompts (untimed; traced once the first scan ran, so prefill is
 left out) into DIR/<method>_<workload>_b<B>, and its device account per decode round to the
-row (`profile`: device, span and idle ms, ms by kind of work, the top ops, and the top gaps,
-the idle time by the ops either side): where a speculative round's time goes beside a plain one's.
+row (`profile`: device, span and idle ms, ms by kind of work, the top ops, the top gaps (the
+idle time by the ops either side) and the share of kernels that started before the one before
+ended): where a speculative round's time goes beside a plain one's.
 """
 
 from __future__ import annotations
@@ -217,14 +218,18 @@ def profile_point(llm: LLM, prompts, sampling, batch: int, log_dir: Path, scans:
     if "device_ms" not in summary or not rounds:
         return out | {"error": summary.get("error", "no decode scan ran")}
     per = lambda ms: round(ms / rounds, 4)  # noqa: E731
-    return out | {
-        "device_ms_per_round": per(summary["device_ms"]),
-        "span_ms_per_round": per(summary["span_ms"]),
-        "idle_ms_per_round": per(summary["idle_ms"]),
-        "kinds_ms_per_round": {k["name"]: per(k["time_ms"]) for k in summary["kinds"]},
-        "top_ops": summary["top_ops"],
-        "top_gaps": summary["top_gaps"][:5],  # where the idle time sits (op before -> op after)
-    }
+    return (
+        out
+        | {
+            "device_ms_per_round": per(summary["device_ms"]),
+            "span_ms_per_round": per(summary["span_ms"]),
+            "idle_ms_per_round": per(summary["idle_ms"]),
+            "overlapped_starts": summary["overlapped_starts"],  # a slow engine's: ~3% (docs)
+            "kinds_ms_per_round": {k["name"]: per(k["time_ms"]) for k in summary["kinds"]},
+            "top_ops": summary["top_ops"],
+            "top_gaps": summary["top_gaps"][:5],  # idle time by the ops either side
+        }
+    )
 
 
 def adaptive_state(policy) -> dict:

@@ -16,7 +16,8 @@ Times are summed per event name (the kernel), per HLO op category (`loop_add_fus
 the coarse account of where a step's time goes. A kernel replayed from a command buffer (a CUDA
 graph) carries the `command_buffer` thunk as its hlo_op, so there the kernel's own name gives its
 category. `idle_ms` and `top_gaps`:
-where no stream was busy, charged to the ops on either side. Kernels on concurrent streams
+where no stream was busy, charged to the ops on either side; `overlapped_starts`, how often an op
+started before the ones before it ended. Kernels on concurrent streams
 overlap, so `device_ms` may exceed `span_ms`.
 """
 
@@ -112,15 +113,19 @@ def idle_gaps(events: list[dict], top: int = 10) -> dict:
 
     Each gap is charged to the pair (op that ended before it -> op that started after it), by HLO
     category, so e.g. a host round trip between decode scans or a launch gap inside a command buffer
-    shows up under the ops that border it. `idle_ms` = span minus busy time.
+    shows up under the ops that border it. `idle_ms` = span minus busy time. `overlapped_starts`:
+    the share of ops (after the first) that start before every op before them has ended: kernels
+    on concurrent streams, or, on one stream, a kernel launched while its predecessor drains
+    (SmolLM2's fast and slow speculative engines: 76% against 3%, docs/speculative.md).
     """
     spans = sorted(
         ((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e) for e in events),
         key=lambda s: s[:2],  # events can tie on both times; never compare the dicts
     )
     by_pair: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    idle_us, busy_end, last = 0.0, None, None
+    idle_us, busy_end, last, overlapped = 0.0, None, None, 0
     for start, end, e in spans:
+        overlapped += busy_end is not None and start < busy_end
         if busy_end is not None and start > busy_end:
             gap = start - busy_end
             idle_us += gap
@@ -129,7 +134,9 @@ def idle_gaps(events: list[dict], top: int = 10) -> dict:
             by_pair[pair][1] += 1
         if busy_end is None or end >= busy_end:
             busy_end, last = end, e
-    return {"idle_ms": round(idle_us / 1e3, 3), "top_gaps": _top(by_pair, idle_us, top)}
+    share = round(overlapped / (len(spans) - 1), 4) if len(spans) > 1 else None
+    return {"idle_ms": round(idle_us / 1e3, 3), "overlapped_starts": share,
+            "top_gaps": _top(by_pair, idle_us, top)}  # fmt: skip
 
 
 def _category_of(e: dict) -> str:
