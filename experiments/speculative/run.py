@@ -218,18 +218,15 @@ def profile_point(llm: LLM, prompts, sampling, batch: int, log_dir: Path, scans:
     if "device_ms" not in summary or not rounds:
         return out | {"error": summary.get("error", "no decode scan ran")}
     per = lambda ms: round(ms / rounds, 4)  # noqa: E731
-    return (
-        out
-        | {
-            "device_ms_per_round": per(summary["device_ms"]),
-            "span_ms_per_round": per(summary["span_ms"]),
-            "idle_ms_per_round": per(summary["idle_ms"]),
-            "overlapped_starts": summary["overlapped_starts"],  # a slow engine's: ~3% (docs)
-            "kinds_ms_per_round": {k["name"]: per(k["time_ms"]) for k in summary["kinds"]},
-            "top_ops": summary["top_ops"],
-            "top_gaps": summary["top_gaps"][:5],  # idle time by the ops either side
-        }
-    )
+    return out | {
+        "device_ms_per_round": per(summary["device_ms"]),
+        "span_ms_per_round": per(summary["span_ms"]),
+        "idle_ms_per_round": per(summary["idle_ms"]),
+        "overlapped_starts": summary["overlapped_starts"],  # a slow engine's: ~3% (docs)
+        "kinds_ms_per_round": {k["name"]: per(k["time_ms"]) for k in summary["kinds"]},
+        "top_ops": summary["top_ops"],
+        "top_gaps": summary["top_gaps"][:5],  # idle time by the ops either side
+    }  # fmt: skip
 
 
 def adaptive_state(policy) -> dict:
