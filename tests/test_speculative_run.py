@@ -25,7 +25,8 @@ class FakeEngine:
 
     def __init__(self) -> None:
         self.seqs, self.steps, self.most, self.step_records = [], 0, 0, []
-        self.compiles_after_warmup, self.adaptive, self.chained_scans = 0, None, 0
+        self.compiles_after_warmup, self.adaptive = 0, None
+        self.chained_scans = 7  # (an earlier point's): a row counts its own only
 
     def add_request(self, prompt, sampling):
         self.seqs.append(FakeSeq(prompt))
@@ -38,6 +39,7 @@ class FakeEngine:
         live = [s for s in self.seqs if not s.is_finished]
         self.most = max(self.most, len(live))
         self.steps += 1
+        self.chained_scans += 1
         for s in live:
             s.output_token_ids.append(len(s.output_token_ids))
             s.left -= 1
@@ -57,7 +59,7 @@ def test_a_finished_requests_slot_takes_the_next_prompt_at_once():
     assert eng.steps == 5 and eng.most == 2, (eng.steps, eng.most)
     assert tokens == [list(range(n)) for n in lengths]
     assert row["output_tokens"] == sum(lengths) and row["requests"] == 4
-    assert row["preemptions"] == 0
+    assert row["preemptions"] == 0 and row["chained_scans"] == 5, row
 
 
 def test_the_kv_cache_holds_every_point_and_one_request_of_max_model_len():
