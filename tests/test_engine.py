@@ -323,20 +323,17 @@ def test_compiler_options_reach_each_kinds_compile(model, prompts):
     the tokens unchanged."""
     engine = Engine(EngineConfig(model="preset:tiny", **SMALL), *model)
     runner = engine.runner
-    # the defaults: tiny is small, so its decode scans keep XLA's CUDA graphs ("auto"), as one
-    # chain of kernels
-    chain = {"xla_gpu_command_buffer_scheduling_mode": "SERIALIZE"}
-    assert runner.decode_cuda_graphs and runner._compiler_options("decode") == chain
+    # the defaults: tiny is small, so its decode scans keep XLA's CUDA graphs ("auto")
+    assert runner.decode_cuda_graphs and runner._compiler_options("decode") == {}
     for rows in (64, 128, 255):
         assert runner._compiler_options("decode", rows) == {
-            **chain, "xla_gpu_experimental_force_split_k": 1}  # fmt: skip
-    assert runner._compiler_options("decode", 256) == chain
+            "xla_gpu_experimental_force_split_k": 1}  # fmt: skip
+    assert runner._compiler_options("decode", 256) == {}
     cmdbuf = {"xla_gpu_enable_command_buffer": ""}
     runner.config.decode_cuda_graphs = False  # graphs off: command buffers off, decode only
-    assert runner._compiler_options("decode", 32) == {**cmdbuf, **chain}
+    assert runner._compiler_options("decode", 32) == cmdbuf
     assert runner._compiler_options("decode", 64) == {
         **cmdbuf,
-        **chain,
         "xla_gpu_experimental_force_split_k": 1,
     }
     assert runner._compiler_options("mixed", 64) == {}

@@ -249,13 +249,10 @@ class EngineConfig:
     # bucketed kinds, by bucket size ("decode>=64": decode scans of >= 64 rows; "mixed>=N": mixed
     # steps of >= N tokens): XLA_FLAGS per executable, values as on the XLA_FLAGS command line;
     # null drops an option (XLA's own default). Precedence: `decode_cuda_graphs`' choice, "all",
-    # then the kind's entry, then its size entries that apply, smallest bound first. The defaults
-    # are measured: decode scans' CUDA graphs as one chain of kernels (XLA's default, a DAG of
-    # buffer uses, left some processes' speculative scans 15% slower: docs/speculative.md), no
-    # split-K GEMMs in decode scans of 64-255 rows (docs/decisions.md).
+    # then the kind's entry, then its size entries that apply, smallest bound first. The default, no
+    # split-K GEMMs in decode scans of 64-255 rows, is measured (docs/decisions.md).
     compiler_options: dict[str, dict[str, Any]] = field(
         default_factory=lambda: {
-            "decode": {"xla_gpu_command_buffer_scheduling_mode": "SERIALIZE"},
             "decode>=64": {"xla_gpu_experimental_force_split_k": 1},
             "decode>=256": {"xla_gpu_experimental_force_split_k": None},
         }
