@@ -373,3 +373,26 @@ def test_a_draft_the_target_gives_probability_zero_is_never_kept(monkeypatch):
     tokens, kept = sampler.rejection_verify(p, q, jnp.zeros((1, 1), jnp.int32),
                                             jnp.ones(1, jnp.int32), sb, jnp.zeros(1, jnp.int32))  # fmt: skip
     assert int(kept[0]) == 0 and int(tokens[0, 0]) in (1, 2)
+
+
+@pytest.mark.parametrize("given, expected", [
+    (None, "--xla_gpu_command_buffer_scheduling_mode=SERIALIZE"),
+    ("--xla_force_host_platform_device_count=2",
+     "--xla_force_host_platform_device_count=2 --xla_gpu_command_buffer_scheduling_mode=SERIALIZE"),
+    ("--xla_gpu_command_buffer_scheduling_mode=CONCURRENT",
+     "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT"),
+])  # fmt: skip
+def test_import_chains_command_buffers_unless_set(given, expected):
+    """`import jaxinfer` puts the chained command-buffer mode into XLA_FLAGS before JAX's
+    backend starts (jaxinfer/__init__.py), keeping the user's flags and a mode they chose."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    if given is not None:
+        env["XLA_FLAGS"] = given
+    code = "import os, jaxinfer, jax; jax.devices(); print(os.environ['XLA_FLAGS'])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == expected, (given, out.stdout)
