@@ -8,7 +8,10 @@ token for token, greedy or sampled (temperature, top-k, top-p, min-p) - the stro
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -385,10 +388,6 @@ def test_a_draft_the_target_gives_probability_zero_is_never_kept(monkeypatch):
 def test_import_chains_command_buffers_unless_set(given, expected):
     """`import jaxinfer` puts the chained command-buffer mode into XLA_FLAGS before JAX's
     backend starts (jaxinfer/__init__.py), keeping the user's flags and a mode they chose."""
-    import os
-    import subprocess
-    import sys
-
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     if given is not None:
         env["XLA_FLAGS"] = given
