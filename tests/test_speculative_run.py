@@ -1,12 +1,18 @@
 """experiments/speculative/run.py's batching: B requests in flight (a finished one's slot takes
-the next prompt at once), and a KV cache sized so that no point preempts."""
+the next prompt at once), a KV cache sized so that no point preempts, and each method in a
+process of its own."""
 
 from __future__ import annotations
 
+import itertools
+import json
+import os
 from types import SimpleNamespace
 
 import experiment_scripts
 import pytest
+
+from jaxinfer.experiment.isolated import in_own_process
 
 
 class FakeSeq:
@@ -89,6 +95,7 @@ def test_attention_and_engine_options_reach_every_methods_engine(monkeypatch, ca
 
     monkeypatch.setattr(run, "LLM", fake_llm)
     monkeypatch.setattr(run, "prompts_of", lambda wl, llm, n, chars: [[1, 2, 3]] * n)
+    monkeypatch.setattr(run, "in_own_process", lambda fn, *args: fn(*args))  # (sees the fakes)
     out = str(tmp_path / "s.json")
     engine = [
         "--engine",
@@ -190,3 +197,57 @@ def test_a_profiled_point_accounts_its_decode_rounds(tmp_path):
     gaps_ms = sum(g["time_ms"] for g in out["top_gaps"])
     assert gaps_ms <= out["idle_ms_per_round"] * out["rounds"] + 1e-3, out
     assert not llm.engine.has_unfinished()
+
+
+def test_each_method_runs_in_a_process_of_its_own_whose_failure_is_raised_here():
+    """`in_own_process` (run.py's per-method process): the generator's items come from a fresh
+    process, another each call; its exception comes back with its traceback; a process that
+    dies is named by its exit code after the items it sent."""
+    first = list(in_own_process(itertools.starmap, os.getpid, [(), ()]))
+    second = list(in_own_process(itertools.starmap, os.getpid, [()]))
+    assert len(first) == 2 and first[0] == first[1], first  # one process for all of its items
+    assert os.getpid() not in first + second and first[0] != second[0], (first, second)
+    with pytest.raises(RuntimeError, match="invalid literal for int"):
+        list(in_own_process(itertools.starmap, int, [("7",), ("x",)]))
+    items = in_own_process(itertools.starmap, pow, [(2, 3), (0, 0), (5, 0)])
+    assert next(items) == 8  # (closing it early ends the process)
+    items.close()
+    died = []
+    with pytest.raises(RuntimeError, match="exited with code 3"):
+        for item in in_own_process(itertools.starmap, os._exit, [(3,)]):
+            died.append(item)
+    assert died == []
+
+
+def test_main_puts_each_methods_rows_beside_nones_with_the_first_process_provenance(
+    monkeypatch, tmp_path
+):
+    """main: one process per method, "none" first, each given the run's command line; every
+    row's speedup and sameness are against none's row of its point; provenance from none's."""
+    run = experiment_scripts.load("speculative/run")
+    calls = []
+
+    def fake_in_own_process(fn, args, method, command):
+        assert fn is run.method_points
+        calls.append((method, command))
+        yield {"device": f"device of {method}", "commit": "c"}
+        for batch in args.batches:
+            tokens = [[1, 2, 3]] if method == "none" else [[1, 2, 4]]
+            row = {"method": method, "workload": "grounded", "batch": batch,
+                   "output_tok_s": 100.0 * batch * (1 if method == "none" else 3),
+                   "tokens_per_verification": None}  # fmt: skip
+            yield row, tokens
+
+    monkeypatch.setattr(run, "in_own_process", fake_in_own_process)
+    out = tmp_path / "s.json"
+    run.main(["--out", str(out), "--methods", "ngram", "none", "--batches", "1", "4",
+              "--workloads", "grounded"])  # fmt: skip
+    command = run.typed_command()
+    assert calls == [("none", command), ("ngram", command)], calls
+    result = json.loads(out.read_text())
+    assert result["device"] == "device of none" and list(result)[:2] == ["device", "commit"]
+    rows = [
+        (r["method"], r["batch"], r["speedup"], r["same_output_as_none"]) for r in result["rows"]
+    ]
+    assert rows == [("none", 1, 1.0, True), ("none", 4, 1.0, True), ("ngram", 1, 3.0, False),
+                    ("ngram", 4, 3.0, False)], rows  # fmt: skip

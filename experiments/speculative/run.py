@@ -6,8 +6,10 @@ proposer against the same engine without speculation, in one run.
     python3 experiments/speculative/run.py --model smollm2 --dtype bfloat16 \
         --methods none ngram self:10 --batches 1 8 64 --out $OUT/speculative.json  # H200
 
-Each method builds one engine (engine.max_num_seqs = the largest batch; its warm-up, once,
-excluded; --num-pages 0, the default, sizes the KV cache so that no point preempts), and for
+Each method runs in a process of its own (an engine built after others in one process can run
+slower: jaxinfer/experiment/isolated.py) and builds one engine there (engine.max_num_seqs = the
+largest batch; its warm-up, once, excluded; --num-pages 0, the default, sizes the KV cache so that
+no point preempts), and for
 each workload and batch B generates B x --waves requests with B in flight at a time: a finished
 request's slot takes the next prompt at once, as a server at concurrency B does (a batch that
 waited for its slowest member would charge speculation, whose sequences advance at different
@@ -63,9 +65,10 @@ from omegaconf import OmegaConf
 
 from jaxinfer.engine.llm import LLM
 from jaxinfer.engine.request import SamplingParams
+from jaxinfer.experiment.isolated import in_own_process
 from jaxinfer.metrics.device_trace import summarize_trace
 from jaxinfer.metrics.summary import summarize
-from jaxinfer.provenance import provenance
+from jaxinfer.provenance import provenance, typed_command
 from jaxinfer.workload.code_prompts import KINDS, prompt_text, snippets
 
 SOURCES = ("textwrap", "shlex", "fnmatch", "heapq", "bisect", "colorsys", "string", "queue")
@@ -330,29 +333,20 @@ def main(argv=None) -> None:
         ap.error(f"--profile-scans must be >= 1, got {args.profile_scans}")
     methods = ["none", *[m for m in args.methods if m != "none"]]
     args_json = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    result = {**provenance(), "args": args_json,
-              "env": {"XLA_FLAGS": os.environ.get("XLA_FLAGS")}, "rows": []}  # fmt: skip
-    prompter = LLM(args.model, warmup=False, num_pages=4, max_model_len=48)  # its tokenizer
-    sampling = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True,
-                              temperature=args.temperature, seed=0)  # fmt: skip
-    waves = {b: max(args.waves, -(-args.min_requests // b)) for b in args.batches}
-    points = [(wl, batch, prompts_of(wl, prompter, batch * waves[batch], args.snippet_chars))
-              for wl in args.workloads for batch in args.batches]  # fmt: skip
-    num_pages = args.num_pages or pages_for(args, max(len(p) for *_, ps in points for p in ps))
+    result = {"args": args_json, "env": {"XLA_FLAGS": os.environ.get("XLA_FLAGS")}, "rows": []}
     base = {}  # (workload, batch) -> (tokens, output tok/s) of "none"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for method in methods:  # "none" first: every other row's baseline exists when it runs
-        llm, engine, warmup_s = build_engine(args, method, num_pages)
-        for wl, batch, prompts in points:
-            row, tokens = run_point(llm, engine, warmup_s, method, batch, prompts, sampling)
-            if args.profile is not None:
-                name = f"{method.replace(':', '_').replace('/', '_')}_{wl}_b{batch}"
-                row["profile"] = profile_point(llm, prompts, sampling, batch, args.profile / name,
-                                               args.profile_scans)  # fmt: skip
+        # each method in a process of its own (jaxinfer/experiment/isolated.py says why); this
+        # one starts no JAX backend, so it holds no GPU memory beside them
+        points = in_own_process(method_points, args, method, typed_command())
+        result = {**next(points), **result}  # provenance: the first method's process's
+        for row, tokens in points:
+            wl, batch = row["workload"], row["batch"]
             if method == "none":
                 base[wl, batch] = tokens, row["output_tok_s"]
             base_tokens, base_tok_s = base[wl, batch]
-            row.update(workload=wl, speedup=round(row["output_tok_s"] / base_tok_s, 3),
+            row.update(speedup=round(row["output_tok_s"] / base_tok_s, 3),
                        same_output_as_none=tokens == base_tokens,
                        **divergence(tokens, base_tokens))  # fmt: skip
             result["rows"].append(row)
@@ -360,9 +354,32 @@ def main(argv=None) -> None:
             print(f"{wl:8s} batch {batch:3d} {method:18s} {row['output_tok_s']:9.1f} tok/s "
                   f"x{row['speedup']:.2f}  tau {row['tokens_per_verification']}  "
                   f"same {row['same_output_as_none']}", flush=True)  # fmt: skip
-        del llm
     if args.plot is not None:
         plot(result["rows"], args.plot)
+
+
+def method_points(args, method: str, command: list[str]):
+    """One method's part of the run (`main` runs it in a process of its own): this process's
+    provenance (with `command`, the run's), then each (workload, batch) point's (row, tokens) as
+    it finishes, on one engine (`build_engine`)."""
+    yield provenance(command)
+    prompter = LLM(args.model, warmup=False, num_pages=4, max_model_len=48)  # its tokenizer
+    sampling = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True,
+                              temperature=args.temperature, seed=0)  # fmt: skip
+    waves = {b: max(args.waves, -(-args.min_requests // b)) for b in args.batches}
+    points = [(wl, batch, prompts_of(wl, prompter, batch * waves[batch], args.snippet_chars))
+              for wl in args.workloads for batch in args.batches]  # fmt: skip
+    del prompter
+    num_pages = args.num_pages or pages_for(args, max(len(p) for *_, ps in points for p in ps))
+    llm, engine, warmup_s = build_engine(args, method, num_pages)
+    for wl, batch, prompts in points:
+        row, tokens = run_point(llm, engine, warmup_s, method, batch, prompts, sampling)
+        row["workload"] = wl
+        if args.profile is not None:
+            name = f"{method.replace(':', '_').replace('/', '_')}_{wl}_b{batch}"
+            row["profile"] = profile_point(llm, prompts, sampling, batch, args.profile / name,
+                                           args.profile_scans)  # fmt: skip
+        yield row, tokens
 
 
 if __name__ == "__main__":
