@@ -9,15 +9,14 @@ proposer against the same engine without speculation, in one run.
 Each method runs in a process of its own (an engine built after others in one process can run
 slower: jaxinfer/experiment/isolated.py) and builds one engine there (engine.max_num_seqs = the
 largest batch; its warm-up, once, excluded; --num-pages 0, the default, sizes the KV cache so that
-no point preempts), and for
-each workload and batch B generates B x --waves requests with B in flight at a time: a finished
-request's slot takes the next prompt at once, as a server at concurrency B does (a batch that
-waited for its slowest member would charge speculation, whose sequences advance at different
-rates, for the wait), greedily (--temperature 0) or sampled, EOS ignored, all to the same length;
-recorded: output tok/s, the speedup over "none" at the same batch and
-workload, the draft acceptance rate, tokens per verification (tau) and acceptance by draft
-position (`metrics.summary`), and whether the outputs equal "none"'s token for token (they must:
-verification is exact). Methods: none, ngram[:GAMMA], draft:MODEL[:GAMMA], self:LAYERS[:GAMMA],
+no point preempts), and for each workload and batch B generates B x --waves requests with B in
+flight at a time: a finished request's slot takes the next prompt at once, as a server at
+concurrency B does (a batch that waited for its slowest member would charge speculation, whose
+sequences advance at different rates, for the wait), greedily (--temperature 0) or sampled, EOS
+ignored, all to the same length; recorded: output tok/s, the speedup over "none" at the same
+batch and workload, the draft acceptance rate, tokens per verification (tau) and acceptance by
+draft position (`metrics.summary`), and whether the outputs equal "none"'s token for token
+(they must: verification is exact). Methods: none, ngram[:GAMMA], draft:MODEL[:GAMMA], self:LAYERS[:GAMMA],
 eagle:HEAD[:GAMMA] (HEAD: a head file from `jaxinfer train configs/train/eagle-*.yaml`, or
 "random"; `engine.speculative`; GAMMA defaults to --num-draft-tokens); a "+adaptive" suffix
 (ngram+adaptive) turns on `engine.speculative.adaptive`, and the row records the fraction of
