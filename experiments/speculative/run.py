@@ -16,12 +16,13 @@ sequences advance at different rates, for the wait), greedily (--temperature 0) 
 ignored, all to the same length; recorded: output tok/s, the speedup over "none" at the same
 batch and workload, the draft acceptance rate, tokens per verification (tau) and acceptance by
 draft position (`metrics.summary`), and whether the outputs equal "none"'s token for token
-(they must: verification is exact). Methods: none, ngram[:GAMMA], draft:MODEL[:GAMMA], self:LAYERS[:GAMMA],
-eagle:HEAD[:GAMMA] (HEAD: a head file from `jaxinfer train configs/train/eagle-*.yaml`, or
-"random"; `engine.speculative`; GAMMA defaults to --num-draft-tokens); a "+adaptive" suffix
-(ngram+adaptive) turns on `engine.speculative.adaptive`, and the row records the fraction of
-decode steps that speculated (`speculative_step_fraction`), the policy's rates per bucket after
-the point (`adaptive`) and each of the point's scans as it measured them (`adaptive_trace`).
+(they must: verification is exact). Methods: none, ngram[:GAMMA], draft:MODEL[:GAMMA],
+self:LAYERS[:GAMMA], eagle:HEAD[:GAMMA] (HEAD: a head file from `jaxinfer train
+configs/train/eagle-*.yaml`, or "random"; `engine.speculative`; GAMMA defaults to
+--num-draft-tokens); a "+adaptive" suffix (ngram+adaptive) turns on
+`engine.speculative.adaptive`, and the row records the fraction of decode steps that speculated
+(`speculative_step_fraction`), the policy's rates per bucket after the point (`adaptive`) and
+each of the point's scans as it measured them (`adaptive_trace`).
 
     python experiments/speculative/run.py --methods none ngram ngram+adaptive \
         eagle:eagle-tiny eagle:eagle-tiny+adaptive \
