@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import multiprocessing
 import os
+import time
 from types import SimpleNamespace
 
 import experiment_scripts
@@ -117,6 +119,16 @@ def test_attention_and_engine_options_reach_every_methods_engine(monkeypatch, ca
     assert "--engine: 'compile_workers' is not KEY=VALUE" in err
 
 
+def test_a_bad_method_fails_at_the_flag_before_any_method_runs(monkeypatch, capsys, tmp_path):
+    run = experiment_scripts.load("speculative/run")
+    monkeypatch.setattr(run, "in_own_process", lambda *a: pytest.fail("a method ran"))
+    for bad, says in (("eagle:h:x", "invalid literal"), ("beam", "is not none, ngram")):
+        with pytest.raises(SystemExit):
+            run.main(["--out", str(tmp_path / "s.json"), "--methods", "none", bad])
+        assert f"--methods: {bad!r}: " in (err := capsys.readouterr().err) and says in err, err
+    assert not (tmp_path / "s.json").exists()
+
+
 def test_profile_scans_below_one_fail_at_the_flag(capsys, tmp_path):
     run = experiment_scripts.load("speculative/run")
     with pytest.raises(SystemExit):
@@ -209,9 +221,10 @@ def test_each_method_runs_in_a_process_of_its_own_whose_failure_is_raised_here()
     assert os.getpid() not in first + second and first[0] != second[0], (first, second)
     with pytest.raises(RuntimeError, match="invalid literal for int"):
         list(in_own_process(itertools.starmap, int, [("7",), ("x",)]))
-    items = in_own_process(itertools.starmap, pow, [(2, 3), (0, 0), (5, 0)])
-    assert next(items) == 8  # (closing it early ends the process)
-    items.close()
+    items = in_own_process(itertools.starmap, time.sleep, [(0,), (3600,)])
+    assert next(items) is None
+    items.close()  # ends the process (else this waits for its hour)
+    assert multiprocessing.active_children() == []
     died = []
     with pytest.raises(RuntimeError, match="exited with code 3"):
         for item in in_own_process(itertools.starmap, os._exit, [(3,)]):

@@ -331,6 +331,11 @@ def main(argv=None) -> None:
         ap.error("--methods must include none (the baseline of every speedup)")
     if args.profile_scans < 1:
         ap.error(f"--profile-scans must be >= 1, got {args.profile_scans}")
+    for method in args.methods:  # before any method's process runs for minutes
+        try:
+            speculative_config(method, args.num_draft_tokens)
+        except ValueError as e:
+            ap.error(f"--methods: {method!r}: {e}")
     methods = ["none", *[m for m in args.methods if m != "none"]]
     args_json = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     result = {"args": args_json, "env": {"XLA_FLAGS": os.environ.get("XLA_FLAGS")}, "rows": []}
