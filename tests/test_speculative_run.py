@@ -12,6 +12,7 @@ import time
 from types import SimpleNamespace
 
 import experiment_scripts
+import numpy as np
 import pytest
 
 from jaxinfer.experiment.isolated import in_own_process
@@ -264,3 +265,63 @@ def test_main_puts_each_methods_rows_beside_nones_with_the_first_process_provena
     ]
     assert rows == [("none", 1, 1.0, True), ("none", 4, 1.0, True), ("ngram", 1, 3.0, False),
                     ("ngram", 4, 3.0, False)], rows  # fmt: skip
+
+
+def _record(decode_steps: int, hist: list[int] | None = None) -> SimpleNamespace:
+    kept = sum(j * n for j, n in enumerate(hist or []))
+    return SimpleNamespace(decode_steps=decode_steps, accepted_hist=hist,
+                           accepted_draft_tokens=kept)  # fmt: skip
+
+
+def test_end_of_turn_splits_tau_where_each_reply_ends(fresh_seed):
+    """Each verifying step is placed at the output tokens before it (a plain step adds its
+    decode_steps, a verifying one its verifications plus kept drafts), and tau splits at the
+    reply's first end-of-sequence token."""
+    eot = experiment_scripts.load("speculative/end_of_turn")
+    rng = np.random.default_rng(fresh_seed)
+    records, want, made = [_record(1)], [], 1  # the prefill's token
+    for _ in range(int(rng.integers(3, 12))):
+        if rng.integers(3):  # a verifying scan: 8 rounds, each keeping 0..4 drafts
+            hist = np.bincount(rng.integers(0, 5, 8), minlength=5).tolist()
+            records.append(_record(8, hist))
+            want.append((made, 8, records[-1].accepted_draft_tokens))
+            made += 8 + records[-1].accepted_draft_tokens
+        else:  # a plain scan
+            records.append(_record(8))
+            made += 8
+    steps = eot.verifications(records)
+    assert steps == want, f"seed {fresh_seed}"
+    end = int(rng.integers(1, made))
+    ended = {"end_of_turn": end, "steps": steps}
+    never = {"end_of_turn": None, "steps": [(0, 2, 6)]}
+    summary = eot.split([ended, never], 64)
+    before = [s for s in want if s[0] < end]
+    after = [s for s in want if s[0] >= end]
+
+    def tau(ss):
+        v = sum(s[1] for s in ss)
+        return round((v + sum(s[2] for s in ss)) / v, 3) if v else None
+
+    where = f"seed {fresh_seed}: steps {want}, end {end}"
+    assert summary["before_end"]["tau"] == tau(before), where
+    assert summary["after_end"]["tau"] == tau(after), where
+    assert summary["never_ended"] == {"tau": 4.0, "verifications": 2}, where
+    assert summary["all"]["verifications"] == sum(s[1] for s in want) + 2, where
+    assert summary["ended"] == 1
+    assert sum(b["verifications"] for b in summary["by_position"].values()) == \
+        summary["all"]["verifications"], where  # fmt: skip
+
+
+def test_end_of_turn_run_agrees_with_the_engines_account(tmp_path):
+    """On the tiny model with n-gram drafts: tau over every request is the engine's own tokens
+    per verification, and each reply's end is its first EOS."""
+    eot = experiment_scripts.load("speculative/end_of_turn")
+    out = tmp_path / "eot.json"
+    eot.main(["--model", "tiny", "--method", "ngram", "--workload", "grounded", "--requests", "2",
+              "--max-tokens", "40", "--out", str(out)])  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["summary"]["all"]["verifications"] > 0, result["summary"]
+    assert result["summary"]["all"]["tau"] == round(result["engine_tokens_per_verification"], 3)
+    assert all(r["tokens"] == 40 for r in result["requests"]), result["requests"]
+    with pytest.raises(SystemExit):
+        eot.main(["--method", "none", "--out", str(out)])

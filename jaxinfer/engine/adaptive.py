@@ -9,7 +9,10 @@ bucket (the scan's rows), an exponentially weighted mean (EWMA) of each path's o
 per second of scan time, and runs the faster: speculation only where its rate beats plain's by
 `MARGIN`, since what it costs outside the scans (below) is not in them. The slower one gets one
 scan in every N (a probe), so a shift in acceptance (a new workload) is noticed. A bucket starts
-by probing both.
+by probing both, twice each: a path's first scan in a bucket is a warm-up, not measured (the
+first decode scan of a batch ran 2-2.5x as long as the scans after it in an H100 trace, whichever
+path it took: measured, it held speculation at half its rate and out of a batch-8 bucket for 30
+scans of 124, h100/speculative_processes.json).
 
 A probe costs what the losing path loses over its own scan: (its scan seconds / the winner's)
 x (1 - its rate / the winner's), in winner scans. N is that over `budget` (1%), at least
@@ -66,6 +69,8 @@ class AdaptiveSpeculation:
         self.seconds: dict[tuple[int, bool], float] = {}  # -> seconds a scan, EWMA
         self._scans: dict[int, int] = {}  # scans dispatched per bucket
         self._last: dict[tuple[int, bool], int] = {}  # (bucket, path) -> its latest scan's index
+        self._dispatches: dict[tuple[int, bool], int] = {}  # (bucket, path) -> scans dispatched
+        self._warm: set[tuple[int, bool]] = set()  # (bucket, path) whose warm-up scan was read
         self._recorded: dict[tuple[int, bool], int] = {}  # (bucket, path) -> _scans at its record
         # when a list: each record as (scan index, bucket, speculative, its tok/s, its seconds,
         # the speculative and plain EWMAs after it): how the policy got where it is
@@ -75,8 +80,8 @@ class AdaptiveSpeculation:
         """Whether the next scan of `bucket` rows should speculate (no side effect: asking
         twice gives the same answer)."""
         missing = [p for p in (True, False) if (bucket, p) not in self.rate]
-        if missing:  # probe each path once, speculation first (one not yet dispatched first)
-            return ([p for p in missing if (bucket, p) not in self._last] or missing)[0]
+        if missing:  # probe the unmeasured path with the fewest scans so far, speculation first
+            return min(missing, key=lambda p: self._dispatches.get((bucket, p), 0))
         best = self._speculation_wins(bucket)
         since = self._scans[bucket] - self._last[bucket, not best]  # the winner's scans since
         return best if since + 1 < self.probe_interval(bucket) else not best
@@ -110,17 +115,21 @@ class AdaptiveSpeculation:
         n = self._scans.get(bucket, 0) + 1
         self._scans[bucket] = n
         self._last[bucket, speculative] = n
+        self._dispatches[bucket, speculative] = self._dispatches.get((bucket, speculative), 0) + 1
 
     def record(self, bucket: int, speculative: bool, tokens: float, seconds: float) -> None:
         """A scan of that path made `tokens` output tokens in `seconds` of wall time (the engine
         scales them to every row of the bucket live in every round, `Engine._measure`). The EWMA
         runs over the bucket's scans: a measurement after `gap` scans of the other path weighs
         what `gap` consecutive ones would, 1 - (1 - alpha)^gap, so a probe's fresh rate all but
-        replaces a stale one (one probe notices a shift)."""
+        replaces a stale one (one probe notices a shift). The path's first scan reported in the
+        bucket is its warm-up: logged, not measured."""
         if seconds <= 0:
             return
         key, rate, now = (bucket, speculative), tokens / seconds, self._scans.get(bucket, 0)
-        if key not in self.rate:
+        if key not in self._warm:
+            self._warm.add(key)
+        elif key not in self.rate:
             self.rate[key], self.seconds[key] = rate, seconds
         else:
             weight = 1 - (1 - self.alpha) ** max(now - self._recorded[key], 1)
