@@ -504,6 +504,38 @@ def test_generated_replies_sampled_seeded_and_cut_where_they_repeat(tmp_path):
     assert not np.array_equal(sampled, greedy)
 
 
+def test_generated_replies_past_the_end_of_turn(tmp_path, monkeypatch):
+    """`reply_past_end`: the target decodes each reply to `reply_tokens` whatever it samples
+    (ignore_eos), the reply gets no EOS appended, and chunks made without it are not reused."""
+    from jaxinfer.train.eagle import generated_streams, load_eagle_config
+
+    cfg = LLM("tiny", warmup=False, num_pages=4, max_model_len=48).engine.runner.cfg
+    eos = cfg.eos_token_ids[0]
+    asked = []
+    generate = LLM.generate
+
+    def spy(self, prompts, sampling, *a, **k):
+        asked.extend(sampling)
+        return generate(self, prompts, sampling, *a, **k)
+
+    monkeypatch.setattr(LLM, "generate", spy)
+
+    def streams(*extra):
+        tc = load_eagle_config(None, ["name=e", "target=tiny", f"out_dir={tmp_path}",
+                                      "max_files=8", "data=generated", "prompts=4",
+                                      "heldout_prompts=2", "reply_tokens=24", *extra])  # fmt: skip
+        return generated_streams(tc, eos, log=lambda *_: None)
+
+    stopping = streams()[2]
+    assert asked and not any(s.ignore_eos for s in asked)
+    asked.clear()
+    train, _, stats = streams("reply_past_end=true")
+    assert len(asked) == 6 and all(s.ignore_eos for s in asked), "the chunks were reused"
+    assert stats["train"]["reply_tokens"] == 4 * 24, stats  # every reply to reply_tokens
+    assert int(train[:, 1].sum()) == 4 * 24, "a reply got an EOS appended"
+    assert stopping["train"]["reply_tokens"] <= 4 * 24
+
+
 def test_generated_replies_kept_by_chunk_and_reused(tmp_path):
     """`data: generated` makes `reply_chunk` prompts at a time and keeps each chunk: a run with
     more prompts reuses the finished chunks unchanged (the file is not made again) and makes

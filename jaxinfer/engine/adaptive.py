@@ -11,7 +11,7 @@ per second of scan time, and runs the faster: speculation only where its rate be
 scan in every N (a probe), so a shift in acceptance (a new workload) is noticed. A bucket starts
 by probing both, twice each: a path's first scan in a bucket is a warm-up, not measured (the
 first decode scan of a batch ran 2-2.5x as long as the scans after it in an H100 trace, whichever
-path it took: measured, it held speculation at half its rate and out of a batch-8 bucket for 30
+path it took: measured, it held speculation at half its rate and out of a batch-8 bucket for 29
 scans of 124, h100/speculative_processes.json).
 
 A probe costs what the losing path loses over its own scan: (its scan seconds / the winner's)
