@@ -143,7 +143,9 @@ def test_adaptive_state_reports_each_buckets_rates():
 
     run = experiment_scripts.load("speculative/run")
     policy = AdaptiveSpeculation()
-    for bucket, speculative, tokens, seconds in ((8, True, 100.0, 0.5), (8, False, 80.0, 0.25),
+    for bucket, speculative, tokens, seconds in ((8, True, 1.0, 9.0), (8, False, 1.0, 9.0),
+                                                 (64, False, 1.0, 9.0),  # the warm-ups
+                                                 (8, True, 100.0, 0.5), (8, False, 80.0, 0.25),
                                                  (64, False, 512.0, 0.125)):  # fmt: skip
         policy.dispatched(bucket, speculative)
         policy.record(bucket, speculative, tokens, seconds)
@@ -155,21 +157,23 @@ def test_adaptive_state_reports_each_buckets_rates():
 
 
 def test_adaptive_trace_shows_each_scan_and_the_rates_it_left():
-    """The trace follows the policy scan by scan: a fast speculative probe, then plain scans
-    that overtake it; each entry carries the EWMAs right after that record."""
+    """The trace follows the policy scan by scan: each path's warm-up (logged, in no EWMA),
+    a fast speculative probe, then plain scans that overtake it; each entry carries the EWMAs
+    right after that record."""
     from jaxinfer.engine.adaptive import AdaptiveSpeculation
 
     run = experiment_scripts.load("speculative/run")
     policy = AdaptiveSpeculation(alpha=0.5)
     policy.log = []
-    for speculative, tokens, seconds in ((True, 300.0, 0.5), (False, 100.0, 0.5),
-                                         (False, 900.0, 0.5)):  # fmt: skip
+    for speculative, tokens, seconds in ((True, 5.0, 1.0), (False, 5.0, 1.0), (True, 300.0, 0.5),
+                                         (False, 100.0, 0.5), (False, 900.0, 0.5)):  # fmt: skip
         policy.dispatched(8, speculative)
         policy.record(8, speculative, tokens, seconds)
     assert run.adaptive_trace(policy.log) == {
-        "scan": [1, 2, 3], "bucket": [8, 8, 8], "speculative": [1, 0, 0],
-        "tok_s": [600.0, 200.0, 1800.0], "ms": [500.0, 500.0, 500.0],
-        "spec_ewma": [600.0, 600.0, 600.0], "plain_ewma": [None, 200.0, 1000.0],
+        "scan": [1, 2, 3, 4, 5], "bucket": [8] * 5, "speculative": [1, 0, 1, 0, 0],
+        "tok_s": [5.0, 5.0, 600.0, 200.0, 1800.0], "ms": [1000.0, 1000.0, 500.0, 500.0, 500.0],
+        "spec_ewma": [None, None, 600.0, 600.0, 600.0],
+        "plain_ewma": [None, None, None, 200.0, 1000.0],
     }  # fmt: skip
     assert not policy.speculate(8)  # plain's EWMA (1000) passed speculation's (600)
 
