@@ -159,7 +159,7 @@ def test_mixed_steps_follow_only_a_measured_win():
 def test_a_slow_first_scan_does_not_keep_the_faster_path_out(fresh_seed):
     """A bucket's first scan of each path is a warm-up, measured by neither path's rate: on an
     H100 the first decode scan of a batch ran 2-2.5x as long as the rest, and speculation,
-    measured at half its rate there, lost the bucket for 30 scans (a probe interval set by that
+    measured at half its rate there, lost the bucket for 29 scans (a probe interval set by that
     scan). Here either path's first scan is that slow, and the faster one still wins by the
     bucket's fifth scan and runs all but the probes after it."""
     rng = np.random.default_rng(fresh_seed)
@@ -172,9 +172,8 @@ def test_a_slow_first_scan_does_not_keep_the_faster_path_out(fresh_seed):
             speculative = policy.speculate(8)
             policy.dispatched(8, speculative)
             t = 0.011 if speculative else 0.007
-            first = speculative not in paths
-            rate = (spec if speculative else plain) / (rng.uniform(2.0, 2.5) if first else 1)
-            policy.record(8, speculative, rate * t, t)
+            lag = rng.uniform(2.0, 2.5) if speculative not in paths else 1.0  # its first scan
+            policy.record(8, speculative, (spec if speculative else plain) * t, t * lag)
             paths.append(speculative)
         where = f"seed {fresh_seed} trial {trial}: speculation pays {spec_pays}"
         assert paths[:4] == [True, False, True, False], (where, paths[:8])
