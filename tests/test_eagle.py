@@ -526,14 +526,13 @@ def test_generated_replies_past_the_end_of_turn(tmp_path, monkeypatch):
                                       "heldout_prompts=2", "reply_tokens=24", *extra])  # fmt: skip
         return generated_streams(tc, eos, log=lambda *_: None)
 
-    stopping = streams()[2]
+    streams()
     assert asked and not any(s.ignore_eos for s in asked)
     asked.clear()
     train, _, stats = streams("reply_past_end=true")
     assert len(asked) == 6 and all(s.ignore_eos for s in asked), "the chunks were reused"
     assert stats["train"]["reply_tokens"] == 4 * 24, stats  # every reply to reply_tokens
     assert int(train[:, 1].sum()) == 4 * 24, "a reply got an EOS appended"
-    assert stopping["train"]["reply_tokens"] <= 4 * 24
 
 
 def test_generated_replies_kept_by_chunk_and_reused(tmp_path):

@@ -5,8 +5,9 @@ so a chat reply that ends its turn early goes on with what the model writes past
 (another turn, a restart), text a draft head trained on replies that stop there never saw.
 This runs one method on the benchmark's prompts one request at a time (a decode scan then holds
 one sequence, so each scan's verifications belong to it), finds where each output first emits
-an end-of-sequence token, and splits τ there: before the end, after it, and in the replies that
-never end (a small model's greedy replies often loop to the limit). Also τ by output position.
+an end-of-sequence token, and splits τ there, each scan placed at the output position it starts
+from: before the end, after it, and in the replies that never end (a small model's greedy
+replies often loop to the limit). Also τ by output position.
 
     python experiments/speculative/end_of_turn.py --model smollm2 --method eagle:eagle-smollm2 \
         --requests 32 --out experiments/results/cpu/speculative_end_of_turn.json     # CPU, ~7 min

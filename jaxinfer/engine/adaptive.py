@@ -70,7 +70,6 @@ class AdaptiveSpeculation:
         self._scans: dict[int, int] = {}  # scans dispatched per bucket
         self._last: dict[tuple[int, bool], int] = {}  # (bucket, path) -> its latest scan's index
         self._dispatches: dict[tuple[int, bool], int] = {}  # (bucket, path) -> scans dispatched
-        self._warm: set[tuple[int, bool]] = set()  # (bucket, path) whose warm-up scan was read
         self._recorded: dict[tuple[int, bool], int] = {}  # (bucket, path) -> _scans at its record
         # when a list: each record as (scan index, bucket, speculative, its tok/s, its seconds,
         # the speculative and plain EWMAs after it): how the policy got where it is
@@ -127,8 +126,8 @@ class AdaptiveSpeculation:
         if seconds <= 0:
             return
         key, rate, now = (bucket, speculative), tokens / seconds, self._scans.get(bucket, 0)
-        if key not in self._warm:
-            self._warm.add(key)
+        if key not in self._recorded:  # the path's warm-up in this bucket: not measured
+            pass
         elif key not in self.rate:
             self.rate[key], self.seconds[key] = rate, seconds
         else:
