@@ -113,8 +113,8 @@ class EagleTrainConfig:
     # The target goes on past its end of turn to `reply_tokens` (ignore_eos), and what it writes
     # there is reply text too: a benchmark that decodes fixed lengths (the speculative one's
     # 256 tokens) drafts there, where a head trained on replies that stop never read (SmolLM2,
-    # chat, batch 1: tau 1.54 after the end against 2.88 before it,
-    # experiments/results/cpu/speculative_end_of_turn.json).
+    # chat, batch 1: tau 1.54 after the end against 2.88 before it; trained past it, 2.40 and
+    # 3.04: experiments/results/cpu/speculative_end_of_turn*.json).
     reply_past_end: bool = False
     # Training-time test (Li et al. 2025, EAGLE-3): `unroll` draft steps, step s fed
     # the head's own outputs of step s - 1 as its features, as drafting does; step s's loss
