@@ -39,8 +39,10 @@ lint: $(VENV)/.test $(VENV)/.smollm2
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# --max-worker-restart=0: a worker that crashes fails the run there and then (replacing it, xdist's
+# loadfile scheduling can hang to the CI timeout: pytest-xdist issue 1378)
 test: lint
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30
+	$(PY) -m pytest -q -n 2 --dist loadfile --max-worker-restart=0 --durations=30
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

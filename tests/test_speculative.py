@@ -23,8 +23,10 @@ from jaxinfer.engine.ngram import NgramProposer, ngram_drafts
 from jaxinfer.engine.proposer import Round
 from jaxinfer.engine.request import SamplingParams, Sequence
 
+# batch_invariant: outputs equal token for token across engines that batch a row differently
+# only under batch-invariant numerics (test_eagle.py's KW says why)
 KW = dict(max_num_seqs=4, max_num_batched_tokens=64, num_pages=64, page_size=16,
-          max_model_len=256)  # fmt: skip
+          max_model_len=256, batch_invariant=True)  # fmt: skip
 
 
 def brute_force_drafts(tokens: list[int], gamma: int, max_n: int, min_n: int) -> list[int]:
