@@ -123,6 +123,32 @@ def _optimized_compiles(request):
         jax.config.update("jax_disable_most_optimizations", before)
 
 
+# ---- A worker runs a hundred test files' compiles in one process. XLA:CPU maps ~3 memory regions
+# per loaded program and jax's caches keep every program a module-level jitted function compiled:
+# a worker of the suite reached 53,572 mappings of Linux's 65,530 (vm.max_map_count), and past
+# the limit XLA's compile crashed the worker (a segfault, an abort; experiments/results/cpu/
+# suite_time.json). So after a test file, a process past half the limit drops jax's caches.
+def _mappings() -> tuple[int, int] | None:
+    """(this process' memory mappings, the kernel's limit), or None where /proc cannot tell."""
+    try:
+        limit = int(Path("/proc/sys/vm/max_map_count").read_text())
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f), limit
+    except (OSError, ValueError):
+        return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _bounded_mappings():
+    yield  # (torn down after the file's own module fixtures: its engines are garbage by now)
+    counts = _mappings()
+    if counts is not None and counts[0] > counts[1] // 2 and "jax" in sys.modules:
+        import gc
+
+        sys.modules["jax"].clear_caches()
+        gc.collect()
+
+
 # ---- `--only-tests FILE`: run exactly the tests whose node ids FILE lists, one a line (a shard of
 # the GPU suite, experiments/run_gpu_tests.py --shard). Node ids on the command line would not do:
 # pytest would also run the files the other arguments name; `--deselect` matches id prefixes.
