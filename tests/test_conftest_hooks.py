@@ -1,7 +1,8 @@
 """tests/conftest.py's hooks, run by pytest on a tiny test folder with this conftest: a CPU run
 prints how many GPU-only tests it deselected, and a failing test names its fresh seed, which
-replays it. Each in one process and under xdist (`make test` runs `-n 2`). And the `optimized`
-marker: its test compiles with XLA's optimizations, the others as the suite says."""
+replays it, and the run's processes share one compilation cache that the run deletes. Each in
+one process and under xdist (`make test` runs `-n 2`). And the `optimized` marker: its test
+compiles with XLA's optimizations, the others as the suite says."""
 
 from __future__ import annotations
 
@@ -81,6 +82,34 @@ def test_only_tests_runs_exactly_the_listed_node_ids(folder, extra):
     assert bad.ret != 0  # (under xdist the workers' refusal is an internal error: no message)
     if not extra:
         assert "--only-tests: 1 listed tests were not collected" in bad.stderr.str()
+
+
+@pytest.mark.parametrize("extra", **RUNS)
+def test_the_runs_processes_share_one_compilation_cache_that_the_run_deletes(
+    folder, extra, monkeypatch
+):
+    """Two test files (under xdist, in two workers) compile into the one folder the run made,
+    named in their environment and in jax's config; the folder is gone after the run."""
+    from conftest import CACHE_ENV
+
+    for name in CACHE_ENV:  # (this suite's own run set them)
+        monkeypatch.delenv(name, raising=False)
+    seen = folder.path / "seen.txt"
+    for i, name in enumerate("ab"):
+        folder.makepyfile(**{f"test_{name}": (
+            "import os, jax, jax.numpy as jnp\n"
+            "def test_compiles():\n"
+            "    cache = jax.config.jax_compilation_cache_dir\n"
+            f"    assert cache and cache == os.environ['{CACHE_ENV[0]}'], cache\n"
+            f"    jax.jit(lambda x: x * 3 + {i})(jnp.ones(3)).block_until_ready()\n"
+            "    assert os.listdir(cache), 'the compiled program is in the cache'\n"
+            f"    with open({str(seen)!r}, 'a') as f:\n"
+            "        f.write(cache + '\\n')\n"
+        )})  # fmt: skip
+    folder.runpytest_subprocess(*extra).assert_outcomes(passed=2)
+    caches = set(seen.read_text().split())
+    assert len(caches) == 1, caches
+    assert not Path(caches.pop()).exists(), "the run deletes its cache"
 
 
 def _suite_setting() -> bool:
