@@ -96,8 +96,9 @@ def refused(capsys):
 OPTIMIZATIONS_ENV = "JAX_DISABLE_MOST_OPTIMIZATIONS"
 # The run's workers (and the Pythons they start) share one persistent compilation cache, a folder
 # of the run's own that it deletes at its end: the suite builds the same tiny engines' programs in
-# many files, and a program another file compiled is loaded instead (the suite 12% faster on two
-# cores: experiments/results/cpu/suite_time.json). An explicit JAX_COMPILATION_CACHE_DIR wins.
+# many files, and a program another file compiled is loaded instead (pytest 8-12% faster on two
+# cores in two paired runs: experiments/results/cpu/suite_time.json). An explicit
+# JAX_COMPILATION_CACHE_DIR wins.
 CACHE_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
 _RUN_CACHE = pytest.StashKey[str]()
 
