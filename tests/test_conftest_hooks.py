@@ -88,8 +88,9 @@ def test_only_tests_runs_exactly_the_listed_node_ids(folder, extra):
 def test_the_runs_processes_share_one_compilation_cache_that_the_run_deletes(
     folder, extra, monkeypatch
 ):
-    """Two test files (under xdist, in two workers) compile into the one folder the run made,
-    named in their environment and in jax's config; the folder is gone after the run."""
+    """Two test files (under xdist, in whichever workers run them) compile into the one folder
+    the run made, named in their environment and in jax's config; the folder is gone after the
+    run."""
     from conftest import CACHE_ENV
 
     for name in CACHE_ENV:  # (this suite's own run set them)
